@@ -1,0 +1,17 @@
+"""dynsteer: dynamic activation steering and capture for an unmodified vLLM.
+
+The vLLM plugin (``dynsteer.engine``) is loaded by vLLM itself in every process; this package's top level is the
+user API and imports no vLLM internals.
+"""
+
+from dynsteer.api import Steerer, attach, steer_params
+from dynsteer.config import DynsteerConfig
+from dynsteer.payload import decode_payload, encode_payload
+from dynsteer.spec import (SITES, TIERS, Ablation, AddVector, ModelShape, ProjectionClamp, SteeringSpec,
+                           SteeringValidationError)
+from dynsteer.vectors import load_vector, save_vector
+
+__version__ = "0.1.0"
+__all__ = ["Ablation", "AddVector", "DynsteerConfig", "ModelShape", "ProjectionClamp", "SITES", "Steerer",
+           "SteeringSpec", "SteeringValidationError", "TIERS", "attach", "decode_payload", "encode_payload",
+           "load_vector", "save_vector", "steer_params"]

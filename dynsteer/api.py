@@ -1,0 +1,185 @@
+"""The user-facing control surface for a ``vllm.LLM``: global steering, named vectors, per-request steering.
+
+Example:
+    >>> from vllm import LLM, SamplingParams                       # doctest: +SKIP
+    >>> import dynsteer                                              # doctest: +SKIP
+    >>> llm = LLM("model-dir")                                       # doctest: +SKIP
+    >>> steerer = dynsteer.attach(llm)                               # doctest: +SKIP
+    >>> steerer.set_layer_vector(15, vector, scale=4.0)              # every request, every token
+    >>> with steerer.steering(other_spec):                           # temporarily, restored on exit
+    ...     outs = steerer.generate(prompts, SamplingParams(max_tokens=32))
+    >>> outs = steerer.generate(prompts, params, steering=[spec_a, None])  # per request, one batch
+    >>> steerer.detach()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from dynsteer.engine.apc import state_of
+from dynsteer.payload import PAYLOAD_KEY, encode_payload
+from dynsteer.spec import (AddVector, Ablation, ModelShape, ProjectionClamp, Site, SteeringSpec, Tier,
+                           VectorSource)
+from dynsteer.steering.compile import compile_phase
+from dynsteer.vectors import as_vector, pack_vector
+
+
+def steer_params(sampling_params: Any, spec: SteeringSpec | None, tag: str | None = None) -> Any:
+    """A copy of ``sampling_params`` carrying ``spec`` as this request's steering (``None``: unchanged copy).
+
+    Works for any client that submits ``SamplingParams`` (``LLM``, ``AsyncLLM``, ``LLMEngine.add_request``).
+    """
+    params = sampling_params.clone()
+    if spec is not None and not spec.is_empty():
+        params.extra_args = {**(params.extra_args or {}), PAYLOAD_KEY: encode_payload(spec, tag)}
+    return params
+
+
+class Steerer:
+    """Steering control attached to one ``vllm.LLM``. Create it with :func:`attach`."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        info = self._rpc("dynsteer_describe")
+        self.shape = ModelShape.model_validate(info["shape"])
+        self._front = state_of(llm)
+
+    # ---- introspection --------------------------------------------------------------------------------------------
+    def describe(self) -> list[dict[str, Any]]:
+        """Per-rank runtime state (rows in use, counters, named vectors)."""
+        return self.llm.collective_rpc("dynsteer_describe")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.shape.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape.num_layers
+
+    # ---- global spec ----------------------------------------------------------------------------------------------
+    def export_steering_spec(self) -> SteeringSpec:
+        """The current global spec (immutable; safe to keep and re-apply later)."""
+        return self._front.global_spec
+
+    def apply_steering_spec(self, spec: SteeringSpec) -> None:
+        """Replace the global spec on every rank (validated first: a bad spec changes nothing)."""
+        for phase in ("prefill", "decode"):
+            compile_phase([("global.", spec)], phase, self.shape, self._front.named)
+        self.llm.collective_rpc("dynsteer_set_global", args=(encode_payload(spec),))
+        self._front.global_spec = spec
+
+    @contextlib.contextmanager
+    def steering(self, spec: SteeringSpec) -> Iterator["Steerer"]:
+        """Apply ``spec`` globally for the duration of the block; the previous spec is restored even on error."""
+        previous = self.export_steering_spec()
+        self.apply_steering_spec(spec)
+        try:
+            yield self
+        finally:
+            self.apply_steering_spec(previous)
+
+    def set_layer_vector(self, layer: int, vector: VectorSource | None, *, site: Site = "post_block",
+                         tier: Tier = "base", scale: float = 1.0) -> None:
+        """Set (replace) the additive vector at ``(layer, site, tier)``; ``None`` clears it."""
+        spec = self._replaced(layer, site, tier, "add")
+        if vector is not None:
+            spec = spec.merged(SteeringSpec(vectors=(AddVector(layer=layer, site=site, tier=tier,
+                                                               vector=self._vec(vector), scale=scale),)))
+        self.apply_steering_spec(spec)
+
+    def set_layer_projection_cap(self, layer: int, vector: VectorSource, *, min: float | None = None,
+                                 max: float | None = None, site: Site = "post_block", tier: Tier = "base",
+                                 strength: float = 1.0) -> None:
+        """Clamp the projection on ``vector``'s direction into ``[min, max]`` at ``(layer, site, tier)``."""
+        clamp = ProjectionClamp(layer=layer, site=site, tier=tier, direction=self._vec(vector), lo=min, hi=max,
+                                strength=strength)
+        self.apply_steering_spec(self._replaced(layer, site, tier, "clamp").merged(SteeringSpec(clamps=(clamp,))))
+
+    def set_layer_ablation(self, layer: int, vector: VectorSource, *, scale: float = 1.0,
+                           site: Site = "post_block", tier: Tier = "base") -> None:
+        """Ablate ``vector``'s direction at ``(layer, site, tier)``; ``scale`` < 1 removes only that fraction."""
+        ablation = Ablation(layer=layer, site=site, tier=tier, direction=self._vec(vector), strength=scale)
+        self.apply_steering_spec(self._replaced(layer, site, tier, "ablate").merged(
+            SteeringSpec(ablations=(ablation,))))
+
+    def clear_layer_vector(self, layer: int, site: Site | None = None) -> None:
+        self.apply_steering_spec(self.export_steering_spec().without(layer, site, ("add",)))
+
+    def clear_layer_projection_cap(self, layer: int, site: Site | None = None) -> None:
+        self.apply_steering_spec(self.export_steering_spec().without(layer, site, ("clamp",)))
+
+    def clear_layer_ablation(self, layer: int, site: Site | None = None) -> None:
+        self.apply_steering_spec(self.export_steering_spec().without(layer, site, ("ablate",)))
+
+    def clear_all(self) -> None:
+        """Remove every global entry (named vectors stay registered)."""
+        self.apply_steering_spec(SteeringSpec())
+
+    clear_all_vectors = clear_all
+
+    # ---- named vectors ----------------------------------------------------------------------------------------------
+    def register_vector(self, name: str, vector: Any) -> None:
+        """Register a vector on every rank under ``name``; request payloads may then reference it by name."""
+        arr = as_vector(vector)
+        if arr.shape != (self.hidden_size,):
+            raise ValueError(f"vector {name!r}: expected hidden size {self.hidden_size}, got shape {arr.shape}")
+        if not np.all(np.isfinite(arr)):
+            raise ValueError(f"vector {name!r}: contains NaN or infinite values")
+        self.llm.collective_rpc("dynsteer_register_vector", args=(name, pack_vector(arr)))
+        self._front.named[name] = arr
+
+    # ---- generation ---------------------------------------------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: Any = None, *,
+                 steering: SteeringSpec | Sequence[SteeringSpec | None] | None = None, **kwargs: Any) -> list[Any]:
+        """``LLM.generate`` with per-request steering: one spec for all prompts, or one (or ``None``) per prompt."""
+        return self.llm.generate(prompts, self._params(prompts, sampling_params, steering), **kwargs)
+
+    def chat(self, messages: Any, sampling_params: Any = None, *,
+             steering: SteeringSpec | Sequence[SteeringSpec | None] | None = None, **kwargs: Any) -> list[Any]:
+        """``LLM.chat`` with per-request steering (``messages``: one conversation or a list of them)."""
+        return self.llm.chat(messages, self._params(messages, sampling_params, steering, chat=True), **kwargs)
+
+    def detach(self) -> None:
+        """Clear global steering; the engine keeps running unsteered."""
+        self.clear_all()
+
+    # ---- internals ------------------------------------------------------------------------------------------------
+    def _params(self, prompts: Any, sampling_params: Any, steering: Any, chat: bool = False) -> Any:
+        from vllm import SamplingParams
+
+        base = sampling_params or SamplingParams()
+        if steering is None or isinstance(steering, SteeringSpec):
+            return steer_params(base, steering)
+        single = isinstance(prompts, (str, dict)) or (chat and prompts and isinstance(prompts[0], dict))
+        n = 1 if single else len(prompts)
+        if len(steering) != n:
+            raise ValueError(f"steering: got {len(steering)} specs for {n} prompts")
+        bases = base if isinstance(base, list) else [base] * n
+        return [steer_params(b, s) for b, s in zip(bases, steering)]
+
+    def _replaced(self, layer: int, site: Site, tier: Tier, kind: str) -> SteeringSpec:
+        spec = self.export_steering_spec()
+        keep = lambda e: not (e.kind == kind and e.layer == layer and e.site == site and e.tier == tier)  # noqa
+        return SteeringSpec(vectors=tuple(filter(keep, spec.vectors)), clamps=tuple(filter(keep, spec.clamps)),
+                            ablations=tuple(filter(keep, spec.ablations)))
+
+    def _vec(self, vector: VectorSource) -> VectorSource:
+        return vector if isinstance(vector, str) else as_vector(vector)
+
+    def _rpc(self, method: str, *args: Any) -> Any:
+        results = self.llm.collective_rpc(method, args=args)
+        return results[0]
+
+
+def attach(llm: Any) -> Steerer:
+    """Attach dynsteer's controls to a running ``vllm.LLM`` (dynsteer's plugin must have loaded in its workers).
+
+    Raises:
+        UnsupportedArchitectureError: the model's architecture has no adapter.
+    """
+    return Steerer(llm)

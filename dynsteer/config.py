@@ -1,0 +1,54 @@
+"""Engine-level dynsteer settings, passed as ``LLM(..., additional_config={"dynsteer": {...}})``.
+
+They size the persistent tables allocated at model construction and choose which places get hooks; they reach every
+vLLM process through vLLM's own config, so a spawned worker sees the same values as the user's process.
+
+Example:
+    >>> from vllm import LLM  # doctest: +SKIP
+    >>> llm = LLM("model-dir", additional_config={"dynsteer": DynsteerConfig(max_rows=16).model_dump()})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dynsteer.spec import SITES, Site
+
+CONFIG_KEY = "dynsteer"
+
+
+class DynsteerConfig(BaseModel):
+    """Engine settings.
+
+    Args:
+        max_rows: table rows per hooked site; one per distinct live configuration and phase (row 0 is reserved).
+        max_clamps: clamp/ablation slots per row and site.
+        sites: sites to hook (fewer sites, fewer kernels per step).
+        layers: layers to hook (``None``: every decoder layer).
+        vectors: named vectors to load in every process at start-up: ``{name: "file.safetensors[:layer]"}``.
+        require: fail at model load when the architecture is not supported (default: on whenever this config
+            is given; a plain ``LLM`` with dynsteer merely installed only warns).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_rows: int = Field(default=64, ge=2, le=4096)
+    max_clamps: int = Field(default=2, ge=0, le=16)
+    sites: tuple[Site, ...] = SITES
+    layers: tuple[int, ...] | None = None
+    vectors: dict[str, str] = Field(default_factory=dict)
+    require: bool = True
+
+    @classmethod
+    def from_additional(cls, additional: Any) -> "DynsteerConfig":
+        """Read ``additional_config["dynsteer"]`` (absent: defaults, without ``require``)."""
+        if isinstance(additional, dict) and CONFIG_KEY in additional:
+            raw = additional[CONFIG_KEY]
+            return raw if isinstance(raw, cls) else cls.model_validate(raw)
+        return cls(require=False)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` carrying this config."""
+        return {"additional_config": {CONFIG_KEY: self.model_dump(mode="json")}}

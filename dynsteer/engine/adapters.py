@@ -1,0 +1,206 @@
+"""Per-architecture wiring of the three residual sites into vLLM decoder layers.
+
+vLLM layers carry the stream as ``(hidden, residual)`` with fused add-norm, so the true residual at a site is
+``hidden + residual`` and steering edits ``hidden`` before the next fused add-norm sees it:
+
+- ``pre_attn``: on the layer's input pair, before ``input_layernorm``;
+- ``post_attn``: on the pair entering the mid norm that adds the attention branch (``post_attention_layernorm`` for
+  Llama/Mistral/Qwen, ``pre_feedforward_layernorm`` for Gemma 2/3, whose attention branch is normed first);
+- ``post_block``: on the layer's returned pair.
+
+Layer classes are patched when their module is first imported (in the processes that build models), so the hooks
+exist before torch.compile traces and CUDA graphs capture.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from dynsteer.config import DynsteerConfig
+from dynsteer.spec import ModelShape
+from dynsteer.steering.runtime import SteeringRuntime
+from dynsteer.steering.site import SiteHook
+from dynsteer.steering.tables import SteeringTables
+
+logger = logging.getLogger("dynsteer")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    module: str
+    layer_class: str
+    mid_norm: str
+    architectures: tuple[str, ...]
+
+
+ADAPTERS: dict[str, Adapter] = {
+    "llama": Adapter("vllm.model_executor.models.llama", "LlamaDecoderLayer", "post_attention_layernorm",
+                     ("LlamaForCausalLM",)),
+    "mistral": Adapter("vllm.model_executor.models.mistral", "MistralDecoderLayer", "post_attention_layernorm",
+                       ("MistralForCausalLM",)),
+    "qwen2": Adapter("vllm.model_executor.models.qwen2", "Qwen2DecoderLayer", "post_attention_layernorm",
+                     ("Qwen2ForCausalLM",)),
+    "qwen3": Adapter("vllm.model_executor.models.qwen3", "Qwen3DecoderLayer", "post_attention_layernorm",
+                     ("Qwen3ForCausalLM",)),
+    "gemma2": Adapter("vllm.model_executor.models.gemma2", "Gemma2DecoderLayer", "pre_feedforward_layernorm",
+                      ("Gemma2ForCausalLM",)),
+    "gemma3": Adapter("vllm.model_executor.models.gemma3", "Gemma3DecoderLayer", "pre_feedforward_layernorm",
+                      ("Gemma3ForCausalLM",)),
+}
+SUPPORTED_ARCHITECTURES = frozenset(a for ad in ADAPTERS.values() for a in ad.architectures)
+
+
+class UnsupportedArchitectureError(RuntimeError):
+    """dynsteer has no adapter for the model's architecture."""
+
+
+# ---- runtime construction (first hooked layer of a model builds it) --------------------------------------------
+_building: dict[int, SteeringRuntime] = {}
+
+
+def _runtime_for_current_model() -> SteeringRuntime:
+    from vllm.config import get_current_vllm_config
+
+    vllm_config = get_current_vllm_config()
+    key = id(vllm_config)
+    rt = _building.get(key)
+    if rt is None:
+        _building.clear()  # a new model: runtimes of earlier models stay reachable from their own hooks
+        cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
+        text = vllm_config.model_config.hf_config.get_text_config()
+        num_layers = int(text.num_hidden_layers)
+        layers = tuple(range(num_layers)) if cfg.layers is None else tuple(l for l in cfg.layers if l < num_layers)
+        shape = ModelShape(num_layers=num_layers, hidden_size=int(text.hidden_size),
+                           model_id=str(vllm_config.model_config.model),
+                           architecture=(vllm_config.model_config.architectures or ["?"])[0],
+                           sites=cfg.sites, layers=None if cfg.layers is None else layers,
+                           max_clamps=cfg.max_clamps)
+        sched = vllm_config.scheduler_config
+        max_tokens = max(int(sched.max_num_batched_tokens),
+                         int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0))
+        tables = SteeringTables([(l, s) for l in layers for s in cfg.sites], shape.hidden_size, cfg.max_rows,
+                                cfg.max_clamps, max_tokens)
+        rt = SteeringRuntime(shape, tables)
+        for name, ref in cfg.vectors.items():
+            rt.register_vector(name, load_named_vector(ref, shape.hidden_size))
+        _building[key] = rt
+    return rt
+
+
+def load_named_vector(ref: str, hidden_size: int):
+    """``path.safetensors[:layer]`` → one vector (a file with several layers needs the ``:layer`` suffix)."""
+    from dynsteer.vectors import load_vector
+
+    path, _, layer = ref.rpartition(":") if ref.rsplit(":", 1)[-1].isdigit() else (ref, "", "")
+    vectors, _meta = load_vector(path)
+    if layer:
+        return vectors[int(layer)]
+    if len(vectors) != 1:
+        raise ValueError(f"{ref}: file holds layers {sorted(vectors)}; name one as {path}:LAYER")
+    return next(iter(vectors.values()))
+
+
+def find_runtime(model: nn.Module) -> SteeringRuntime | None:
+    for m in model.modules():
+        if isinstance(m, SiteHook):
+            return m.runtime
+    return None
+
+
+# ---- class patches -----------------------------------------------------------------------------------------------
+def _layer_index(prefix: str) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(prefix)
+
+
+def _attach(layer: nn.Module, prefix: str, adapter: Adapter) -> None:
+    if getattr(layer, "_dynsteer_attached", False):
+        return  # a subclass's __init__ already ran ours through super()
+    layer._dynsteer_attached = True
+    rt = _runtime_for_current_model()
+    idx = _layer_index(prefix)
+    for site in rt.shape.sites:
+        if (idx, site) not in rt.tables.slot:
+            continue
+        hook = SiteHook(rt.tables, idx, site)
+        hook.runtime = rt
+        if site == "post_attn":
+            norm = getattr(layer, adapter.mid_norm)
+            norm.dynsteer_post_attn = hook
+            norm.__class__ = _steered_norm_class(type(norm))
+        else:
+            setattr(layer, f"dynsteer_{site}", hook)
+
+
+@functools.cache
+def _steered_norm_class(base: type) -> type:
+    """A subclass of the mid norm that steers the branch before the fused add-norm (weights keep their names)."""
+
+    def forward(self: Any, x: Any, residual: Any = None, *args: Any, **kwargs: Any) -> Any:
+        x = self.dynsteer_post_attn(x, residual)
+        return base.forward(self, x, residual, *args, **kwargs)
+
+    return type(f"Steered{base.__name__}", (base,), {"forward": forward})
+
+
+def patch_layer_class(cls: type, adapter: Adapter) -> None:
+    if getattr(cls, "_dynsteer_patched", False) and "_dynsteer_patched" in cls.__dict__:
+        return
+    orig_init, orig_forward = cls.__init__, cls.forward
+    init_sig = inspect.signature(orig_init)
+
+    @functools.wraps(orig_init)
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, *args, **kwargs)
+        bound = init_sig.bind_partial(self, *args, **kwargs)
+        _attach(self, str(bound.arguments.get("prefix", "")), adapter)
+
+    @functools.wraps(orig_forward)
+    def forward(self: nn.Module, positions: Any, hidden_states: Any, residual: Any, *args: Any, **kwargs: Any):
+        pre = getattr(self, "dynsteer_pre_attn", None)
+        if pre is not None:
+            hidden_states = pre(hidden_states, residual)
+        hidden_states, residual = orig_forward(self, positions, hidden_states, residual, *args, **kwargs)
+        post = getattr(self, "dynsteer_post_block", None)
+        if post is not None:
+            hidden_states = post(hidden_states, residual)
+        return hidden_states, residual
+
+    cls.__init__ = __init__
+    cls.forward = forward
+    cls._dynsteer_patched = True
+
+
+def patch_model_module(module: Any, adapter: Adapter) -> None:
+    patch_layer_class(getattr(module, adapter.layer_class), adapter)
+
+
+def patch_model_loader(cls: type) -> None:
+    """After a model is built, report what was hooked; fail for an unsupported architecture when required."""
+    orig = cls.load_model
+
+    @functools.wraps(orig)
+    def load_model(self: Any, vllm_config: Any, model_config: Any, *args: Any, **kwargs: Any) -> nn.Module:
+        model = orig(self, vllm_config, model_config, *args, **kwargs)
+        rt = find_runtime(model)
+        arch = (model_config.architectures or ["?"])[0]
+        if rt is None:
+            cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
+            msg = (f"dynsteer: architecture {arch!r} is not supported "
+                   f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+            if cfg.require and model_config is vllm_config.model_config:
+                raise UnsupportedArchitectureError(msg)
+            logger.warning("%s; steering is off for this model", msg)
+        else:
+            logger.info("dynsteer: %s hooked at %d places (%.1f MiB of tables)", arch, len(rt.tables.sites),
+                        rt.tables.nbytes() / 2**20)
+        return model
+
+    cls.load_model = load_model

@@ -1,0 +1,92 @@
+"""Admission in the frontend process: validate per-request payloads and fork the prefix-cache key.
+
+Wraps ``InputProcessor.process_inputs`` (it runs in the process that accepts requests: the ``LLM`` user's process or
+the OpenAI server), so a bad payload becomes a ``ValueError`` for that request alone (HTTP 400 on the server) and never
+reaches the workers. Prompt KV depends on prefill-tier steering, which vLLM's block hash ignores; folding a
+fingerprint of the effective prefill configuration into ``cache_salt`` keeps steered and unsteered prompts apart while
+decode-only steering keeps its cache hits.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dynsteer.config import DynsteerConfig
+from dynsteer.payload import PAYLOAD_KEY, decode_payload
+from dynsteer.spec import ModelShape, SteeringSpec
+from dynsteer.steering.compile import compile_phase
+
+SALT_TAG = "dynsteer:"
+
+
+@dataclass
+class FrontendState:
+    """What admission needs: the model's shape, named vectors and the global spec (kept in sync by the API)."""
+
+    shape: ModelShape
+    named: dict[str, np.ndarray] = field(default_factory=dict)
+    global_spec: SteeringSpec = field(default_factory=SteeringSpec)
+
+    def admit(self, payload: Any) -> str:
+        """Validate ``payload`` (None: no per-request steering); returns the prefill fingerprint ('' if none)."""
+        specs = [("global.", self.global_spec)]
+        if payload is not None:
+            specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", decode_payload(payload).spec))
+        compile_phase(specs, "decode", self.shape, self.named)  # validation of decode-only entries
+        return compile_phase(specs, "prefill", self.shape, self.named).digest.hex()
+
+
+def shape_from_vllm_config(vllm_config: Any) -> ModelShape:
+    cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
+    text = vllm_config.model_config.hf_config.get_text_config()
+    return ModelShape(num_layers=int(text.num_hidden_layers), hidden_size=int(text.hidden_size),
+                      model_id=str(vllm_config.model_config.model),
+                      architecture=(vllm_config.model_config.architectures or ["?"])[0], sites=cfg.sites,
+                      layers=cfg.layers, max_clamps=cfg.max_clamps)
+
+
+def frontend_state(input_processor: Any) -> FrontendState:
+    state = input_processor.__dict__.get("_dynsteer_frontend")
+    if state is None:
+        from dynsteer.engine.adapters import load_named_vector
+
+        vllm_config = input_processor.vllm_config
+        shape = shape_from_vllm_config(vllm_config)
+        cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
+        state = FrontendState(shape, {n: load_named_vector(r, shape.hidden_size) for n, r in cfg.vectors.items()})
+        input_processor._dynsteer_frontend = state
+    return state
+
+
+def salted(cache_salt: str | None, fingerprint: str) -> str | None:
+    if not fingerprint:
+        return cache_salt
+    return f"{cache_salt or ''}|{SALT_TAG}{fingerprint}"
+
+
+def patch_input_processor(cls: type) -> None:
+    orig = cls.process_inputs
+
+    @functools.wraps(orig)
+    def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        extra = getattr(params, "extra_args", None) or {}
+        state = frontend_state(self)
+        payload = extra.get(PAYLOAD_KEY)
+        if payload is None and state.global_spec.is_empty():
+            return orig(self, request_id, prompt, params, *args, **kwargs)
+        fingerprint = state.admit(payload)  # raises SteeringValidationError (a ValueError) naming the field
+        request = orig(self, request_id, prompt, params, *args, **kwargs)
+        request.cache_salt = salted(request.cache_salt, fingerprint)
+        return request
+
+    cls.process_inputs = process_inputs
+
+
+def state_of(llm: Any) -> FrontendState:
+    """The admission state of a ``vllm.LLM`` (or ``AsyncLLM``) in this process."""
+    engine = getattr(llm, "llm_engine", llm)
+    return frontend_state(engine.input_processor)

@@ -1,0 +1,127 @@
+"""Per-runner glue: turn each vLLM step into a :class:`BatchView` and keep the request registry in sync.
+
+Two runners exist in vLLM 0.26: the v1 ``GPUModelRunner`` (which the CPU runner derives from) and the GPU v2
+``ModelRunner`` (default on GPU). Both get the same contract: release finished/preempted requests when the scheduler
+says so, admit new ones on first sight (payload from ``SamplingParams.extra_args``), then fill the row index for the
+step's row order, before the forward runs (and so before CUDA-graph replay).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import numpy as np
+
+from dynsteer.engine.adapters import find_runtime
+from dynsteer.payload import PAYLOAD_KEY
+from dynsteer.steering.runtime import BatchView, SteeringRuntime
+
+logger = logging.getLogger("dynsteer")
+_UNSET = object()
+
+
+def runtime_of(runner: Any) -> SteeringRuntime | None:
+    rt = runner.__dict__.get("_dynsteer_rt", _UNSET)
+    if rt is _UNSET:
+        model = runner.__dict__.get("model")
+        if model is None:
+            return None
+        rt = find_runtime(model)
+        runner._dynsteer_rt = rt
+    return rt
+
+
+def _payload(sampling_params: Any) -> Any:
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    return extra.get(PAYLOAD_KEY)
+
+
+def _released(scheduler_output: Any) -> set[str]:
+    ids = set(scheduler_output.finished_req_ids)
+    if scheduler_output.preempted_req_ids:
+        ids |= scheduler_output.preempted_req_ids
+    return ids
+
+
+# ---- v1 runner (CPU, and GPU with VLLM_USE_V2_MODEL_RUNNER=0) ---------------------------------------------------
+def v1_batch_view(runner: Any, num_scheduled_tokens: np.ndarray) -> BatchView:
+    batch = runner.input_batch
+    n = batch.num_reqs
+    qsl = np.zeros(n + 1, np.int64)
+    np.cumsum(num_scheduled_tokens[:n], out=qsl[1:])
+    return BatchView(req_ids=batch.req_ids[:n], query_start_loc=qsl,
+                     num_computed=batch.num_computed_tokens_cpu[:n], prompt_lens=batch.num_prompt_tokens[:n],
+                     num_tokens=int(qsl[-1]), num_tokens_padded=int(qsl[-1]))
+
+
+def patch_v1_runner(cls: type) -> None:
+    orig_update, orig_prepare = cls._update_states, cls._prepare_inputs
+
+    @functools.wraps(orig_update)
+    def _update_states(self: Any, scheduler_output: Any) -> Any:
+        rt = runtime_of(self)
+        if rt is not None:
+            rt.release(_released(scheduler_output))
+        return orig_update(self, scheduler_output)
+
+    @functools.wraps(orig_prepare)
+    def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray, *a: Any, **k: Any):
+        out = orig_prepare(self, scheduler_output, num_scheduled_tokens, *a, **k)
+        rt = runtime_of(self)
+        if rt is not None:
+            requests = self.requests
+            rt.plan(v1_batch_view(self, num_scheduled_tokens),
+                    lambda req_id: _payload(requests[req_id].sampling_params))
+        return out
+
+    cls._update_states, cls._prepare_inputs = _update_states, _prepare_inputs
+
+
+# ---- v2 runner (GPU default) -------------------------------------------------------------------------------------
+def v2_batch_view(input_batch: Any, prompt_lens: dict[str, int]) -> BatchView:
+    n = input_batch.num_reqs
+    return BatchView(req_ids=input_batch.req_ids[:n], query_start_loc=input_batch.query_start_loc_np[: n + 1],
+                     num_computed=input_batch.num_computed_tokens_np[:n],
+                     prompt_lens=np.fromiter((prompt_lens[r] for r in input_batch.req_ids[:n]), np.int64, n),
+                     num_tokens=int(input_batch.num_tokens),
+                     num_tokens_padded=int(input_batch.num_tokens_after_padding))
+
+
+def patch_v2_runner(cls: type) -> None:
+    """v2 keeps no request → SamplingParams map: record the payload and prompt length when requests are added."""
+    orig_finish, orig_add, orig_prepare = cls.finish_requests, cls.add_requests, cls.prepare_inputs
+
+    def _state(self: Any) -> dict[str, tuple[Any, int]]:
+        return self.__dict__.setdefault("_dynsteer_reqs", {})
+
+    @functools.wraps(orig_finish)
+    def finish_requests(self: Any, scheduler_output: Any) -> Any:
+        released = _released(scheduler_output)
+        state = _state(self)
+        for req_id in released:
+            state.pop(req_id, None)
+        rt = runtime_of(self)
+        if rt is not None:
+            rt.release(released)
+        return orig_finish(self, scheduler_output)
+
+    @functools.wraps(orig_add)
+    def add_requests(self: Any, scheduler_output: Any) -> Any:
+        state = _state(self)
+        for new in scheduler_output.scheduled_new_reqs:
+            state[new.req_id] = (_payload(new.sampling_params), len(new.prompt_token_ids or ()))
+        return orig_add(self, scheduler_output)
+
+    @functools.wraps(orig_prepare)
+    def prepare_inputs(self: Any, scheduler_output: Any, *a: Any, **k: Any) -> Any:
+        input_batch = orig_prepare(self, scheduler_output, *a, **k)
+        rt = runtime_of(self)
+        if rt is not None:
+            state = _state(self)
+            view = v2_batch_view(input_batch, {r: v[1] for r, v in state.items()})
+            rt.plan(view, lambda req_id: state[req_id][0])
+        return input_batch
+
+    cls.finish_requests, cls.add_requests, cls.prepare_inputs = finish_requests, add_requests, prepare_inputs

@@ -1,0 +1,56 @@
+"""Worker-side control methods, reached with ``llm.collective_rpc("dynsteer_<name>", args=...)`` on every rank.
+
+The plugin adds them to vLLM's ``WorkerWrapperBase`` (the object ``collective_rpc`` resolves method names on), so no
+``worker_extension_cls`` flag is needed and a user's own extension class stays free. Arguments and results are plain
+JSON-like values: they cross vLLM's msgpack hop between the user's process and the engine core.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynsteer.engine.adapters import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
+from dynsteer.engine.runner import runtime_of
+from dynsteer.payload import decode_payload
+from dynsteer.steering.runtime import SteeringRuntime
+from dynsteer.vectors import unpack_vector
+
+
+def _runtime(wrapper: Any) -> SteeringRuntime:
+    runner = wrapper.worker.model_runner
+    rt = runtime_of(runner)
+    if rt is None:
+        arch = (runner.model_config.architectures or ["?"])[0]
+        raise UnsupportedArchitectureError(
+            f"dynsteer: architecture {arch!r} is not supported (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+    return rt
+
+
+def dynsteer_describe(self: Any) -> dict[str, Any]:
+    """Shape, table usage and counters of this rank's runtime."""
+    return _runtime(self).describe()
+
+
+def dynsteer_set_global(self: Any, payload: str) -> str:
+    """Replace the global spec (a packed payload); returns the new spec's prefill fingerprint."""
+    rt = _runtime(self)
+    rt.set_global(decode_payload(payload, field="global").spec)
+    return rt.global_fingerprint()
+
+
+def dynsteer_register_vector(self: Any, name: str, packed: dict[str, str]) -> None:
+    """Register (or replace) a named vector that request payloads may reference."""
+    _runtime(self).register_vector(name, unpack_vector(packed))
+
+
+def dynsteer_unregister_vector(self: Any, name: str) -> None:
+    _runtime(self).named.pop(name, None)
+
+
+RPC_METHODS = {f.__name__: f for f in (dynsteer_describe, dynsteer_set_global, dynsteer_register_vector,
+                                        dynsteer_unregister_vector)}
+
+
+def install(wrapper_cls: type) -> None:
+    for name, fn in RPC_METHODS.items():
+        setattr(wrapper_cls, name, fn)

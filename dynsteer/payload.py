@@ -1,0 +1,69 @@
+"""The per-request steering payload carried in ``SamplingParams.extra_args["dynsteer"]``.
+
+One compact string: base64 of msgpack, with vectors as raw float32 bytes. A single string survives every hop
+(frontend → engine core msgpack, engine core → worker pickle, and the OpenAI server's flat ``vllm_xargs``). A JSON
+object ``{"spec": {...}, "tag": ...}`` (vectors as names or ``{"b64": ...}``) is accepted too, for hand-written requests.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+from pydantic import ValidationError
+
+from dynsteer.spec import SteeringSpec, SteeringValidationError
+
+PAYLOAD_KEY = "dynsteer"
+_PREFIX = "ds1:"
+
+
+@dataclass(frozen=True)
+class RequestPayload:
+    """A decoded payload: the request's static spec and an optional user correlation tag."""
+
+    spec: SteeringSpec
+    tag: str | None = None
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return np.ascontiguousarray(obj, dtype="<f4").tobytes()
+    raise NotImplementedError(type(obj).__name__)
+
+
+def encode_payload(spec: SteeringSpec, tag: str | None = None) -> str:
+    """Pack a spec (and optional tag) into the string stored under ``extra_args["dynsteer"]``."""
+    body = {"spec": spec.model_dump(mode="python"), "tag": tag}
+    return _PREFIX + base64.b64encode(msgspec.msgpack.encode(body, enc_hook=_enc_hook)).decode("ascii")
+
+
+def decode_payload(obj: Any, field: str = f"extra_args.{PAYLOAD_KEY}") -> RequestPayload:
+    """Decode and schema-validate a payload; raises :class:`SteeringValidationError` naming the bad field."""
+    if isinstance(obj, str):
+        if not obj.startswith(_PREFIX):
+            raise SteeringValidationError(f"{field}: packed payload must start with {_PREFIX!r}")
+        try:
+            body = msgspec.msgpack.decode(base64.b64decode(obj[len(_PREFIX):], validate=True))
+        except (binascii.Error, msgspec.DecodeError, ValueError) as exc:
+            raise SteeringValidationError(f"{field}: malformed packed payload ({exc})") from None
+    elif isinstance(obj, dict):
+        body = obj
+    else:
+        raise SteeringValidationError(f"{field}: expected a packed string or an object, got {type(obj).__name__}")
+    if not isinstance(body, dict) or "spec" not in body or set(body) - {"spec", "tag"}:
+        raise SteeringValidationError(f"{field}: payload must be an object with keys 'spec' and optional 'tag'")
+    try:
+        spec = SteeringSpec.model_validate(body["spec"])
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise SteeringValidationError(f"{field}.spec.{loc}: {err['msg']}") from None
+    tag = body.get("tag")
+    if tag is not None and not isinstance(tag, str):
+        raise SteeringValidationError(f"{field}.tag: must be a string")
+    return RequestPayload(spec=spec, tag=tag)

@@ -1,0 +1,244 @@
+"""User-facing steering schema: what to add, clamp or ablate, where, and for which tokens.
+
+Everything here is pydantic, immutable and free of vLLM imports, so a spec can be built in a notebook, saved as
+YAML/JSON, shipped per request, and validated against a model's shape before anything reaches the engine.
+
+Example:
+    >>> import numpy as np
+    >>> from dynsteer import SteeringSpec, AddVector
+    >>> spec = SteeringSpec(vectors=[AddVector(layer=3, site="post_block", vector=np.ones(64), scale=2.0)])
+    >>> spec.layers()
+    [3]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal, Union
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from dynsteer.vectors import Vector, as_vector
+
+Site = Literal["pre_attn", "post_attn", "post_block"]
+"""Residual-stream hook sites, in forward order within a decoder layer."""
+SITES: tuple[Site, ...] = ("pre_attn", "post_attn", "post_block")
+
+Tier = Literal["base", "prefill", "decode"]
+"""Which tokens an entry acts on: every token, prompt tokens only, or generated tokens only."""
+TIERS: tuple[Tier, ...] = ("base", "prefill", "decode")
+Phase = Literal["prefill", "decode"]
+
+VectorSource = Union[str, Vector]
+"""A registered vector's name, or an inline vector (list, numpy array, torch tensor or ``{"b64": ...}``)."""
+
+SPEC_VERSION = 1
+
+
+class SteeringValidationError(ValueError):
+    """A steering spec or payload does not fit the model; the message names the offending field."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+class AddVector(_Frozen):
+    """Add ``scale * vector`` to the residual stream at ``(layer, site)`` for the tokens of ``tier``.
+
+    Args:
+        layer: decoder layer index (0-based).
+        site: residual hook site.
+        vector: registered name or inline vector of the model's hidden size.
+        scale: multiplier applied to the vector.
+        tier: ``base`` (all tokens), ``prefill`` (prompt tokens) or ``decode`` (generated tokens).
+    """
+
+    kind: Literal["add"] = "add"
+    layer: int = Field(ge=0)
+    site: Site = "post_block"
+    vector: VectorSource
+    scale: float = 1.0
+    tier: Tier = "base"
+
+    @field_validator("scale")
+    @classmethod
+    def _scale_finite(cls, v: float) -> float:
+        return _finite("scale", v)
+
+
+class ProjectionClamp(_Frozen):
+    """Clamp the residual's projection on a direction: ``p = h·û; h += strength·(clip(p, lo, hi) − p)·û``.
+
+    Args:
+        layer: decoder layer index.
+        site: residual hook site.
+        direction: registered name or inline vector; normalised to unit length when compiled.
+        lo: lower bound on the projection (``None``: open).
+        hi: upper bound on the projection (``None``: open).
+        strength: 1 clamps fully, 0.5 moves half-way to the bound.
+        tier: which tokens it acts on.
+    """
+
+    kind: Literal["clamp"] = "clamp"
+    layer: int = Field(ge=0)
+    site: Site = "post_block"
+    direction: VectorSource
+    lo: float | None = None
+    hi: float | None = None
+    strength: float = Field(default=1.0, gt=0.0)
+    tier: Tier = "base"
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "ProjectionClamp":
+        if self.lo is None and self.hi is None:
+            raise ValueError("a projection clamp needs lo, hi or both")
+        for name in ("lo", "hi", "strength"):
+            v = getattr(self, name)
+            if v is not None:
+                _finite(name, v)
+        if self.lo is not None and self.hi is not None and self.lo > self.hi:
+            raise ValueError(f"lo ({self.lo}) must not exceed hi ({self.hi})")
+        return self
+
+
+class Ablation(_Frozen):
+    """Directional ablation: remove the component along ``direction`` (a clamp to ``[0, 0]``).
+
+    Args:
+        layer: decoder layer index.
+        site: residual hook site.
+        direction: registered name or inline vector.
+        strength: 1 removes the component entirely.
+        tier: which tokens it acts on.
+    """
+
+    kind: Literal["ablate"] = "ablate"
+    layer: int = Field(ge=0)
+    site: Site = "post_block"
+    direction: VectorSource
+    strength: float = Field(default=1.0, gt=0.0)
+    tier: Tier = "base"
+
+    def as_clamp(self) -> ProjectionClamp:
+        return ProjectionClamp(layer=self.layer, site=self.site, direction=self.direction, lo=0.0, hi=0.0,
+                               strength=self.strength, tier=self.tier)
+
+
+class SteeringSpec(_Frozen):
+    """A complete static steering configuration; entries at the same place and tier add up (clamps apply in order).
+
+    Example:
+        >>> spec = SteeringSpec(ablations=[Ablation(layer=2, direction=[1.0, 0.0, 0.0, 0.0])])
+        >>> SteeringSpec.model_validate_json(spec.model_dump_json()) == spec
+        True
+    """
+
+    version: Literal[1] = SPEC_VERSION
+    vectors: tuple[AddVector, ...] = ()
+    clamps: tuple[ProjectionClamp, ...] = ()
+    ablations: tuple[Ablation, ...] = ()
+
+    def is_empty(self) -> bool:
+        return not (self.vectors or self.clamps or self.ablations)
+
+    def all_clamps(self) -> tuple[ProjectionClamp, ...]:
+        """Clamps and ablations in application order (clamps first, then ablations)."""
+        return self.clamps + tuple(a.as_clamp() for a in self.ablations)
+
+    def layers(self) -> list[int]:
+        return sorted({e.layer for e in (*self.vectors, *self.clamps, *self.ablations)})
+
+    def touches_prefill(self) -> bool:
+        """True when any entry changes prompt tokens (and so their KV): it must fork the prefix-cache key."""
+        return any(e.tier != "decode" for e in (*self.vectors, *self.clamps, *self.ablations))
+
+    def touches_decode(self) -> bool:
+        return any(e.tier != "prefill" for e in (*self.vectors, *self.clamps, *self.ablations))
+
+    def merged(self, other: "SteeringSpec") -> "SteeringSpec":
+        """This spec's entries followed by ``other``'s."""
+        return SteeringSpec(vectors=self.vectors + other.vectors, clamps=self.clamps + other.clamps,
+                            ablations=self.ablations + other.ablations)
+
+    def without(self, layer: int, site: Site | None = None, kinds: tuple[str, ...] = ("add", "clamp", "ablate")
+                ) -> "SteeringSpec":
+        """A copy with the entries of ``kinds`` at ``layer`` (and ``site``, if given) removed."""
+
+        def keep(e: Any) -> bool:
+            return not (e.kind in kinds and e.layer == layer and (site is None or e.site == site))
+
+        return SteeringSpec(vectors=tuple(filter(keep, self.vectors)), clamps=tuple(filter(keep, self.clamps)),
+                            ablations=tuple(filter(keep, self.ablations)))
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "SteeringSpec":
+        import yaml
+
+        return cls.model_validate(yaml.safe_load(text))
+
+
+class ModelShape(_Frozen):
+    """What a spec is checked against: the engine's layer count, hidden size and hooked places."""
+
+    num_layers: int
+    hidden_size: int
+    model_id: str = ""
+    architecture: str = ""
+    sites: tuple[Site, ...] = SITES
+    layers: tuple[int, ...] | None = None  # None: every layer is hooked
+    max_clamps: int = 2
+
+
+def resolve_vector(source: VectorSource, field: str, shape: ModelShape,
+                   named: dict[str, np.ndarray] | None) -> np.ndarray:
+    """Turn a name or inline vector into a checked float32 array, or raise naming ``field``."""
+    if isinstance(source, str):
+        if named is None or source not in named:
+            known = ", ".join(sorted(named or {})) or "none registered"
+            raise SteeringValidationError(f"{field}: unknown vector name {source!r} (known: {known})")
+        arr = named[source]
+    else:
+        arr = as_vector(source)
+    if arr.ndim != 1 or arr.shape[0] != shape.hidden_size:
+        raise SteeringValidationError(
+            f"{field}: expected a vector of the model's hidden size {shape.hidden_size}, got shape {tuple(arr.shape)}")
+    if not np.all(np.isfinite(arr)):
+        raise SteeringValidationError(f"{field}: vector contains NaN or infinite values")
+    return arr
+
+
+def check_spec(spec: SteeringSpec, shape: ModelShape, named: dict[str, np.ndarray] | None = None,
+               prefix: str = "") -> None:
+    """Validate a spec against the model; raises :class:`SteeringValidationError` naming the first bad field."""
+    groups: list[tuple[str, tuple[Any, ...], str]] = [
+        ("vectors", spec.vectors, "vector"), ("clamps", spec.clamps, "direction"),
+        ("ablations", spec.ablations, "direction")]
+    for group, entries, vec_field in groups:
+        for i, e in enumerate(entries):
+            where = f"{prefix}{group}[{i}]"
+            if e.layer >= shape.num_layers:
+                raise SteeringValidationError(
+                    f"{where}.layer: layer {e.layer} out of range; the model has {shape.num_layers} layers "
+                    f"(0..{shape.num_layers - 1})")
+            if shape.layers is not None and e.layer not in shape.layers:
+                raise SteeringValidationError(f"{where}.layer: layer {e.layer} is not hooked in this engine "
+                                              f"(hooked: {list(shape.layers)})")
+            if e.site not in shape.sites:
+                raise SteeringValidationError(f"{where}.site: site {e.site!r} is not hooked in this engine "
+                                              f"(hooked: {list(shape.sites)})")
+            arr = resolve_vector(getattr(e, vec_field), f"{where}.{vec_field}", shape, named)
+            if vec_field == "direction" and not np.linalg.norm(arr.astype(np.float64)) > 0:
+                raise SteeringValidationError(f"{where}.direction: direction has zero norm")

@@ -1,0 +1,32 @@
+"""The module installed at each hooked residual site of a decoder layer.
+
+It holds views of the shared tables as (non-persistent) buffers, so torch.compile sees them as graph inputs and CUDA
+graphs capture their addresses; its forward is one opaque custom op with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dynsteer.kernels import ops  # noqa: F401  (registers torch.ops.dynsteer.*)
+from dynsteer.spec import Site
+from dynsteer.steering.tables import SteeringTables
+
+
+class SiteHook(nn.Module):
+    """Applies the row-selected additive vector and clamps to the branch tensor ``h`` given the residual ``r``."""
+
+    def __init__(self, tables: SteeringTables, layer: int, site: Site) -> None:
+        super().__init__()
+        self.layer, self.site = layer, site
+        self.register_buffer("row_index", tables.row_index, persistent=False)
+        for name, view in tables.views(layer, site).items():
+            self.register_buffer(name, view, persistent=False)
+
+    def forward(self, h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.dynsteer.steer_site(h, r, self.row_index, self.vec, self.clamp_dir, self.clamp_lo,
+                                             self.clamp_hi, self.clamp_strength)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, site={self.site}"

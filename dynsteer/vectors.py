@@ -1,0 +1,102 @@
+"""Vectors as values: conversion, a compact binary wire form, and the steering-vector file format.
+
+Inline vectors never travel as JSON float lists: on the wire and in JSON they are ``{"b64": <little-endian float32>}``.
+Steering-vector files are safetensors with JSON metadata (DESIGN §7).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from pathlib import Path
+from typing import Annotated, Any, Mapping
+
+import numpy as np
+from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
+
+VECTOR_FILE_FORMAT = "dynsteer.vector/1"
+
+
+def as_vector(value: Any) -> np.ndarray:
+    """Convert a list, numpy array, torch tensor or ``{"b64": ...}`` dict to a 1-D float32 numpy array."""
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        if len(value) % 4:
+            raise ValueError(f"packed vector has {len(value)} bytes, not a multiple of 4 (float32)")
+        arr = np.frombuffer(value, dtype="<f4")
+    elif isinstance(value, Mapping):
+        arr = unpack_vector(value)
+    elif hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor without importing torch here
+        arr = value.detach().to("cpu").float().numpy()
+    elif isinstance(value, (list, tuple)):
+        arr = np.asarray(value, dtype=np.float32)
+    else:
+        raise ValueError(f"expected a vector (list, numpy array, tensor or {{'b64': ...}}), got {type(value).__name__}")
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if arr.ndim != 1:
+        raise ValueError(f"expected a 1-D vector, got shape {tuple(arr.shape)}")
+    return arr
+
+
+def pack_vector(arr: np.ndarray) -> dict[str, str]:
+    """The wire form of a vector: base64 of little-endian float32 bytes."""
+    return {"b64": base64.b64encode(np.ascontiguousarray(arr, dtype="<f4").tobytes()).decode("ascii")}
+
+
+def unpack_vector(obj: Mapping[str, Any]) -> np.ndarray:
+    """Inverse of :func:`pack_vector`; raises ``ValueError`` on malformed bytes."""
+    if set(obj) - {"b64", "dtype"} or "b64" not in obj:
+        raise ValueError(f"packed vector must be {{'b64': str}}, got keys {sorted(obj)}")
+    if obj.get("dtype", "float32") != "float32":
+        raise ValueError(f"packed vector dtype must be float32, got {obj['dtype']!r}")
+    try:
+        raw = base64.b64decode(obj["b64"], validate=True)
+    except (binascii.Error, TypeError) as exc:
+        raise ValueError(f"packed vector is not valid base64: {exc}") from None
+    if len(raw) % 4:
+        raise ValueError(f"packed vector has {len(raw)} bytes, not a multiple of 4 (float32)")
+    return np.frombuffer(raw, dtype="<f4").astype(np.float32)
+
+
+Vector = Annotated[
+    np.ndarray,
+    BeforeValidator(as_vector),
+    PlainSerializer(pack_vector, when_used="json"),
+    WithJsonSchema({"type": "object", "properties": {"b64": {"type": "string"}}, "required": ["b64"]}),
+]
+"""A pydantic field type for vectors: accepts lists/arrays/tensors/packed dicts; serialises to the packed form."""
+
+
+def save_vector(path: str | Path, vectors: Mapping[int, Any], *, site: str = "post_block", model_id: str = "",
+                method: str = "", **extra: Any) -> None:
+    """Write per-layer steering vectors to a safetensors file with metadata.
+
+    Args:
+        path: output file.
+        vectors: ``{layer: vector}``.
+        site: the site the vectors were made for.
+        model_id: the model they belong to.
+        method: how they were made (e.g. ``"mean difference, 60 sentences"``).
+    """
+    from safetensors.numpy import save_file
+
+    tensors = {f"layer.{int(k)}": as_vector(v) for k, v in vectors.items()}
+    meta = {"format": VECTOR_FILE_FORMAT, "site": site, "model_id": model_id, "method": method,
+            "layers": json.dumps(sorted(int(k) for k in vectors)), **{k: str(v) for k, v in extra.items()}}
+    tmp = Path(str(path) + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def load_vector(path: str | Path) -> tuple[dict[int, np.ndarray], dict[str, str]]:
+    """Read a file written by :func:`save_vector`: ``({layer: vector}, metadata)``."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        meta = dict(f.metadata() or {})
+        if meta.get("format") != VECTOR_FILE_FORMAT:
+            raise ValueError(f"{path}: not a dynsteer vector file (format={meta.get('format')!r})")
+        out = {int(k.split(".", 1)[1]): f.get_tensor(k).astype(np.float32) for k in f.keys()}
+    return out, meta
