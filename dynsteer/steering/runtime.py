@@ -116,7 +116,9 @@ class SteeringRuntime:
                 decoded = decode_payload(payload)
                 spec, tag = decoded.spec, decoded.tag
             except SteeringValidationError as exc:
-                error = str(exc)
+                # Admission in the frontend rejects these; reaching here means a client bypassed it.
+                error = f"request {req_id}: {exc}"
+                self._record_error(error)
         entry = RequestEntry(prompt_len=prompt_len, spec=spec, tag=tag, error=error)
         self._assign_rows(req_id, entry)
         self.requests[req_id] = entry
@@ -160,10 +162,8 @@ class SteeringRuntime:
             # run the request with global steering only and report it, rather than failing the whole batch.
             if isinstance(exc, RowsExhausted):
                 self.stats.rows_exhausted += 1
-            self.stats.rejected += 1
             entry.error = f"request {req_id}: {exc}"
-            self.stats.errors = (self.stats.errors + [entry.error])[-32:]
-            logger.error("dynsteer: %s; running it with global steering only", entry.error)
+            self._record_error(entry.error)
             try:
                 contents = [compile_phase(specs[:1], phase, self.shape, self.named) for phase in ("prefill", "decode")]
                 rows = self._acquire(contents)
@@ -171,6 +171,11 @@ class SteeringRuntime:
                 contents, rows = [EMPTY, EMPTY], (0, 0)
         entry.prefill, entry.decode = contents
         entry.rows = rows
+
+    def _record_error(self, message: str) -> None:
+        self.stats.rejected += 1
+        self.stats.errors = (self.stats.errors + [message])[-32:]
+        logger.error("dynsteer: %s; running it with global steering only", message)
 
     def _acquire(self, contents: list[RowContent]) -> tuple[int, int]:
         acquired: list[RowContent] = []

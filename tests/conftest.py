@@ -1,0 +1,51 @@
+"""Shared fixtures: fast in-process CPU engines on tiny local models (nothing from a model hub)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+# Fast, deterministic CPU engines; set before vLLM is imported anywhere in the test process.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+ENGINE_DEFAULTS: dict[str, Any] = dict(dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8,
+                                       seed=0)
+
+
+@contextlib.contextmanager
+def make_llm(model: str, **kwargs: Any) -> Iterator[Any]:
+    """An in-process ``vllm.LLM`` that is torn down on exit (one engine alive at a time keeps memory flat)."""
+    from vllm import LLM
+
+    llm = LLM(model=str(model), **{**ENGINE_DEFAULTS, **kwargs})
+    try:
+        yield llm
+    finally:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def texts(outputs: list[Any]) -> list[str]:
+    return [o.outputs[0].text for o in outputs]
+
+
+def token_ids(outputs: list[Any]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path():
+    from dynsteer.testing.tiny_models import tiny_model
+
+    return tiny_model("llama")
