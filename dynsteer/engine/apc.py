@@ -21,6 +21,7 @@ from dynsteer.spec import ModelShape, SteeringSpec
 from dynsteer.steering.compile import compile_phase
 
 SALT_TAG = "dynsteer:"
+DECODE_KEY = "dynsteer_decode_fp"  # set by admission, read by the engine core's block hasher
 
 
 @dataclass
@@ -31,13 +32,17 @@ class FrontendState:
     named: dict[str, np.ndarray] = field(default_factory=dict)
     global_spec: SteeringSpec = field(default_factory=SteeringSpec)
 
-    def admit(self, payload: Any) -> str:
-        """Validate ``payload`` (None: no per-request steering); returns the prefill fingerprint ('' if none)."""
+    def admit(self, payload: Any) -> tuple[str, str]:
+        """Validate ``payload`` (None: no per-request steering).
+
+        Returns:
+            hex fingerprints of the effective prefill and decode configurations ('' where that phase is unsteered).
+        """
         specs = [("global.", self.global_spec)]
         if payload is not None:
             specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", decode_payload(payload).spec))
-        compile_phase(specs, "decode", self.shape, self.named)  # validation of decode-only entries
-        return compile_phase(specs, "prefill", self.shape, self.named).digest.hex()
+        return tuple(compile_phase(specs, phase, self.shape, self.named).digest.hex()  # type: ignore[return-value]
+                     for phase in ("prefill", "decode"))
 
 
 def shape_from_vllm_config(vllm_config: Any) -> ModelShape:
@@ -78,12 +83,35 @@ def patch_input_processor(cls: type) -> None:
         payload = extra.get(PAYLOAD_KEY)
         if payload is None and state.global_spec.is_empty():
             return orig(self, request_id, prompt, params, *args, **kwargs)
-        fingerprint = state.admit(payload)  # raises SteeringValidationError (a ValueError) naming the field
+        prefill_fp, decode_fp = state.admit(payload)  # raises SteeringValidationError naming the field
         request = orig(self, request_id, prompt, params, *args, **kwargs)
-        request.cache_salt = salted(request.cache_salt, fingerprint)
+        request.cache_salt = salted(request.cache_salt, prefill_fp)
+        if decode_fp and request.sampling_params is not None:
+            request.sampling_params.extra_args = {**(request.sampling_params.extra_args or {}), DECODE_KEY: decode_fp}
         return request
 
     cls.process_inputs = process_inputs
+
+
+def patch_block_hashing(module: Any) -> None:
+    """Engine core: blocks holding tokens generated under decode steering hash with the decode fingerprint.
+
+    ``cache_salt`` only reaches the first block; generated tokens join the hash chain later, so a block that
+    contains any token decoded under steering gets the fingerprint as an extra key. The chain then forks from that
+    block on, while pure prompt blocks keep their (shareable) hashes.
+    """
+    orig = module.generate_block_hash_extra_keys
+
+    @functools.wraps(orig)
+    def generate_block_hash_extra_keys(request: Any, start_token_idx: int, end_token_idx: int, *a: Any, **k: Any):
+        extra_keys, mm_idx = orig(request, start_token_idx, end_token_idx, *a, **k)
+        if end_token_idx > request.num_prompt_tokens:
+            fp = ((request.sampling_params and request.sampling_params.extra_args) or {}).get(DECODE_KEY)
+            if fp:
+                extra_keys = (*(extra_keys or ()), f"{SALT_TAG}decode:{fp}")
+        return extra_keys, mm_idx
+
+    module.generate_block_hash_extra_keys = generate_block_hash_extra_keys
 
 
 def state_of(llm: Any) -> FrontendState:

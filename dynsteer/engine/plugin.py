@@ -83,3 +83,4 @@ def register() -> None:
     when_imported("vllm.v1.worker.gpu.model_runner", lambda m: runner.patch_v2_runner(m.GPUModelRunner))
     when_imported("vllm.v1.worker.worker_base", lambda m: worker_ext.install(m.WorkerWrapperBase))
     when_imported("vllm.v1.engine.input_processor", lambda m: apc.patch_input_processor(m.InputProcessor))
+    when_imported("vllm.v1.core.kv_cache_utils", apc.patch_block_hashing)

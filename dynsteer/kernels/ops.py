@@ -1,0 +1,124 @@
+"""``torch.ops.dynsteer.steer_site``: the custom op wrapping the steering implementations.
+
+The op is opaque to torch.compile (a fake impl provides shapes), so the real implementation is
+chosen at run time by :func:`select_impl`, the single dispatch point:
+
+* ``DYNSTEER_KERNEL=reference`` or ``=triton`` forces one implementation (``triton`` on CPU
+  tensors only works with ``TRITON_INTERPRET=1`` set before the kernel module is imported);
+* otherwise (unset / ``auto``): CUDA tensors -> Triton kernel, everything else -> torch reference.
+
+Semantics: see ``dynsteer.kernels.reference``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+
+from dynsteer.kernels.reference import steer_site_reference
+
+__all__ = ["OP_NAME", "ENV_KERNEL", "select_impl", "steer_site"]
+
+OP_NAME = "dynsteer::steer_site"
+ENV_KERNEL = "DYNSTEER_KERNEL"
+
+SteerImpl = Callable[..., torch.Tensor]
+
+
+def select_impl(h: torch.Tensor) -> SteerImpl:
+    """Return the implementation that should run for ``h`` (the one dispatch decision).
+
+    Read on every call (a dict lookup) so tests and launch scripts can flip the env var late.
+
+    Args:
+        h: the branch tensor; only its device is inspected.
+
+    Returns:
+        ``steer_site_triton`` or ``steer_site_reference``.
+    """
+    forced = os.environ.get(ENV_KERNEL, "").strip().lower()
+    if forced not in ("", "auto", "reference", "triton"):
+        raise ValueError(f"{ENV_KERNEL}={forced!r}: expected 'reference', 'triton' or 'auto'")
+    if forced == "reference" or (forced != "triton" and not h.is_cuda):
+        return steer_site_reference
+    # Imported lazily: triton may be absent on CPU installs, and the jit decorator fixes
+    # interpreted-vs-compiled mode at import time.
+    from dynsteer.kernels.triton_steer import steer_site_triton
+
+    return steer_site_triton
+
+
+def _steer_site_impl(
+    h: torch.Tensor,
+    r: Optional[torch.Tensor],
+    row_index: torch.Tensor,
+    vec: torch.Tensor,
+    clamp_dir: torch.Tensor,
+    clamp_lo: torch.Tensor,
+    clamp_hi: torch.Tensor,
+    clamp_strength: torch.Tensor,
+) -> torch.Tensor:
+    # Looks select_impl up through module globals on each call, so importlib.reload of this
+    # module updates the behaviour of the already-registered op.
+    impl = select_impl(h)
+    return impl(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength)
+
+
+def _steer_site_fake(
+    h: torch.Tensor,
+    r: Optional[torch.Tensor],
+    row_index: torch.Tensor,
+    vec: torch.Tensor,
+    clamp_dir: torch.Tensor,
+    clamp_lo: torch.Tensor,
+    clamp_hi: torch.Tensor,
+    clamp_strength: torch.Tensor,
+) -> torch.Tensor:
+    return torch.empty_like(h)
+
+
+def _op_registered() -> bool:
+    # hasattr on the namespace resolves registered ops and is False for unknown names.
+    return hasattr(torch.ops.dynsteer, "steer_site")
+
+
+def _register() -> None:
+    """Define the op once per process; a second import or a reload is a no-op."""
+    if _op_registered():
+        return
+    op = torch.library.custom_op(OP_NAME, mutates_args=())(_steer_site_impl)
+    op.register_fake(_steer_site_fake)
+
+
+_register()
+
+
+def steer_site(
+    h: torch.Tensor,
+    r: Optional[torch.Tensor],
+    row_index: torch.Tensor,
+    vec: torch.Tensor,
+    clamp_dir: torch.Tensor,
+    clamp_lo: torch.Tensor,
+    clamp_hi: torch.Tensor,
+    clamp_strength: torch.Tensor,
+) -> torch.Tensor:
+    """Call ``torch.ops.dynsteer.steer_site`` (contract: ``dynsteer.kernels.reference``).
+
+    Args:
+        h: [T, H] branch activations (float32 / bfloat16 / float16).
+        r: [T, H] carried residual in h's dtype, or None.
+        row_index: int32 [N >= T] table row per token; entries past T are ignored.
+        vec: float32 [R, H] additive vectors.
+        clamp_dir: float32 [R, K, H] unit clamp directions.
+        clamp_lo: float32 [R, K] lower bounds.
+        clamp_hi: float32 [R, K] upper bounds.
+        clamp_strength: float32 [R, K] clamp strengths (0 = off).
+
+    Returns:
+        New [T, H] tensor in h's dtype.
+    """
+    return torch.ops.dynsteer.steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength)

@@ -1,0 +1,85 @@
+"""Plain-torch reference of the per-site steering op (the "twin" of the Triton kernel).
+
+Contract (shared by every implementation of ``steer_site``)::
+
+    steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength) -> out
+      h:              [T, H] float32 | bfloat16 | float16, the branch tensor we may modify
+      r:              [T, H] same dtype, or None (carried residual; the residual stream is h + r, or h)
+      row_index:      int32 [N >= T]; only the first T entries are used
+      vec:            float32 [R, H]     additive vector per table row (row 0 is zeros by convention)
+      clamp_dir:      float32 [R, K, H]  unit directions (zeros where unused)
+      clamp_lo/hi:    float32 [R, K]     bounds (-inf / +inf for an open side)
+      clamp_strength: float32 [R, K]     0 = clamp slot off
+
+    for every token t:  i = row_index[t]
+      x = float32(h[t]) + vec[i]
+      for k in 0..K-1 (sequentially):
+        if clamp_strength[i, k] != 0:
+          u = clamp_dir[i, k];  p = dot(x + float32(r[t]) (or x), u)
+          x = x + clamp_strength[i, k] * (clip(p, lo[i, k], hi[i, k]) - p) * u
+      out[t] = x cast to h.dtype
+
+``clip(p, lo, hi)`` is ``min(max(p, lo), hi)`` (so ``hi`` wins if ``lo > hi``). The clamp acts on the
+full residual stream ``h + r + v`` but only ``h`` is modified; ablation is the clamp to ``[0, 0]``.
+A row whose vec is zero and whose strengths are all zero returns ``h`` bit-for-bit. ``out`` is
+always a new tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["steer_site_reference"]
+
+
+def steer_site_reference(
+    h: torch.Tensor,
+    r: torch.Tensor | None,
+    row_index: torch.Tensor,
+    vec: torch.Tensor,
+    clamp_dir: torch.Tensor,
+    clamp_lo: torch.Tensor,
+    clamp_hi: torch.Tensor,
+    clamp_strength: torch.Tensor,
+) -> torch.Tensor:
+    """Apply per-token steering (additive vector, then sequential projection clamps).
+
+    Free of data-dependent Python control flow so it traces into torch.compile graphs: every
+    clamp is computed for every token and discarded with ``torch.where`` where the strength is 0,
+    which keeps unsteered tokens bit-identical to ``h``.
+
+    Args:
+        h: [T, H] branch activations (float32 / bfloat16 / float16).
+        r: [T, H] carried residual in h's dtype, or None.
+        row_index: int32 [N >= T] table row per token; entries past T are ignored.
+        vec: float32 [R, H] additive vectors.
+        clamp_dir: float32 [R, K, H] unit clamp directions.
+        clamp_lo: float32 [R, K] lower bounds.
+        clamp_hi: float32 [R, K] upper bounds.
+        clamp_strength: float32 [R, K] clamp strengths (0 = off).
+
+    Returns:
+        New [T, H] tensor in h's dtype.
+    """
+    num_tokens = h.shape[0]
+    idx = row_index[:num_tokens].long()
+    # h.float() + 0.0 is exact, so rows with vec == 0 stay bit-identical after the final cast.
+    x = h.float() + vec.index_select(0, idx)
+    r32 = r.float() if r is not None else None
+    strength = clamp_strength.index_select(0, idx)  # [T, K]
+    lo = clamp_lo.index_select(0, idx)
+    hi = clamp_hi.index_select(0, idx)
+    # K is a static shape, so this loop unrolls at trace time (no value-dependent branching).
+    for k in range(clamp_dir.shape[1]):
+        u = clamp_dir[:, k].index_select(0, idx)  # [T, H]
+        full = x + r32 if r32 is not None else x
+        p = (full * u).sum(dim=-1)  # [T]
+        # min(max(p, lo), hi): same operation order as the kernel; finite for finite p even with
+        # infinite bounds, so a zero direction contributes 0 * finite = 0, never nan.
+        clipped = torch.minimum(torch.maximum(p, lo[:, k]), hi[:, k])
+        s = strength[:, k]
+        coef = s * (clipped - p)
+        # where(), not multiplication by a mask: strength 0 must be an exact no-op even if the
+        # unused slot holds garbage (inf bounds, nan directions).
+        x = torch.where((s != 0).unsqueeze(-1), x + coef.unsqueeze(-1) * u, x)
+    return x.to(h.dtype)

@@ -1,0 +1,397 @@
+"""Tests for the per-site steering op: reference semantics, Triton twin, custom op, tracing.
+
+The Triton-vs-reference comparison runs in ONE subprocess with ``TRITON_INTERPRET=1``: triton's
+``@jit`` picks interpreted vs compiled mode when ``dynsteer.kernels.triton_steer`` is first
+imported, and in a shared pytest process another module may have imported it (or set triton
+up) already. The subprocess runs this very file as a script (see ``_interp_worker``) and prints
+one JSON line of per-case metrics, which the parametrized tests below assert on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dynsteer.kernels import ENV_KERNEL, select_impl, steer_site, steer_site_reference
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NUM_ROWS = 6
+# Sentinel for row_index entries past T: out of range, so reading them would be caught.
+TAIL_SENTINEL = 10_000
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# (T, H, K, has_r, dtype name); T kept small because the interpreter runs each program in Python.
+TRITON_CASES = [
+    (12, hidden, k, has_r, dt)
+    for hidden, k, has_r, dt in itertools.product((64, 576, 1000), (0, 1, 2), (False, True), ("float32", "bfloat16"))
+] + [(9, 576, 2, True, "float16"), (0, 64, 2, True, "float32"), (0, 576, 0, False, "bfloat16")]
+
+
+def _case_id(case: tuple[int, int, int, bool, str]) -> str:
+    t, hidden, k, has_r, dt = case
+    return f"T{t}-H{hidden}-K{k}-{'r' if has_r else 'nor'}-{dt}"
+
+
+def make_inputs(
+    num_tokens: int, hidden: int, num_k: int, has_r: bool, dtype: torch.dtype, seed: int = 0
+) -> dict[str, Any]:
+    """Build a steering table exercising every row kind, plus tokens that visit all rows.
+
+    Rows: 0 zeros; 1 vec only (slots off but with live directions/bounds, so skipping matters);
+    2 vec + band clamp [-0.25, 0.25] (+ a half-strength one-sided clamp [1, inf) in slot 1);
+    3 ablation (lo = hi = 0, strength 1 in every slot); 4 vec + open bounds (no-op clamp) and a
+    zero direction with a finite bound (must not produce nan); 5 vec + upper bound only (<= -1).
+
+    Args:
+        num_tokens: T.
+        hidden: H.
+        num_k: K clamp slots per row.
+        has_r: whether to pass a carried residual.
+        dtype: dtype of h and r.
+        seed: RNG seed.
+
+    Returns:
+        Keyword arguments for ``steer_site`` (h, r, row_index, vec, clamp_*).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    r = torch.randn(num_tokens, hidden, generator=gen).to(dtype) if has_r else None
+    vec = torch.randn(NUM_ROWS, hidden, generator=gen)
+    vec[0] = 0.0
+    vec[3] = 0.0
+    dirs = torch.nn.functional.normalize(torch.randn(NUM_ROWS, num_k, hidden, generator=gen), dim=-1)
+    lo = torch.full((NUM_ROWS, num_k), float("-inf"))
+    hi = torch.full((NUM_ROWS, num_k), float("inf"))
+    strength = torch.zeros(NUM_ROWS, num_k)
+    dirs[0] = 0.0
+    lo[1], hi[1] = -0.1, 0.1  # live-looking but strength 0: must be skipped
+    if num_k >= 1:
+        lo[2, 0], hi[2, 0], strength[2, 0] = -0.25, 0.25, 1.0
+        lo[3], hi[3], strength[3] = 0.0, 0.0, 1.0
+        strength[4, 0] = 1.0  # (-inf, inf): clip(p) - p == 0
+        hi[5, 0], strength[5, 0] = -1.0, 1.0
+    if num_k >= 2:
+        lo[2, 1], strength[2, 1] = 1.0, 0.5
+        dirs[4, 1], lo[4, 1], strength[4, 1] = 0.0, 1.0, 1.0  # zero direction: p = 0, 1 * 0 = 0
+    order = torch.randperm(max(num_tokens, NUM_ROWS), generator=gen)[:num_tokens] % NUM_ROWS
+    row_index = torch.full((num_tokens + 5,), TAIL_SENTINEL, dtype=torch.int32)
+    row_index[:num_tokens] = order.to(torch.int32)
+    return dict(
+        h=h, r=r, row_index=row_index, vec=vec, clamp_dir=dirs, clamp_lo=lo, clamp_hi=hi, clamp_strength=strength
+    )
+
+
+def _tolerances(dtype: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol) for kernel-vs-reference; bf16 allows one ulp (interpreter truncates, see below)."""
+    if dtype == torch.float32:
+        return 1e-4, 1e-5
+    if dtype == torch.float16:
+        return 2e-3, 2e-3
+    return 1e-2, 1.6e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) Triton kernel vs reference, in a TRITON_INTERPRET=1 subprocess
+# ---------------------------------------------------------------------------------------------
+
+
+def _interp_worker() -> int:
+    """Subprocess body: run the Triton kernel (interpreted) on every case; print JSON metrics."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    from dynsteer.kernels.triton_steer import steer_site_triton
+
+    results: dict[str, Any] = {}
+    for seed, case in enumerate(TRITON_CASES):
+        num_tokens, hidden, num_k, has_r, dt = case
+        dtype = DTYPES[dt]
+        kw = make_inputs(num_tokens, hidden, num_k, has_r, dtype, seed=seed)
+        got = steer_site_triton(**kw)
+        want = steer_site_reference(**kw)
+        atol, rtol = _tolerances(dtype)
+        rows = kw["row_index"][:num_tokens].long()
+        diff = (got.float() - want.float()).abs()
+        excess = (diff - (atol + rtol * want.float().abs())).max().item() if num_tokens else -1.0
+        vec_only = rows == 1
+        results[_case_id(case)] = {
+            "shape_ok": got.shape == kw["h"].shape and got.dtype == dtype,
+            "new_tensor": got.data_ptr() != kw["h"].data_ptr() or num_tokens == 0,
+            "finite": bool(torch.isfinite(got).all()),
+            "max_abs_err": diff.max().item() if num_tokens else 0.0,
+            "tol_excess": excess,
+            "zero_row_exact": torch.equal(got[rows == 0], kw["h"][rows == 0]),
+            # fp32/fp16 casts round identically in both; the interpreter's bf16 cast truncates.
+            "vec_only_exact": torch.equal(got[vec_only], want[vec_only]),
+        }
+
+    # Dispatch through the custom op with the kernel forced (only meaningful when interpreted).
+    os.environ[ENV_KERNEL] = "triton"
+    kw = make_inputs(8, 64, 2, True, torch.float32, seed=123)
+    results["op_forced_triton"] = {
+        "impl": select_impl(kw["h"]).__name__,
+        "max_abs_err": (steer_site(**kw) - steer_site_reference(**kw)).abs().max().item(),
+    }
+    # Strided rows (h, r are column slices of wider buffers) exercise the stride arguments.
+    kw = make_inputs(8, 64, 2, True, torch.float32, seed=7)
+    wide_h, wide_r = torch.randn(8, 100), torch.randn(8, 100)
+    wide_h[:, :64], wide_r[:, :64] = kw["h"], kw["r"]
+    kw_strided = dict(kw, h=wide_h[:, :64], r=wide_r[:, :64])
+    results["strided_rows"] = {
+        "max_abs_err": (steer_site_triton(**kw_strided) - steer_site_reference(**kw)).abs().max().item()
+    }
+    print("RESULTS " + json.dumps(results))
+    return 0
+
+
+@pytest.fixture(scope="module")
+def interp_results() -> dict[str, Any]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop(ENV_KERNEL, None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve())],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr}"
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS ") :])
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=_case_id)
+def test_triton_matches_reference(interp_results: dict[str, Any], case: tuple[int, int, int, bool, str]) -> None:
+    res = interp_results[_case_id(case)]
+    assert res["shape_ok"] and res["new_tensor"] and res["finite"], res
+    assert res["tol_excess"] <= 0.0, res
+    assert res["zero_row_exact"], res
+    if case[-1] != "bfloat16":
+        assert res["vec_only_exact"], res
+
+
+def test_triton_via_forced_op(interp_results: dict[str, Any]) -> None:
+    res = interp_results["op_forced_triton"]
+    assert res["impl"] == "steer_site_triton"
+    assert res["max_abs_err"] < 1e-4
+
+
+def test_triton_strided_rows(interp_results: dict[str, Any]) -> None:
+    assert interp_results["strided_rows"]["max_abs_err"] < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) reference semantics
+# ---------------------------------------------------------------------------------------------
+
+
+def _proj(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return (x.double() * u.double()).sum(-1)
+
+
+def _single_row_table(hidden: int, num_k: int) -> dict[str, torch.Tensor]:
+    """Table with row 0 zeros and row 1 free for a test to fill."""
+    return dict(
+        vec=torch.zeros(2, hidden),
+        clamp_dir=torch.zeros(2, num_k, hidden),
+        clamp_lo=torch.full((2, num_k), float("-inf")),
+        clamp_hi=torch.full((2, num_k), float("inf")),
+        clamp_strength=torch.zeros(2, num_k),
+    )
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("has_r", [False, True])
+def test_zero_row_is_bit_identical(dtype: torch.dtype, has_r: bool) -> None:
+    kw = make_inputs(16, 96, 2, has_r, dtype, seed=3)
+    kw["row_index"][:16] = 0
+    out = steer_site_reference(**kw)
+    assert out.dtype == dtype and out.data_ptr() != kw["h"].data_ptr()
+    assert torch.equal(out, kw["h"])
+    # Same for a row whose slots are off but hold live directions and bounds (row 1 minus vec).
+    kw["vec"][1] = 0.0
+    kw["row_index"][:16] = 1
+    assert torch.equal(steer_site_reference(**kw), kw["h"])
+
+
+@pytest.mark.parametrize("has_r", [False, True])
+@pytest.mark.parametrize("bounds", [(-0.3, 0.2), (0.5, float("inf")), (float("-inf"), -0.5), (0.0, 0.0)])
+def test_full_clamp_lands_in_bounds(has_r: bool, bounds: tuple[float, float]) -> None:
+    gen = torch.Generator().manual_seed(11)
+    num_tokens, hidden = 32, 128
+    tab = _single_row_table(hidden, 1)
+    u = torch.nn.functional.normalize(torch.randn(hidden, generator=gen), dim=0)
+    tab["vec"][1] = torch.randn(hidden, generator=gen)
+    tab["clamp_dir"][1, 0] = u
+    tab["clamp_lo"][1, 0], tab["clamp_hi"][1, 0] = bounds
+    tab["clamp_strength"][1, 0] = 1.0
+    # Scale so projections straddle the bounds.
+    h = 2 * torch.randn(num_tokens, hidden, generator=gen)
+    r = torch.randn(num_tokens, hidden, generator=gen) if has_r else None
+    row_index = torch.ones(num_tokens, dtype=torch.int32)
+    out = steer_site_reference(h, r, row_index, **tab)
+    full = out + r if r is not None else out
+    p = _proj(full, u)
+    lo, hi = bounds
+    assert bool((p >= lo - 1e-4).all() and (p <= hi + 1e-4).all()), p
+    # Only the u component changes relative to h + vec.
+    moved = out - (h + tab["vec"][1])
+    resid = moved - _proj(moved, u).float().unsqueeze(-1) * u
+    assert resid.abs().max() < 1e-5
+    # Tokens already inside the band are left untouched (projection unchanged).
+    before = _proj(h + tab["vec"][1] + (r if r is not None else 0), u)
+    inside = (before >= lo) & (before <= hi)
+    assert torch.allclose(p[inside], before[inside], atol=1e-4)
+
+
+def test_ablation_zeroes_projection_of_full_stream() -> None:
+    kw = make_inputs(24, 256, 2, True, torch.float32, seed=5)
+    kw["row_index"][:24] = 3  # row 3: ablation (lo = hi = 0) in both slots
+    out = steer_site_reference(**kw)
+    # Slots run in order, so the last slot's projection is exactly ablated; slot 0's direction is
+    # only partially re-introduced by slot 1 (non-orthogonal random directions).
+    assert _proj(out + kw["r"], kw["clamp_dir"][3, 1]).abs().max() < 1e-4
+    first_slot = ("clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength")
+    kw1 = dict(kw, **{name: kw[name][:, :1] for name in first_slot})
+    out1 = steer_site_reference(**kw1)
+    assert _proj(out1 + kw["r"], kw["clamp_dir"][3, 0]).abs().max() < 1e-4
+    assert _proj(kw["h"] + kw["r"], kw["clamp_dir"][3, 0]).abs().max() > 0.1  # it did something
+
+
+def test_half_strength_moves_half_way() -> None:
+    gen = torch.Generator().manual_seed(2)
+    num_tokens, hidden = 16, 64
+    tab = _single_row_table(hidden, 1)
+    u = torch.nn.functional.normalize(torch.randn(hidden, generator=gen), dim=0)
+    tab["clamp_dir"][1, 0] = u
+    tab["clamp_lo"][1, 0], tab["clamp_hi"][1, 0] = 0.0, 0.0
+    tab["clamp_strength"][1, 0] = 0.5
+    h = torch.randn(num_tokens, hidden, generator=gen)
+    r = torch.randn(num_tokens, hidden, generator=gen)
+    out = steer_site_reference(h, r, torch.ones(num_tokens, dtype=torch.int32), **tab)
+    assert torch.allclose(_proj(out + r, u), 0.5 * _proj(h + r, u), atol=1e-5)
+
+
+def test_sequential_clamps_match_loop() -> None:
+    """Non-orthogonal directions: slot 1 sees the output of slot 0 (order matters)."""
+    kw = make_inputs(10, 48, 2, True, torch.float32, seed=9)
+    gen = torch.Generator().manual_seed(1)
+    base = torch.nn.functional.normalize(torch.randn(48, generator=gen), dim=0)
+    kw["clamp_dir"][2, 1] = torch.nn.functional.normalize(base + kw["clamp_dir"][2, 0], dim=0)
+    kw["clamp_strength"][2] = torch.tensor([1.0, 0.7])
+    kw["clamp_lo"][2], kw["clamp_hi"][2] = torch.tensor([-0.1, 0.3]), torch.tensor([0.1, 0.6])
+    out = steer_site_reference(**kw)
+    for t in range(10):
+        i = int(kw["row_index"][t])
+        x = kw["h"][t].double() + kw["vec"][i].double()
+        for k in range(2):
+            s = float(kw["clamp_strength"][i, k])
+            if s != 0:
+                u = kw["clamp_dir"][i, k].double()
+                p = float((x + kw["r"][t].double()) @ u)
+                c = min(max(p, float(kw["clamp_lo"][i, k])), float(kw["clamp_hi"][i, k]))
+                x = x + s * (c - p) * u
+        assert torch.allclose(out[t].double(), x, atol=1e-5), t
+
+
+def test_no_nan_from_zero_directions_or_open_bounds() -> None:
+    kw = make_inputs(30, 64, 2, True, torch.float32, seed=4)
+    out = steer_site_reference(**kw)
+    assert torch.isfinite(out).all()
+    rows = kw["row_index"][:30].long()
+    # Row 4: open-bounds clamp + zero-direction clamp are both no-ops: out == h + vec exactly.
+    sel = rows == 4
+    assert torch.equal(out[sel], kw["h"][sel] + kw["vec"][4])
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) custom op, dispatch, tracing
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dispatch_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = torch.zeros(2, 4)
+    monkeypatch.delenv(ENV_KERNEL, raising=False)
+    assert select_impl(h) is steer_site_reference
+    monkeypatch.setenv(ENV_KERNEL, "reference")
+    assert select_impl(h) is steer_site_reference
+    monkeypatch.setenv(ENV_KERNEL, "bogus")
+    with pytest.raises(ValueError):
+        select_impl(h)
+
+
+@pytest.mark.parametrize("has_r", [False, True])
+def test_op_matches_reference_on_cpu(has_r: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_KERNEL, raising=False)
+    kw = make_inputs(12, 80, 2, has_r, torch.bfloat16, seed=6)
+    assert torch.equal(torch.ops.dynsteer.steer_site(*kw.values()), steer_site_reference(**kw))
+
+
+def test_registration_is_idempotent() -> None:
+    import importlib
+
+    import dynsteer.kernels.ops as ops
+
+    importlib.reload(ops)
+    importlib.reload(ops)
+    kw = make_inputs(4, 32, 1, True, torch.float32, seed=8)
+    assert torch.equal(ops.steer_site(**kw), steer_site_reference(**kw))
+
+
+def test_opcheck(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_KERNEL, raising=False)
+    for has_r in (False, True):
+        kw = make_inputs(6, 32, 2, has_r, torch.float32, seed=10)
+        torch.library.opcheck(torch.ops.dynsteer.steer_site.default, tuple(kw.values()))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("has_r", [False, True])
+def test_op_traces_under_compile(backend: str, has_r: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_KERNEL, raising=False)
+    torch._dynamo.reset()
+
+    def layer(h: torch.Tensor, r: torch.Tensor | None, *table: torch.Tensor) -> torch.Tensor:
+        # Surrounding ops make sure the custom op sits inside a real graph.
+        out = torch.ops.dynsteer.steer_site(h * 2.0, r, *table)
+        return out + 1.0
+
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    kw = make_inputs(10, 64, 2, has_r, torch.float32, seed=12)
+    args = list(kw.values())
+    want = steer_site_reference(kw["h"] * 2.0, *args[1:]) + 1.0
+    torch.testing.assert_close(compiled(*args), want, rtol=0, atol=0)
+
+
+def test_reference_traces_fullgraph() -> None:
+    """The reference itself has no value-dependent branching: it compiles with fullgraph=True."""
+    torch._dynamo.reset()
+    compiled = torch.compile(steer_site_reference, backend="aot_eager", fullgraph=True)
+    kw = make_inputs(10, 64, 2, True, torch.bfloat16, seed=13)
+    torch.testing.assert_close(compiled(**kw), steer_site_reference(**kw), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) T == 0
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("has_r", [False, True])
+def test_empty_batch(has_r: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_KERNEL, raising=False)
+    kw = make_inputs(0, 64, 2, has_r, torch.bfloat16, seed=14)
+    for out in (steer_site_reference(**kw), steer_site(**kw)):
+        assert out.shape == (0, 64) and out.dtype == torch.bfloat16
+
+
+if __name__ == "__main__":
+    sys.exit(_interp_worker())
