@@ -84,5 +84,3 @@ def test_blocks_generated_under_decode_steering_are_not_served_to_unsteered_requ
         llm.generate([follow_up], greedy(4))
         reused = hits(llm) - h0
         assert reused <= n_prompt_blocks * BLOCK  # prompt blocks may be reused, steered generated ones never
-        with make_llm(tiny_llama_path, enable_prefix_caching=False, block_size=BLOCK) as _:
-            pass
