@@ -14,7 +14,7 @@ def main() -> None:
 
     import dynsteer
 
-    llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0)
+    llm = LLM(model=sys.argv[1], **json.loads(sys.argv[2]))
     sp = SamplingParams(temperature=0.0, max_tokens=10)
     prompts = ["the quick brown fox", "once upon a time there was"]
     ids = lambda outs: [list(o.outputs[0].token_ids) for o in outs]  # noqa: E731

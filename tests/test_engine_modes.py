@@ -12,7 +12,7 @@ import numpy as np
 
 import dynsteer
 from dynsteer import AddVector, SteeringSpec
-from tests.conftest import make_llm, token_ids
+from tests.conftest import ENGINE_DEFAULTS, make_llm, token_ids
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning"]
 
@@ -41,7 +41,7 @@ def test_compiled_forward_steers_and_restores(tiny_llama_path):
 def test_default_multiprocess_engine(tiny_llama_path):
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     script = Path(__file__).with_name("mp_steering_script.py")
-    proc = subprocess.run([sys.executable, str(script), str(tiny_llama_path)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), str(tiny_llama_path), json.dumps(ENGINE_DEFAULTS)], env=env, capture_output=True,
                           text=True, timeout=600, cwd=Path(__file__).parents[1])
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert line, proc.stdout[-3000:] + proc.stderr[-3000:]

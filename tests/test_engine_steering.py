@@ -8,7 +8,7 @@ import torch
 
 import dynsteer
 from dynsteer import Ablation, AddVector, ProjectionClamp, SteeringSpec, SteeringValidationError
-from tests.conftest import make_llm, texts, token_ids
+from tests.conftest import make_llm, needs_eager_hooks, token_ids
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning", "she opened the door and"]
 
@@ -142,6 +142,7 @@ def _site_residual_recorder(layer_idx: int, site: str, store: list):
     return install
 
 
+@needs_eager_hooks
 @pytest.mark.parametrize("site", dynsteer.SITES)
 def test_clamp_and_ablation_bound_the_projection(engine, site):
     llm, st = engine

@@ -1,0 +1,5 @@
+"""The ``dynsteer`` command line (typer)."""
+
+from dynsteer.cli.app import app, main
+
+__all__ = ["app", "main"]
