@@ -10,7 +10,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,6 +30,9 @@ class DynsteerConfig(BaseModel):
         vectors: named vectors to load in every process at start-up: ``{name: "file.safetensors[:layer]"}``.
         require: fail at model load when the architecture is not supported (default: on whenever this config
             is given; a plain ``LLM`` with dynsteer merely installed only warns).
+        forward: ``"op"`` runs each site as one opaque custom op (the fused Triton kernel on CUDA, the torch
+            reference elsewhere); ``"inline"`` traces the reference's torch ops into the model graph so
+            torch.compile can fuse them into neighbouring kernels (fewer launches per step).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -40,6 +43,7 @@ class DynsteerConfig(BaseModel):
     layers: tuple[int, ...] | None = None
     vectors: dict[str, str] = Field(default_factory=dict)
     require: bool = True
+    forward: Literal["op", "inline"] = "op"
 
     @classmethod
     def from_additional(cls, additional: Any) -> "DynsteerConfig":

@@ -5,8 +5,10 @@ from __future__ import annotations
 import gc
 import os
 
-# Fast, deterministic CPU engines; set before vLLM is imported anywhere in the test process.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+ON_GPU = os.environ.get("DYNSTEER_TEST_DEVICE") == "cuda"
+# Fast, deterministic CPU engines in-process; on GPU each engine gets its own process (vLLM's default), because
+# several CUDA-graph engines built and torn down in one process trip the caching allocator.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if ON_GPU else "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -19,7 +21,6 @@ import pytest
 
 # DYNSTEER_TEST_DEVICE=cuda runs the same integration tests on a GPU the way users run vLLM there: default (v2)
 # runner, torch.compile and CUDA graphs on, bf16 (FlashAttention has no float32 path).
-ON_GPU = os.environ.get("DYNSTEER_TEST_DEVICE") == "cuda"
 ENGINE_DEFAULTS: dict[str, Any] = (
     dict(dtype="bfloat16", enforce_eager=False, max_model_len=256, max_num_seqs=8, seed=0,
          gpu_memory_utilization=0.25) if ON_GPU else
@@ -32,6 +33,7 @@ def make_llm(model: str, **kwargs: Any) -> Iterator[Any]:
     """An in-process ``vllm.LLM`` that is torn down on exit (one engine alive at a time keeps memory flat)."""
     from vllm import LLM
 
+    _release_memory()  # an earlier engine freed while this one profiles memory trips vLLM's check
     llm = LLM(model=str(model), **{**ENGINE_DEFAULTS, **kwargs})
     try:
         yield llm
@@ -39,7 +41,11 @@ def make_llm(model: str, **kwargs: Any) -> Iterator[Any]:
         with contextlib.suppress(Exception):
             llm.llm_engine.engine_core.shutdown()
         del llm
-        gc.collect()
+        _release_memory()
+
+
+def _release_memory() -> None:
+    gc.collect()
 
 
 def texts(outputs: list[Any]) -> list[str]:

@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import dynsteer
-from dynsteer import AddVector, SteeringSpec
+from dynsteer import AddVector, DynsteerConfig, SteeringSpec
 from tests.conftest import ENGINE_DEFAULTS, make_llm, token_ids
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning"]
@@ -23,9 +24,11 @@ def greedy(n: int = 10):
     return SamplingParams(temperature=0.0, max_tokens=n)
 
 
-def test_compiled_forward_steers_and_restores(tiny_llama_path):
-    """Hooks are installed before torch.compile traces, so the compiled graph contains them."""
-    with make_llm(tiny_llama_path, enforce_eager=False) as llm:
+@pytest.mark.parametrize("forward", ["op", "inline"])
+def test_compiled_forward_steers_and_restores(tiny_llama_path, forward):
+    """Hooks are installed before torch.compile traces, so the compiled graph contains them (as one custom op per
+    site, or as plain torch ops the compiler may fuse)."""
+    with make_llm(tiny_llama_path, enforce_eager=False, **DynsteerConfig(forward=forward).engine_kwargs()) as llm:
         st = dynsteer.attach(llm)
         base = token_ids(llm.generate(PROMPTS, greedy()))
         v = (np.random.default_rng(2).standard_normal(st.hidden_size) * 8).astype(np.float32)

@@ -70,13 +70,13 @@ def test_v1_and_v2_views_give_identical_rows_per_token():
 
     a, b = rows_by_request(v1, v1_order), rows_by_request(v2, v2_order)
     for req in SCHEDULE:
-        ta = [v1.tables.vec[0, row].tolist() for row in a[req]]
-        tb = [v2.tables.vec[0, row].tolist() for row in b[req]]
+        ta = [v1.tables.vec_at((1, "post_block"), row).tolist() for row in a[req]]
+        tb = [v2.tables.vec_at((1, "post_block"), row).tolist() for row in b[req]]
         assert ta == tb, req  # same vector per token (row numbers themselves may differ)
     assert v2.tables.row_index[n:n + 8].tolist() == [0] * 8  # padding reads the zero row
     # phase split inside one chunk: the resumed request's first 6 tokens are prompt, the next 4 generated
-    resumed = [v1.tables.vec[0, row, 0].item() for row in a["resumed"]]
+    resumed = [v1.tables.vec_at((1, "post_block"), row)[0].item() for row in a["resumed"]]
     assert resumed == [0.0] * 6 + [6.0] * 4
-    assert [v1.tables.vec[0, row, 0].item() for row in a["prefill-chunk"]] == [7.0] * 16
-    assert [v1.tables.vec[0, row, 0].item() for row in a["decode-a"]] == [6.0]
+    assert [v1.tables.vec_at((1, "post_block"), row)[0].item() for row in a["prefill-chunk"]] == [7.0] * 16
+    assert [v1.tables.vec_at((1, "post_block"), row)[0].item() for row in a["decode-a"]] == [6.0]
     assert a["decode-b"] == [0]

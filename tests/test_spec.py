@@ -156,9 +156,8 @@ def test_runtime_plans_rows_per_token_phase_and_zeroes_padding():
     pre, dec = rt.requests["a"].rows
     assert pre != dec and pre > 0 and dec > 0
     assert idx[:5] == [pre, pre, dec, dec, 0] and idx[5:8] == [0, 0, 0]
-    slot = rt.tables.slot[(1, "post_block")]
-    assert torch.allclose(rt.tables.vec[slot, pre], torch.from_numpy(vec(1)))
-    assert torch.allclose(rt.tables.vec[slot, dec], torch.from_numpy(vec(2)))
+    assert torch.allclose(rt.tables.vec_at((1, "post_block"), pre), torch.from_numpy(vec(1)))
+    assert torch.allclose(rt.tables.vec_at((1, "post_block"), dec), torch.from_numpy(vec(2)))
     rt.release(["a", "b"])
     assert rt.pool.in_use == 0
 
@@ -172,7 +171,7 @@ def test_runtime_global_change_recompiles_live_requests_and_bad_payload_falls_ba
     rt.set_global(SteeringSpec(vectors=[AddVector(layer=0, vector=vec(5))]))
     row = rt.requests["x"].rows[0]
     assert row > 0 and rt.requests["bad"].rows[0] == row  # both share the global-only row
-    assert torch.allclose(rt.tables.vec[rt.tables.slot[(0, "post_block")], row], torch.from_numpy(vec(5)))
+    assert torch.allclose(rt.tables.vec_at((0, "post_block"), row), torch.from_numpy(vec(5)))
     with pytest.raises(SteeringValidationError, match="global.vectors\\[0\\].layer"):
         rt.set_global(SteeringSpec(vectors=[AddVector(layer=7, vector=vec(5))]))
     assert rt.requests["x"].rows[0] == row  # a rejected global spec changes nothing

@@ -87,6 +87,7 @@ def _runtime_for_current_model() -> SteeringRuntime:
         tables = SteeringTables([(l, s) for l in layers for s in cfg.sites], shape.hidden_size, cfg.max_rows,
                                 cfg.max_clamps, max_tokens)
         rt = SteeringRuntime(shape, tables)
+        rt.inline_forward = cfg.forward == "inline"
         for name, ref in cfg.vectors.items():
             rt.register_vector(name, load_named_vector(ref, shape.hidden_size))
         _building[key] = rt
@@ -129,7 +130,7 @@ def _attach(layer: nn.Module, prefix: str, adapter: Adapter) -> None:
     for site in rt.shape.sites:
         if (idx, site) not in rt.tables.slot:
             continue
-        hook = SiteHook(rt.tables, idx, site)
+        hook = SiteHook(rt.tables, idx, site, inline=rt.inline_forward)
         hook.runtime = rt
         if site == "post_attn":
             norm = getattr(layer, adapter.mid_norm)

@@ -73,6 +73,7 @@ class SteeringRuntime:
         self.global_spec = SteeringSpec()
         self.requests: dict[str, RequestEntry] = {}
         self.stats = RuntimeStats()
+        self.inline_forward = False  # set by the engine adapter from DynsteerConfig.forward
         self._host_index = np.zeros(tables.row_index.shape[0], np.int32)
         self._high_water = 0
 

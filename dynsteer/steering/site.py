@@ -10,23 +10,31 @@ import torch
 from torch import nn
 
 from dynsteer.kernels import ops  # noqa: F401  (registers torch.ops.dynsteer.*)
+from dynsteer.kernels.reference import steer_site_reference
 from dynsteer.spec import Site
 from dynsteer.steering.tables import SteeringTables
+
+# vLLM's compile cache hashes the source files Dynamo traces (this one) but not tables.py; a cached graph built for
+# another buffer layout can read stale snapshots. Bump this when the tables' tensors change shape or ownership.
+TABLE_LAYOUT = 2
 
 
 class SiteHook(nn.Module):
     """Applies the row-selected additive vector and clamps to the branch tensor ``h`` given the residual ``r``."""
 
-    def __init__(self, tables: SteeringTables, layer: int, site: Site) -> None:
+    def __init__(self, tables: SteeringTables, layer: int, site: Site, inline: bool = False) -> None:
         super().__init__()
-        self.layer, self.site = layer, site
+        self.layer, self.site, self.inline = layer, site, inline
         self.register_buffer("row_index", tables.row_index, persistent=False)
         for name, view in tables.views(layer, site).items():
             self.register_buffer(name, view, persistent=False)
 
     def forward(self, h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        if self.inline:  # plain torch ops: traced into the graph, fusable by torch.compile
+            return steer_site_reference(h, r, self.row_index, self.vec, self.clamp_dir, self.clamp_lo,
+                                        self.clamp_hi, self.clamp_strength)
         return torch.ops.dynsteer.steer_site(h, r, self.row_index, self.vec, self.clamp_dir, self.clamp_lo,
                                              self.clamp_hi, self.clamp_strength)
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer}, site={self.site}"
+        return f"layer={self.layer}, site={self.site}, inline={self.inline}"

@@ -64,46 +64,54 @@ class RowPool:
 
 
 class SteeringTables:
-    """The device tensors; views per site are handed to the hooks installed in decoder layers."""
+    """The device tensors; each hooked site owns its own tensors, handed to the hook installed in its layer.
+
+    Each site's tensors are standalone allocations, not views of one big table: compiled graphs have been seen
+    to snapshot module buffers that are views (steering then stops working under torch.compile on GPU), while
+    standalone buffers are read live.
+    """
+
+    FIELDS = ("vec", "clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength")
 
     def __init__(self, sites: list[SiteKey], hidden_size: int, num_rows: int, max_clamps: int, max_tokens: int,
                  device: torch.device | str | None = None) -> None:
         self.sites = list(sites)
         self.slot = {key: i for i, key in enumerate(self.sites)}
         self.hidden_size, self.num_rows, self.max_clamps = hidden_size, num_rows, max_clamps
-        n, R, K, H = len(self.sites), num_rows, max_clamps, hidden_size
+        R, K, H = num_rows, max_clamps, hidden_size
         f32 = dict(dtype=torch.float32, device=device)
-        self.vec = torch.zeros(n, R, H, **f32)
-        self.clamp_dir = torch.zeros(n, R, K, H, **f32)
-        self.clamp_lo = torch.full((n, R, K), -float("inf"), **f32)
-        self.clamp_hi = torch.full((n, R, K), float("inf"), **f32)
-        self.clamp_strength = torch.zeros(n, R, K, **f32)
+        self._site: dict[SiteKey, dict[str, torch.Tensor]] = {
+            key: {"vec": torch.zeros(R, H, **f32), "clamp_dir": torch.zeros(R, K, H, **f32),
+                  "clamp_lo": torch.full((R, K), -float("inf"), **f32),
+                  "clamp_hi": torch.full((R, K), float("inf"), **f32), "clamp_strength": torch.zeros(R, K, **f32)}
+            for key in self.sites}
         self.row_index = torch.zeros(max_tokens, dtype=torch.int32, device=device)
-        self.device = self.vec.device
+        self.device = self.row_index.device
 
     def views(self, layer: int, site: Site) -> dict[str, torch.Tensor]:
-        i = self.slot[(layer, site)]
-        return {"vec": self.vec[i], "clamp_dir": self.clamp_dir[i], "clamp_lo": self.clamp_lo[i],
-                "clamp_hi": self.clamp_hi[i], "clamp_strength": self.clamp_strength[i]}
+        return self._site[(layer, site)]
+
+    def vec_at(self, key: SiteKey, row: int) -> torch.Tensor:
+        """The additive vector a row holds at one site (for inspection and tests)."""
+        return self._site[key]["vec"][row]
 
     def write_row(self, row: int, content: RowContent) -> None:
         """Write one row at every hooked site (sites the config does not touch get zeros)."""
-        n, K, H = len(self.sites), self.max_clamps, self.hidden_size
-        vec = np.zeros((n, H), np.float32)
-        cdir = np.zeros((n, K, H), np.float32)
-        lo = np.full((n, K), -np.inf, np.float32)
-        hi = np.full((n, K), np.inf, np.float32)
-        strength = np.zeros((n, K), np.float32)
-        for key, prog in content.sites.items():
-            i = self.slot[key]
-            if prog.vec is not None:
-                vec[i] = prog.vec
-            for k, c in enumerate(prog.clamps):
-                cdir[i, k], lo[i, k], hi[i, k], strength[i, k] = c.direction, c.lo, c.hi, c.strength
-        for dst, src in ((self.vec, vec), (self.clamp_dir, cdir), (self.clamp_lo, lo), (self.clamp_hi, hi),
-                         (self.clamp_strength, strength)):
-            dst[:, row].copy_(torch.from_numpy(src), non_blocking=False)
+        K, H = self.max_clamps, self.hidden_size
+        zeros_vec = np.zeros(H, np.float32)
+        for key, tensors in self._site.items():
+            prog = content.sites.get(key)
+            cdir = np.zeros((K, H), np.float32)
+            lo, hi = np.full(K, -np.inf, np.float32), np.full(K, np.inf, np.float32)
+            strength = np.zeros(K, np.float32)
+            if prog is not None:
+                for k, c in enumerate(prog.clamps):
+                    cdir[k], lo[k], hi[k], strength[k] = c.direction, c.lo, c.hi, c.strength
+            vec = prog.vec if prog is not None and prog.vec is not None else zeros_vec
+            for name, src in (("vec", vec), ("clamp_dir", cdir), ("clamp_lo", lo), ("clamp_hi", hi),
+                              ("clamp_strength", strength)):
+                tensors[name][row].copy_(torch.from_numpy(src), non_blocking=False)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.vec, self.clamp_dir, self.clamp_lo, self.clamp_hi,
-                                                          self.clamp_strength, self.row_index))
+        per_site = sum(t.numel() * t.element_size() for t in next(iter(self._site.values()), {}).values())
+        return per_site * len(self._site) + self.row_index.numel() * self.row_index.element_size()

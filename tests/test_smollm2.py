@@ -1,0 +1,47 @@
+"""Steering a real model: SmolLM2-135M-Instruct (converted once from the registry's GGUF)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dynsteer
+from dynsteer import AddVector, SteeringSpec
+from tests.conftest import make_llm, token_ids
+
+QUESTIONS = ["Write one sentence about your weekend.", "Describe the weather today.", "What is the capital of France?"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_path():
+    from dynsteer.zoo import smollm2
+
+    return smollm2()
+
+
+@pytest.fixture(scope="module")
+def sentiment_vector(smollm2_path):
+    from dynsteer.cli.demo import contrastive_vector
+
+    return contrastive_vector(smollm2_path, layer=15)
+
+
+def test_smollm2_sentiment_steering_changes_output_and_restores(smollm2_path, sentiment_vector):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    with make_llm(smollm2_path, max_model_len=512) as llm:
+        st = dynsteer.attach(llm)
+        assert st.num_layers == 30 and st.hidden_size == 576
+        base = llm.chat(convs, params)
+        assert "Paris" in base[2].outputs[0].text
+        neg = SteeringSpec(vectors=[AddVector(layer=15, vector=sentiment_vector, scale=-1.5)])
+        mixed = st.chat(convs, params, steering=[neg, None, neg])
+        assert token_ids(mixed)[1] == token_ids(base)[1]
+        assert token_ids(mixed)[0] != token_ids(base)[0] and token_ids(mixed)[2] != token_ids(base)[2]
+        st.set_layer_vector(15, sentiment_vector, scale=-1.5)
+        assert token_ids(llm.chat(convs, params)) != token_ids(base)
+        st.clear_all()
+        assert token_ids(llm.chat(convs, params)) == token_ids(base)
+        assert np.linalg.norm(sentiment_vector) > 1.0
