@@ -5,6 +5,9 @@ user API and imports no vLLM internals.
 """
 
 from dynsteer.api import Steerer, attach, steer_params
+from dynsteer.capture.reader import CaptureReader
+from dynsteer.capture.result import Capture
+from dynsteer.capture.spec import CaptureSpec
 from dynsteer.config import DynsteerConfig
 from dynsteer.payload import decode_payload, encode_payload
 from dynsteer.spec import (SITES, TIERS, Ablation, AddVector, ModelShape, ProjectionClamp, SteeringSpec,
@@ -12,6 +15,6 @@ from dynsteer.spec import (SITES, TIERS, Ablation, AddVector, ModelShape, Projec
 from dynsteer.vectors import load_vector, save_vector
 
 __version__ = "0.1.0"
-__all__ = ["Ablation", "AddVector", "DynsteerConfig", "ModelShape", "ProjectionClamp", "SITES", "Steerer",
+__all__ = ["Ablation", "AddVector", "Capture", "CaptureReader", "CaptureSpec", "DynsteerConfig", "ModelShape", "ProjectionClamp", "SITES", "Steerer",
            "SteeringSpec", "SteeringValidationError", "TIERS", "attach", "decode_payload", "encode_payload",
            "load_vector", "save_vector", "steer_params"]

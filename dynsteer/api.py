@@ -15,11 +15,14 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from dynsteer.capture.result import Capture, unpack_record
+from dynsteer.capture.spec import CaptureSpec
 from dynsteer.engine.apc import state_of
 from dynsteer.payload import PAYLOAD_KEY, encode_payload
 from dynsteer.spec import (AddVector, Ablation, ModelShape, ProjectionClamp, Site, SteeringSpec, Tier,
@@ -28,14 +31,15 @@ from dynsteer.steering.compile import compile_phase
 from dynsteer.vectors import as_vector, pack_vector
 
 
-def steer_params(sampling_params: Any, spec: SteeringSpec | None, tag: str | None = None) -> Any:
-    """A copy of ``sampling_params`` carrying ``spec`` as this request's steering (``None``: unchanged copy).
+def steer_params(sampling_params: Any, spec: SteeringSpec | None, tag: str | None = None,
+                 capture: CaptureSpec | None = None) -> Any:
+    """A copy of ``sampling_params`` carrying ``spec`` (and ``capture``) for this request (``None``: plain copy).
 
     Works for any client that submits ``SamplingParams`` (``LLM``, ``AsyncLLM``, ``LLMEngine.add_request``).
     """
     params = sampling_params.clone()
-    if spec is not None and not spec.is_empty():
-        params.extra_args = {**(params.extra_args or {}), PAYLOAD_KEY: encode_payload(spec, tag)}
+    if (spec is not None and not spec.is_empty()) or capture is not None:
+        params.extra_args = {**(params.extra_args or {}), PAYLOAD_KEY: encode_payload(spec, tag, capture)}
     return params
 
 
@@ -135,32 +139,65 @@ class Steerer:
 
     # ---- generation ---------------------------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None, *,
-                 steering: SteeringSpec | Sequence[SteeringSpec | None] | None = None, **kwargs: Any) -> list[Any]:
-        """``LLM.generate`` with per-request steering: one spec for all prompts, or one (or ``None``) per prompt."""
-        return self.llm.generate(prompts, self._params(prompts, sampling_params, steering), **kwargs)
+                 steering: SteeringSpec | Sequence[SteeringSpec | None] | None = None,
+                 capture: CaptureSpec | None = None, **kwargs: Any) -> list[Any]:
+        """``LLM.generate`` with per-request steering and capture.
+
+        Args:
+            prompts: as for ``LLM.generate``.
+            sampling_params: one ``SamplingParams`` or one per prompt.
+            steering: one spec for all prompts, or one (or ``None``) per prompt.
+            capture: capture these places for every prompt; each output then has ``output.capture``
+                (a :class:`~dynsteer.capture.result.Capture`).
+        """
+        params, tags = self._params(prompts, sampling_params, steering, capture=capture)
+        return self._with_captures(self.llm.generate(prompts, params, **kwargs), tags)
 
     def chat(self, messages: Any, sampling_params: Any = None, *,
-             steering: SteeringSpec | Sequence[SteeringSpec | None] | None = None, **kwargs: Any) -> list[Any]:
-        """``LLM.chat`` with per-request steering (``messages``: one conversation or a list of them)."""
-        return self.llm.chat(messages, self._params(messages, sampling_params, steering, chat=True), **kwargs)
+             steering: SteeringSpec | Sequence[SteeringSpec | None] | None = None,
+             capture: CaptureSpec | None = None, **kwargs: Any) -> list[Any]:
+        """``LLM.chat`` with per-request steering and capture (``messages``: one conversation or a list)."""
+        params, tags = self._params(messages, sampling_params, steering, chat=True, capture=capture)
+        return self._with_captures(self.llm.chat(messages, params, **kwargs), tags)
+
+    def set_capture(self, spec: CaptureSpec | None) -> None:
+        """Capture every request admitted from now on (results go to the engine's configured consumers)."""
+        self.llm.collective_rpc("dynsteer_set_capture", args=(None if spec is None else spec.model_dump(mode="json"),))
+
+    def take_captures(self, tags: Sequence[str]) -> dict[str, Capture]:
+        """In-memory captures of finished requests, by payload tag (each can be taken once)."""
+        packed = [rec for rank in self.llm.collective_rpc("dynsteer_take_captures", args=(list(tags),)) for rec in rank]
+        return {c.tag: c for c in map(unpack_record, packed)}
+
+    def _with_captures(self, outputs: list[Any], tags: list[str] | None) -> list[Any]:
+        if tags is None:
+            return outputs
+        captures = self.take_captures(tags)
+        for out, tag in zip(outputs, tags):
+            out.capture = captures.get(tag)
+        return outputs
 
     def detach(self) -> None:
         """Clear global steering; the engine keeps running unsteered."""
         self.clear_all()
 
     # ---- internals ------------------------------------------------------------------------------------------------
-    def _params(self, prompts: Any, sampling_params: Any, steering: Any, chat: bool = False) -> Any:
+    def _params(self, prompts: Any, sampling_params: Any, steering: Any, chat: bool = False,
+                capture: CaptureSpec | None = None) -> tuple[Any, list[str] | None]:
         from vllm import SamplingParams
 
         base = sampling_params or SamplingParams()
-        if steering is None or isinstance(steering, SteeringSpec):
-            return steer_params(base, steering)
+        if capture is None and (steering is None or isinstance(steering, SteeringSpec)):
+            return steer_params(base, steering), None
         single = isinstance(prompts, (str, dict)) or (chat and prompts and isinstance(prompts[0], dict))
         n = 1 if single else len(prompts)
-        if len(steering) != n:
-            raise ValueError(f"steering: got {len(steering)} specs for {n} prompts")
+        specs = [steering] * n if steering is None or isinstance(steering, SteeringSpec) else list(steering)
+        if len(specs) != n:
+            raise ValueError(f"steering: got {len(specs)} specs for {n} prompts")
         bases = base if isinstance(base, list) else [base] * n
-        return [steer_params(b, s) for b, s in zip(bases, steering)]
+        tags = [f"ds-{uuid.uuid4().hex}" for _ in range(n)] if capture is not None else None
+        params = [steer_params(b, s, tags[i] if tags else None, capture) for i, (b, s) in enumerate(zip(bases, specs))]
+        return params, tags
 
     def _replaced(self, layer: int, site: Site, tier: Tier, kind: str) -> SteeringSpec:
         spec = self.export_steering_spec()

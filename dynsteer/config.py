@@ -30,6 +30,11 @@ class DynsteerConfig(BaseModel):
         vectors: named vectors to load in every process at start-up: ``{name: "file.safetensors[:layer]"}``.
         require: fail at model load when the architecture is not supported (default: on whenever this config
             is given; a plain ``LLM`` with dynsteer merely installed only warns).
+        capture_sites: sites that get a persistent capture buffer (per-request and global captures choose among
+            these places; none: capture off, zero cost).
+        capture_layers: layers with capture buffers (``None``: every hooked layer).
+        capture_consumers: ``{name: options}`` of consumers built in every worker (``memory``, ``filesystem``
+            with ``root``/``layout``, or an entry point of group ``dynsteer.capture_consumers``).
         forward: ``"op"`` runs each site as one opaque custom op (the fused Triton kernel on CUDA, the torch
             reference elsewhere); ``"inline"`` traces the reference's torch ops into the model graph so
             torch.compile can fuse them into neighbouring kernels (fewer launches per step).
@@ -44,6 +49,16 @@ class DynsteerConfig(BaseModel):
     vectors: dict[str, str] = Field(default_factory=dict)
     require: bool = True
     forward: Literal["op", "inline"] = "op"
+    capture_sites: tuple[Site, ...] = ()
+    capture_layers: tuple[int, ...] | None = None
+    capture_consumers: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"memory": {}})
+
+    def capture_places(self, num_layers: int) -> list[tuple[int, Site]]:
+        """The (layer, site) places with capture buffers, for a model of ``num_layers`` layers."""
+        layers = range(num_layers) if self.capture_layers is None else self.capture_layers
+        hooked = set(range(num_layers) if self.layers is None else self.layers)
+        return [(l, s) for l in layers if l in hooked and l < num_layers for s in self.capture_sites
+                if s in self.sites]
 
     @classmethod
     def from_additional(cls, additional: Any) -> "DynsteerConfig":

@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 from pydantic import ValidationError
 
+from dynsteer.capture.spec import CaptureSpec
 from dynsteer.spec import SteeringSpec, SteeringValidationError
 
 PAYLOAD_KEY = "dynsteer"
@@ -24,10 +25,11 @@ _PREFIX = "ds1:"
 
 @dataclass(frozen=True)
 class RequestPayload:
-    """A decoded payload: the request's static spec and an optional user correlation tag."""
+    """A decoded payload: the request's static spec, an optional capture spec and a correlation tag."""
 
     spec: SteeringSpec
     tag: str | None = None
+    capture: CaptureSpec | None = None
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -36,9 +38,12 @@ def _enc_hook(obj: Any) -> Any:
     raise NotImplementedError(type(obj).__name__)
 
 
-def encode_payload(spec: SteeringSpec, tag: str | None = None) -> str:
-    """Pack a spec (and optional tag) into the string stored under ``extra_args["dynsteer"]``."""
-    body = {"spec": spec.model_dump(mode="python"), "tag": tag}
+def encode_payload(spec: SteeringSpec | None = None, tag: str | None = None,
+                   capture: CaptureSpec | None = None) -> str:
+    """Pack a spec, an optional capture spec and a tag into the string stored under ``extra_args["dynsteer"]``."""
+    body: dict[str, Any] = {"spec": (spec or SteeringSpec()).model_dump(mode="python"), "tag": tag}
+    if capture is not None:
+        body["capture"] = capture.model_dump(mode="python")
     return _PREFIX + base64.b64encode(msgspec.msgpack.encode(body, enc_hook=_enc_hook)).decode("ascii")
 
 
@@ -55,15 +60,20 @@ def decode_payload(obj: Any, field: str = f"extra_args.{PAYLOAD_KEY}") -> Reques
         body = obj
     else:
         raise SteeringValidationError(f"{field}: expected a packed string or an object, got {type(obj).__name__}")
-    if not isinstance(body, dict) or "spec" not in body or set(body) - {"spec", "tag"}:
-        raise SteeringValidationError(f"{field}: payload must be an object with keys 'spec' and optional 'tag'")
-    try:
-        spec = SteeringSpec.model_validate(body["spec"])
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise SteeringValidationError(f"{field}.spec.{loc}: {err['msg']}") from None
+    if not isinstance(body, dict) or set(body) - {"spec", "tag", "capture"}:
+        raise SteeringValidationError(
+            f"{field}: payload must be an object with keys 'spec', 'capture' and 'tag' (all optional)")
+    parsed: dict[str, Any] = {}
+    for key, model in (("spec", SteeringSpec), ("capture", CaptureSpec)):
+        if body.get(key) is None:
+            continue
+        try:
+            parsed[key] = model.model_validate(body[key])
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"])
+            raise SteeringValidationError(f"{field}.{key}.{loc}: {err['msg']}") from None
     tag = body.get("tag")
     if tag is not None and not isinstance(tag, str):
         raise SteeringValidationError(f"{field}.tag: must be a string")
-    return RequestPayload(spec=spec, tag=tag)
+    return RequestPayload(spec=parsed.get("spec", SteeringSpec()), tag=tag, capture=parsed.get("capture"))

@@ -52,6 +52,7 @@ def test_packed_payload_round_trip_and_is_one_string():
     ({"spec": {"vectors": [{"layer": -1, "vector": [1.0]}]}}, "vectors.0.layer"),
     ({"spec": {"clamps": [{"layer": 0, "direction": [1.0]}]}}, "clamps.0"),
     ({"spec": {}, "extra": 1}, "keys"),
+    ({"capture": {"layers": []}}, "capture.layers"),
     (12, "expected a packed string"),
 ])
 def test_malformed_payloads_name_the_field(bad, field):

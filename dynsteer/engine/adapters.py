@@ -20,8 +20,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
+from dynsteer.capture.consumers import build_consumer
+from dynsteer.capture.store import CaptureCollector
 from dynsteer.config import DynsteerConfig
 from dynsteer.spec import ModelShape
 from dynsteer.steering.runtime import SteeringRuntime
@@ -88,10 +91,26 @@ def _runtime_for_current_model() -> SteeringRuntime:
                                 cfg.max_clamps, max_tokens)
         rt = SteeringRuntime(shape, tables)
         rt.inline_forward = cfg.forward == "inline"
+        places = cfg.capture_places(num_layers)
+        if places:
+            emit = _tp_rank() == 0  # residuals are identical on every TP rank: one rank publishes
+            stages = {p: torch.zeros(max_tokens, shape.hidden_size, dtype=torch.get_default_dtype()) for p in places}
+            consumers = ({name: build_consumer(name, opts) for name, opts in cfg.capture_consumers.items()}
+                         if emit else {})
+            rt.attach_capture(CaptureCollector(stages, emit=emit), consumers)
         for name, ref in cfg.vectors.items():
             rt.register_vector(name, load_named_vector(ref, shape.hidden_size))
         _building[key] = rt
     return rt
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, ImportError, RuntimeError):
+        return 0
 
 
 def load_named_vector(ref: str, hidden_size: int):
@@ -130,7 +149,8 @@ def _attach(layer: nn.Module, prefix: str, adapter: Adapter) -> None:
     for site in rt.shape.sites:
         if (idx, site) not in rt.tables.slot:
             continue
-        hook = SiteHook(rt.tables, idx, site, inline=rt.inline_forward)
+        stage = rt.capture.stages.get((idx, site)) if rt.capture is not None else None
+        hook = SiteHook(rt.tables, idx, site, inline=rt.inline_forward, stage=stage)
         hook.runtime = rt
         if site == "post_attn":
             norm = getattr(layer, adapter.mid_norm)

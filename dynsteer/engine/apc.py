@@ -31,6 +31,7 @@ class FrontendState:
     shape: ModelShape
     named: dict[str, np.ndarray] = field(default_factory=dict)
     global_spec: SteeringSpec = field(default_factory=SteeringSpec)
+    capture_places: set = field(default_factory=set)
 
     def admit(self, payload: Any) -> tuple[str, str]:
         """Validate ``payload`` (None: no per-request steering).
@@ -40,7 +41,10 @@ class FrontendState:
         """
         specs = [("global.", self.global_spec)]
         if payload is not None:
-            specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", decode_payload(payload).spec))
+            decoded = decode_payload(payload)
+            specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", decoded.spec))
+            if decoded.capture is not None:
+                decoded.capture.check(self.shape, self.capture_places, f"extra_args.{PAYLOAD_KEY}.capture")
         return tuple(compile_phase(specs, phase, self.shape, self.named).digest.hex()  # type: ignore[return-value]
                      for phase in ("prefill", "decode"))
 
@@ -62,7 +66,8 @@ def frontend_state(input_processor: Any) -> FrontendState:
         vllm_config = input_processor.vllm_config
         shape = shape_from_vllm_config(vllm_config)
         cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
-        state = FrontendState(shape, {n: load_named_vector(r, shape.hidden_size) for n, r in cfg.vectors.items()})
+        state = FrontendState(shape, {n: load_named_vector(r, shape.hidden_size) for n, r in cfg.vectors.items()},
+                              capture_places=set(cfg.capture_places(shape.num_layers)))
         input_processor._dynsteer_frontend = state
     return state
 

@@ -38,11 +38,10 @@ def _payload(sampling_params: Any) -> Any:
     return extra.get(PAYLOAD_KEY)
 
 
-def _released(scheduler_output: Any) -> set[str]:
-    ids = set(scheduler_output.finished_req_ids)
+def _release(rt: SteeringRuntime, scheduler_output: Any) -> None:
+    rt.release(scheduler_output.finished_req_ids, finished=True)
     if scheduler_output.preempted_req_ids:
-        ids |= scheduler_output.preempted_req_ids
-    return ids
+        rt.release(scheduler_output.preempted_req_ids, finished=False)
 
 
 # ---- v1 runner (CPU, and GPU with VLLM_USE_V2_MODEL_RUNNER=0) ---------------------------------------------------
@@ -57,14 +56,22 @@ def v1_batch_view(runner: Any, num_scheduled_tokens: np.ndarray) -> BatchView:
 
 
 def patch_v1_runner(cls: type) -> None:
-    orig_update, orig_prepare = cls._update_states, cls._prepare_inputs
+    orig_update, orig_prepare, orig_forward = cls._update_states, cls._prepare_inputs, cls._model_forward
 
     @functools.wraps(orig_update)
     def _update_states(self: Any, scheduler_output: Any) -> Any:
         rt = runtime_of(self)
         if rt is not None:
-            rt.release(_released(scheduler_output))
+            _release(rt, scheduler_output)
         return orig_update(self, scheduler_output)
+
+    @functools.wraps(orig_forward)
+    def _model_forward(self: Any, *a: Any, **k: Any) -> Any:
+        out = orig_forward(self, *a, **k)
+        rt = runtime_of(self)
+        if rt is not None:
+            rt.after_forward()
+        return out
 
     @functools.wraps(orig_prepare)
     def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray, *a: Any, **k: Any):
@@ -76,7 +83,7 @@ def patch_v1_runner(cls: type) -> None:
                     lambda req_id: _payload(requests[req_id].sampling_params))
         return out
 
-    cls._update_states, cls._prepare_inputs = _update_states, _prepare_inputs
+    cls._update_states, cls._prepare_inputs, cls._model_forward = _update_states, _prepare_inputs, _model_forward
 
 
 # ---- v2 runner (GPU default) -------------------------------------------------------------------------------------
@@ -92,20 +99,28 @@ def v2_batch_view(input_batch: Any, prompt_lens: dict[str, int]) -> BatchView:
 def patch_v2_runner(cls: type) -> None:
     """v2 keeps no request → SamplingParams map: record the payload and prompt length when requests are added."""
     orig_finish, orig_add, orig_prepare = cls.finish_requests, cls.add_requests, cls.prepare_inputs
+    orig_execute = cls.execute_model
 
     def _state(self: Any) -> dict[str, tuple[Any, int]]:
         return self.__dict__.setdefault("_dynsteer_reqs", {})
 
     @functools.wraps(orig_finish)
     def finish_requests(self: Any, scheduler_output: Any) -> Any:
-        released = _released(scheduler_output)
         state = _state(self)
-        for req_id in released:
+        for req_id in scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set()):
             state.pop(req_id, None)
         rt = runtime_of(self)
         if rt is not None:
-            rt.release(released)
+            _release(rt, scheduler_output)
         return orig_finish(self, scheduler_output)
+
+    @functools.wraps(orig_execute)
+    def execute_model(self: Any, *a: Any, **k: Any) -> Any:
+        out = orig_execute(self, *a, **k)
+        rt = runtime_of(self)
+        if rt is not None:
+            rt.after_forward()  # the forward is enqueued; a dummy run selected nothing, so this is a no-op
+        return out
 
     @functools.wraps(orig_add)
     def add_requests(self: Any, scheduler_output: Any) -> Any:
@@ -125,3 +140,4 @@ def patch_v2_runner(cls: type) -> None:
         return input_batch
 
     cls.finish_requests, cls.add_requests, cls.prepare_inputs = finish_requests, add_requests, prepare_inputs
+    cls.execute_model = execute_model

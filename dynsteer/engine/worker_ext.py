@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dynsteer.capture.result import pack_record
+from dynsteer.capture.spec import CaptureSpec
 from dynsteer.engine.adapters import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
 from dynsteer.engine.runner import runtime_of
 from dynsteer.payload import decode_payload
@@ -47,8 +49,24 @@ def dynsteer_unregister_vector(self: Any, name: str) -> None:
     _runtime(self).named.pop(name, None)
 
 
+def dynsteer_set_capture(self: Any, spec: dict[str, Any] | None) -> None:
+    """Capture every request admitted from now on with ``spec`` (a CaptureSpec as JSON; None turns it off)."""
+    rt = _runtime(self)
+    if rt.capture is None:
+        raise ValueError("capture: this engine has no capture places; set DynsteerConfig(capture_sites=...)")
+    parsed = None if spec is None else CaptureSpec.model_validate(spec)
+    if parsed is not None:
+        parsed.check(rt.shape, rt.capture.places)
+    rt.capture.global_spec = parsed
+
+
+def dynsteer_take_captures(self: Any, tags: list[str]) -> list[dict[str, Any]]:
+    """Finish and return the in-memory captures with these tags (rank 0 returns data; other ranks return [])."""
+    return [pack_record(rec) for rec in _runtime(self).take_captures(tags)]
+
+
 RPC_METHODS = {f.__name__: f for f in (dynsteer_describe, dynsteer_set_global, dynsteer_register_vector,
-                                        dynsteer_unregister_vector)}
+                                        dynsteer_unregister_vector, dynsteer_set_capture, dynsteer_take_captures)}
 
 
 def install(wrapper_cls: type) -> None:

@@ -122,3 +122,27 @@ def steer_site(
         New [T, H] tensor in h's dtype.
     """
     return torch.ops.dynsteer.steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength)
+
+
+# ---- residual capture ------------------------------------------------------------------------------------------
+STASH_OP_NAME = "dynsteer::stash_residual"
+
+
+def _stash_impl(h: torch.Tensor, r: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    # The unsteered residual stream h + r of every token (padding included) into a persistent buffer; the host
+    # picks the rows it wants after the forward, so the graph never depends on which requests capture.
+    n = h.shape[0]
+    if r is None:
+        out[:n].copy_(h)
+    else:
+        torch.add(h, r, out=out[:n]) if out.dtype == h.dtype else out[:n].copy_(h + r)
+
+
+def _register_stash() -> None:
+    if hasattr(torch.ops.dynsteer, "stash_residual"):
+        return
+    op = torch.library.custom_op(STASH_OP_NAME, mutates_args=("out",))(_stash_impl)
+    op.register_fake(lambda h, r, out: None)
+
+
+_register_stash()

@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from dynsteer.capture.spec import CaptureSpec
+from dynsteer.capture.store import CaptureCollector, CaptureRecord
 from dynsteer.payload import decode_payload
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
 from dynsteer.steering.compile import EMPTY, RowContent, compile_phase
@@ -74,6 +76,8 @@ class SteeringRuntime:
         self.requests: dict[str, RequestEntry] = {}
         self.stats = RuntimeStats()
         self.inline_forward = False  # set by the engine adapter from DynsteerConfig.forward
+        self.capture: CaptureCollector | None = None  # set when the engine has capture places
+        self.consumers: dict[str, Any] = {}
         self._host_index = np.zeros(tables.row_index.shape[0], np.int32)
         self._high_water = 0
 
@@ -102,26 +106,35 @@ class SteeringRuntime:
         return compile_phase([("global.", self.global_spec)], "prefill", self.shape, self.named).digest.hex()
 
     # ---- data plane (once per step) ---------------------------------------------------------------------------
-    def release(self, req_ids: Iterable[str]) -> None:
-        """Drop finished or preempted requests; a resumed request is admitted again on its next step."""
+    def release(self, req_ids: Iterable[str], finished: bool = True) -> None:
+        """Drop finished or preempted requests' rows; a resumed request is admitted again on its next step.
+
+        A preempted request keeps its capture record (its ledger skips the positions it recomputes); a finished one
+        hands the record to its consumers.
+        """
         for req_id in req_ids:
             entry = self.requests.pop(req_id, None)
             if entry is not None:
                 self._release_rows(entry)
+            if finished and self.capture is not None:
+                self._deliver(self.capture.finish(req_id))
 
     def admit(self, req_id: str, payload: Any, prompt_len: int) -> RequestEntry:
         spec = tag = None
+        capture: CaptureSpec | None = None
         error = None
         if payload is not None:
             try:
                 decoded = decode_payload(payload)
-                spec, tag = decoded.spec, decoded.tag
+                spec, tag, capture = decoded.spec, decoded.tag, decoded.capture
             except SteeringValidationError as exc:
                 # Admission in the frontend rejects these; reaching here means a client bypassed it.
                 error = f"request {req_id}: {exc}"
                 self._record_error(error)
         entry = RequestEntry(prompt_len=prompt_len, spec=spec, tag=tag, error=error)
         self._assign_rows(req_id, entry)
+        if self.capture is not None:
+            self.capture.begin(req_id, tag, capture, prompt_len)
         self.requests[req_id] = entry
         self.stats.admitted += 1
         return entry
@@ -136,6 +149,8 @@ class SteeringRuntime:
             if entry is None:
                 entry = self.admit(req_id, payload_of(req_id), int(view.prompt_lens[i]))
             start, end = int(qsl[i]), int(qsl[i + 1])
+            if self.capture is not None:
+                self.capture.plan(req_id, start, int(view.num_computed[i]), end - start)
             pre_row, dec_row = entry.rows
             if pre_row == dec_row:
                 idx[start:end] = pre_row
@@ -149,6 +164,50 @@ class SteeringRuntime:
         idx[n:upto] = 0
         self._high_water = n
         self.tables.row_index[:upto].copy_(torch.from_numpy(idx[:upto]), non_blocking=False)
+
+    def after_forward(self) -> None:
+        """Called once the step's forward is enqueued: start copying captured rows out."""
+        if self.capture is not None:
+            self.capture.after_forward()
+
+    def take_captures(self, tags: Iterable[str]) -> list[CaptureRecord]:
+        """Finish live records with these tags (the caller knows they are done) and take them from memory."""
+        if self.capture is None:
+            return []
+        tags = set(tags)
+        for req_id in [r for r, rec in self.capture.records.items() if rec.tag in tags]:
+            self._deliver(self.capture.finish(req_id))
+        memory = self.consumers.get("memory")
+        return [rec for tag in tags if memory is not None and (rec := memory.take(tag)) is not None]
+
+    def attach_capture(self, collector: CaptureCollector, consumers: dict[str, Any]) -> None:
+        self.capture, self.consumers = collector, consumers
+        collector.on_chunk = self._on_chunk
+
+    def _on_chunk(self, record: CaptureRecord, positions: np.ndarray, values: dict) -> None:
+        for name in record.spec.consumers:
+            sink = getattr(self.consumers.get(name), "on_chunk", None)
+            if sink is None:
+                continue
+            try:
+                sink(record, positions, values)
+            except Exception as exc:  # noqa: BLE001 - a consumer never aborts generation
+                record.fail(f"consumer {name!r} failed on a chunk: {exc!r}")
+
+    def _deliver(self, record: CaptureRecord | None) -> None:
+        if record is None:
+            return
+        for name in record.spec.consumers:
+            consumer = self.consumers.get(name)
+            try:
+                if consumer is None:
+                    raise KeyError(f"consumer {name!r} is not configured in this engine")
+                consumer.on_finish(record)
+            except Exception as exc:  # noqa: BLE001 - a consumer never aborts generation
+                record.fail(f"consumer {name!r} failed: {exc!r}")
+                memory = self.consumers.get("memory")
+                if memory is not None and name != "memory" and "memory" not in record.spec.consumers:
+                    memory.on_finish(record)  # keep the data reachable rather than losing it
 
     # ---- internals ----------------------------------------------------------------------------------------------
     def _assign_rows(self, req_id: str, entry: RequestEntry) -> None:

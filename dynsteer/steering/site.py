@@ -22,14 +22,20 @@ TABLE_LAYOUT = 2
 class SiteHook(nn.Module):
     """Applies the row-selected additive vector and clamps to the branch tensor ``h`` given the residual ``r``."""
 
-    def __init__(self, tables: SteeringTables, layer: int, site: Site, inline: bool = False) -> None:
+    def __init__(self, tables: SteeringTables, layer: int, site: Site, inline: bool = False,
+                 stage: torch.Tensor | None = None) -> None:
         super().__init__()
         self.layer, self.site, self.inline = layer, site, inline
+        self.capturing = stage is not None
         self.register_buffer("row_index", tables.row_index, persistent=False)
         for name, view in tables.views(layer, site).items():
             self.register_buffer(name, view, persistent=False)
+        if stage is not None:
+            self.register_buffer("stage", stage, persistent=False)
 
     def forward(self, h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        if self.capturing:  # the unsteered residual, read before this site's steering
+            torch.ops.dynsteer.stash_residual(h, r, self.stage)
         if self.inline:  # plain torch ops: traced into the graph, fusable by torch.compile
             return steer_site_reference(h, r, self.row_index, self.vec, self.clamp_dir, self.clamp_lo,
                                         self.clamp_hi, self.clamp_strength)
@@ -37,4 +43,4 @@ class SiteHook(nn.Module):
                                              self.clamp_hi, self.clamp_strength)
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer}, site={self.site}, inline={self.inline}"
+        return f"layer={self.layer}, site={self.site}, inline={self.inline}, capturing={self.capturing}"

@@ -1,0 +1,58 @@
+"""What to capture: sites, layers, token positions and output dtype (pydantic, no vLLM import).
+
+Positions are absolute token positions in the request's sequence. A generated token's residual exists once the
+token is fed back as input, so ``all_generated`` covers every generated token except the last one.
+
+Example:
+    >>> CaptureSpec(layers=[3, 5], sites=["post_block"], positions="last_prompt").places()
+    [(3, 'post_block'), (5, 'post_block')]
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dynsteer.spec import ModelShape, Site, SteeringValidationError
+
+PositionMode = Literal["last_prompt", "all_prompt", "all_generated", "all"]
+Positions = Union[PositionMode, tuple[int, ...]]
+CaptureDType = Literal["float32", "bfloat16", "float16"]
+
+
+class CaptureSpec(BaseModel):
+    """Capture the unsteered residual stream at ``sites`` × ``layers`` for the selected token positions.
+
+    Args:
+        layers: decoder layers.
+        sites: residual sites (``pre_attn``, ``post_attn``, ``post_block``).
+        positions: ``last_prompt``, ``all_prompt``, ``all_generated``, ``all`` or explicit absolute positions.
+        dtype: dtype of the returned arrays.
+        consumers: names of the engine's configured consumers that receive this capture (``memory`` returns it to
+            the caller).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layers: tuple[int, ...] = Field(min_length=1)
+    sites: tuple[Site, ...] = ("post_block",)
+    positions: Positions = "last_prompt"
+    dtype: CaptureDType = "float32"
+    consumers: tuple[str, ...] = ("memory",)
+
+    def places(self) -> list[tuple[int, Site]]:
+        return [(layer, site) for layer in self.layers for site in self.sites]
+
+    def check(self, shape: ModelShape, captured: set[tuple[int, Site]], field: str = "capture") -> None:
+        """Raise naming the field when a place is out of range or has no capture buffer in this engine."""
+        for i, layer in enumerate(self.layers):
+            if not 0 <= layer < shape.num_layers:
+                raise SteeringValidationError(f"{field}.layers[{i}]: layer {layer} out of range (0..{shape.num_layers - 1})")
+        for layer, site in self.places():
+            if (layer, site) not in captured:
+                raise SteeringValidationError(
+                    f"{field}: ({layer}, {site!r}) has no capture buffer in this engine; enable it with "
+                    f"DynsteerConfig(capture_sites=..., capture_layers=...)")
+        if not isinstance(self.positions, str) and any(p < 0 for p in self.positions):
+            raise SteeringValidationError(f"{field}.positions: positions must be >= 0")

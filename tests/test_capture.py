@@ -1,0 +1,217 @@
+"""Capture: residuals out of a real engine equal a transformers reference forward; selectors, layouts, isolation."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import dynsteer
+from dynsteer import AddVector, CaptureReader, CaptureSpec, DynsteerConfig, SteeringSpec
+from dynsteer.capture.consumers import FilesystemConsumer, LAYOUTS
+from dynsteer.capture.store import CaptureRecord
+from tests.conftest import make_llm, token_ids
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog", "once upon a time there was"]
+LAYERS = (0, 1, 2, 3)
+GEN = 6
+
+
+def greedy(n: int = GEN):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_llama_path):
+    """Outputs of an engine without capture buffers (built before the capture engine: one engine at a time)."""
+    with make_llm(tiny_llama_path) as plain:
+        return token_ids(plain.generate(PROMPTS, greedy(12)))
+
+
+@pytest.fixture(scope="module")
+def capture_engine(tiny_llama_path, tmp_path_factory, plain_outputs):
+    root = tmp_path_factory.mktemp("captures")
+    cfg = DynsteerConfig(capture_sites=dynsteer.SITES,
+                         capture_consumers={"memory": {}, "filesystem": {"root": str(root), "layout": "packed"}})
+    with make_llm(tiny_llama_path, **cfg.engine_kwargs()) as llm:
+        yield llm, dynsteer.attach(llm), root
+
+
+def hf_residuals(model_dir, token_ids_: list[int]) -> dict[tuple[int, str], np.ndarray]:
+    """Residual stream at the three sites of every layer from a plain transformers forward (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out: dict[tuple[int, str], np.ndarray] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.register_forward_pre_hook(
+            lambda m, args, kwargs, i=i: out.__setitem__((i, "pre_attn"), (args[0] if args else kwargs["hidden_states"])[0].numpy().copy()),
+            with_kwargs=True))
+        hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(
+            lambda m, args, i=i: out.__setitem__((i, "post_attn"), args[0][0].numpy().copy())))
+        hooks.append(layer.register_forward_hook(
+            lambda m, a, o, i=i: out.__setitem__((i, "post_block"), (o[0] if isinstance(o, tuple) else o)[0].numpy().copy())))
+    with torch.no_grad():
+        model(torch.tensor([token_ids_]))
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def test_captured_residuals_equal_a_transformers_forward(capture_engine, tiny_llama_path):
+    llm, st, _ = capture_engine
+    spec = CaptureSpec(layers=LAYERS, sites=dynsteer.SITES, positions="all")
+    outs = st.generate(PROMPTS, greedy(), capture=spec)
+    for out in outs:
+        cap = out.capture
+        assert cap is not None and cap.status == "ok"
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)[:-1]  # the last token is never fed back
+        assert cap.positions.tolist() == list(range(len(ids)))
+        ref = hf_residuals(tiny_llama_path, ids)
+        for place, arr in cap.arrays.items():
+            assert arr.shape == (len(ids), st.hidden_size)
+            np.testing.assert_allclose(arr, ref[place], rtol=1e-3, atol=1e-3 * float(np.abs(ref[place]).max()),
+                                       err_msg=str(place))
+
+
+def test_position_selectors_are_exact(capture_engine):
+    llm, st, _ = capture_engine
+    out = llm.generate(PROMPTS[:1], greedy())[0]
+    P, G = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    expected = {"last_prompt": [P - 1], "all_prompt": list(range(P)), "all_generated": list(range(P, P + G - 1)),
+                "all": list(range(P + G - 1)), (0, 2, P + 1, 999): [0, 2, P + 1]}
+    full = st.generate(PROMPTS[:1], greedy(), capture=CaptureSpec(layers=(2,), positions="all"))[0].capture
+    for positions, want in expected.items():
+        cap = st.generate(PROMPTS[:1], greedy(), capture=CaptureSpec(layers=(2,), positions=positions))[0].capture
+        assert cap.positions.tolist() == want, positions
+        np.testing.assert_array_equal(cap[(2, "post_block")], full[(2, "post_block")][want])
+
+
+def test_capture_reads_the_unsteered_residual_at_its_site(capture_engine):
+    llm, st, _ = capture_engine
+    spec = CaptureSpec(layers=(1,), sites=("post_block",), positions="all_prompt")
+    plain = st.generate(PROMPTS, greedy(), capture=spec)
+    v = (np.random.default_rng(0).standard_normal(st.hidden_size) * 8).astype(np.float32)
+    steer = SteeringSpec(vectors=[AddVector(layer=1, site="post_block", vector=v)])
+    steered = st.generate(PROMPTS, greedy(), capture=spec, steering=steer)
+    assert token_ids(steered) != token_ids(plain)
+    for a, b in zip(plain, steered):
+        np.testing.assert_array_equal(a.capture[(1, "post_block")], b.capture[(1, "post_block")])
+
+
+def test_capturing_engine_serves_non_capturing_requests_byte_identically(capture_engine, plain_outputs):
+    llm, st, _ = capture_engine
+    assert token_ids(llm.generate(PROMPTS, greedy(12))) == plain_outputs
+    # and while other requests in the same batch capture
+    mixed = st.generate(PROMPTS, greedy(12), capture=CaptureSpec(layers=(0,), positions="all"))
+    assert token_ids(mixed) == plain_outputs
+
+
+def test_filesystem_consumer_publishes_packed_captures(capture_engine):
+    llm, st, root = capture_engine
+    spec = CaptureSpec(layers=(1, 3), sites=("pre_attn", "post_block"), positions="all",
+                       consumers=("memory", "filesystem"))
+    outs = st.generate(PROMPTS, greedy(), capture=spec)
+    reader = CaptureReader(root)
+    for out in outs:
+        positions, arrays, meta = reader.read(out.capture.tag)
+        assert meta["status"] == "ok"
+        np.testing.assert_array_equal(positions, out.capture.positions)
+        for place in spec.places():
+            np.testing.assert_array_equal(arrays[place], out.capture[place])
+
+
+def test_bad_capture_requests_are_rejected_at_admission(capture_engine):
+    llm, st, _ = capture_engine
+    with pytest.raises(dynsteer.SteeringValidationError, match="capture.layers\\[0\\]: layer 9"):
+        st.generate(PROMPTS[:1], greedy(), capture=CaptureSpec(layers=(9,)))
+
+
+def test_chunked_prefill_captures_each_position_once(tiny_llama_path):
+    cfg = DynsteerConfig(capture_sites=("post_block",))
+    long_prompt = " ".join(["the old man reads a book by the window"] * 12)
+    spec = CaptureSpec(layers=(1, 3), positions="all")
+    with make_llm(tiny_llama_path, **cfg.engine_kwargs()) as llm:
+        whole = dynsteer.attach(llm).generate([long_prompt], greedy(), capture=spec)[0]
+    with make_llm(tiny_llama_path, max_num_batched_tokens=32, enable_chunked_prefill=True,
+                  **cfg.engine_kwargs()) as llm:
+        chunked = dynsteer.attach(llm).generate([long_prompt], greedy(), capture=spec)[0]
+    n = len(whole.prompt_token_ids) + GEN - 1
+    assert n > 64 and chunked.capture.positions.tolist() == list(range(n))
+    for place in spec.places():
+        np.testing.assert_allclose(chunked.capture[place], whole.capture[place], rtol=1e-4, atol=1e-4)
+
+
+# ---- layouts and atomicity (no engine) ---------------------------------------------------------------------------
+def _record(tag: str, n: int = 5, hidden: int = 8) -> CaptureRecord:
+    rng = np.random.default_rng(abs(hash(tag)) % 2**32)
+    spec = CaptureSpec(layers=(0, 2), sites=("post_attn",), positions="all")
+    rec = CaptureRecord(tag=tag, req_id=tag, spec=spec, prompt_len=3, values={p: [] for p in spec.places()})
+    for chunk in (np.arange(0, 3), np.arange(3, n)):
+        rec.positions.append(chunk)
+        rec.chunks += 1
+        for place in spec.places():
+            rec.values[place].append(rng.standard_normal((len(chunk), hidden)).astype(np.float32))
+    return rec
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_round_trip_through_the_reader(tmp_path, layout):
+    consumer = FilesystemConsumer(tmp_path, layout=layout, shard_bytes=600)
+    records = [_record(f"req-{i}") for i in range(4)]
+    for rec in records:
+        if layout == "per_file":  # streamed chunk by chunk, readable before the request finishes
+            positions, arrays = rec.arrays()
+            consumer.on_chunk(rec, positions, arrays)
+            assert CaptureReader(tmp_path).read_partial(rec.tag)[0].tolist() == positions.tolist()
+        consumer.on_finish(rec)
+    reader = CaptureReader(tmp_path)
+    assert reader.tags() == sorted(r.tag for r in records)
+    for rec in records:
+        positions, arrays, meta = reader.read(rec.tag)
+        want_pos, want = rec.arrays()
+        np.testing.assert_array_equal(positions, want_pos)
+        for place, arr in want.items():
+            np.testing.assert_array_equal(arrays[place], arr)
+    if layout == "sharded":
+        assert len(list(tmp_path.glob("shard-*.json"))) > 1
+
+
+@pytest.mark.parametrize("layout", ["packed", "sharded"])
+def test_a_killed_writer_leaves_no_half_published_capture(tmp_path, layout):
+    script = textwrap.dedent(f"""
+        import numpy as np, sys
+        sys.path.insert(0, {os.getcwd()!r})
+        from tests.test_capture import _record
+        from dynsteer.capture.consumers import FilesystemConsumer
+        c = FilesystemConsumer({str(tmp_path)!r}, layout={layout!r}, shard_bytes=1 << 30)
+        i = 0
+        while True:
+            rec = _record(f"req-{{i}}", n=2000, hidden=512)
+            c.on_finish(rec)
+            print(i, flush=True)
+            i += 1
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    for _ in range(3):  # let a few records publish, then kill it mid-write
+        proc.stdout.readline()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    reader = CaptureReader(tmp_path)
+    tags = reader.tags()
+    assert len(tags) >= 3
+    for tag in tags:
+        positions, arrays, meta = reader.read(tag)
+        assert positions.tolist() == list(range(2000)) and all(a.shape == (2000, 512) for a in arrays.values())
+    if layout == "sharded":  # the next writer cuts the unpublished tail and appends cleanly
+        FilesystemConsumer(tmp_path, layout=layout).on_finish(_record("after-crash"))
+        assert CaptureReader(tmp_path).read("after-crash")[0].tolist() == list(range(5))
