@@ -215,3 +215,29 @@ def test_a_killed_writer_leaves_no_half_published_capture(tmp_path, layout):
     if layout == "sharded":  # the next writer cuts the unpublished tail and appends cleanly
         FilesystemConsumer(tmp_path, layout=layout).on_finish(_record("after-crash"))
         assert CaptureReader(tmp_path).read("after-crash")[0].tolist() == list(range(5))
+
+
+def test_preempted_and_resumed_requests_capture_each_position_once(tiny_llama_path):
+    """A KV cache too small for the batch forces preemptions; resumed requests recompute positions they already
+    captured, and every position must still appear exactly once with the values of an unpreempted run."""
+    cfg = DynsteerConfig(capture_sites=("post_block",))
+    prompts = [f"{p} and then" for p in ("the quick brown fox", "once upon a time", "in the beginning",
+                                          "she opened the door")]
+    spec = CaptureSpec(layers=(0, 3), positions="all")
+    runs = {}
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    for name, extra in (("roomy", {}), ("tight", {"num_gpu_blocks_override": 8, "block_size": 32})):
+        with make_llm(tiny_llama_path, disable_log_stats=False, **extra, **cfg.engine_kwargs()) as llm:
+            runs[name] = dynsteer.attach(llm).generate(prompts, params, capture=spec)
+            preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+            if name == "tight":
+                assert preemptions > 0
+    for roomy, tight in zip(runs["roomy"], runs["tight"]):
+        assert token_ids([tight]) == token_ids([roomy])
+        n = len(roomy.prompt_token_ids) + len(roomy.outputs[0].token_ids) - 1
+        assert tight.capture.positions.tolist() == list(range(n))
+        for place in spec.places():
+            ref = roomy.capture[place]  # other batch shapes round differently: compare at float32 noise level
+            np.testing.assert_allclose(tight.capture[place], ref, rtol=1e-3, atol=1e-4 * float(np.abs(ref).max()))
