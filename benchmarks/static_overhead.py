@@ -29,6 +29,13 @@ LLAMA3_8B = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
 }
 TARGETS = {"idle": 0.003, "1 layer": 0.005, "8 layers": 0.015}
+# dynsteer engine configurations compared (DynsteerConfig fields)
+VARIANTS = {
+    "op": {},                                                   # defaults: 3 sites × all layers, 2 clamp slots
+    "op-post_block": {"sites": ["post_block"]},                # one site per layer
+    "inline": {"forward": "inline"},                           # torch ops traced into the graph
+    "inline-k0": {"forward": "inline", "max_clamps": 0},       # additive only: fusable gather-add
+}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -37,7 +44,7 @@ def worker(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
 
     forward = args.forward[0]
-    extra = {} if args.mode == "absent" else {"additional_config": {"dynsteer": {"forward": forward}}}
+    extra = {} if args.mode == "absent" else {"additional_config": {"dynsteer": VARIANTS[forward]}}
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=1024, max_num_seqs=max(args.batches), gpu_memory_utilization=0.85, seed=0, **extra)
     rng = np.random.default_rng(0)
@@ -80,7 +87,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--forward", nargs="+", default=["op", "inline"], help="dynsteer forward variants to measure")
+    ap.add_argument("--forward", nargs="+", default=["op", "op-post_block", "inline-k0"], choices=list(VARIANTS),
+                    help="dynsteer configurations to measure (see VARIANTS)")
     ap.add_argument("--worker", choices=["absent", "loaded"], dest="mode")
     ap.add_argument("--model-dir")
     args = ap.parse_args()
@@ -117,8 +125,7 @@ def main() -> None:
         "ratio_vs_absent": ratios,
         "overhead_pct": {m: {b: round((1 / r - 1) * 100, 3) for b, r in rs.items()} for m, rs in ratios.items()},
         "targets_pct": {m: t * 100 for m, t in TARGETS.items()},
-        "forward_variants": {"op": "one custom op per site (Triton kernel)",
-                             "inline": "torch ops traced into the graph (fused by Inductor)"},
+        "variants": {k: VARIANTS[k] for k in args.forward},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,7 @@ class RequestEntry:
     decode: RowContent = EMPTY
     rows: tuple[int, int] = (0, 0)
     error: str | None = None
+    payload_key: str | None = None  # the packed payload string, when the request sent one (memoisation key)
 
 
 @dataclass
@@ -62,6 +63,31 @@ class RuntimeStats:
 
 
 PayloadLookup = Callable[[str], Any]
+
+
+class StagingRing:
+    """Host staging for a device int32 buffer: pinned slots, non-blocking copies, a slot reused only after its
+    copy's event completed (long done by then: the ring is deeper than the steps in flight)."""
+
+    def __init__(self, target: torch.Tensor, depth: int = 4) -> None:
+        self.cuda = target.is_cuda
+        n = target.shape[0]
+        self.slots = [torch.zeros(n, dtype=target.dtype, pin_memory=self.cuda) for _ in range(depth if self.cuda else 1)]
+        self.events: list[Any] = [None] * len(self.slots)
+        self.i = 0
+
+    def next(self, upto: int) -> np.ndarray:
+        self.i = (self.i + 1) % len(self.slots)
+        if self.events[self.i] is not None:
+            self.events[self.i].synchronize()
+        return self.slots[self.i].numpy()
+
+    def copy_to(self, target: torch.Tensor, upto: int) -> None:
+        target[:upto].copy_(self.slots[self.i][:upto], non_blocking=self.cuda)
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            self.events[self.i] = ev
 
 
 class SteeringRuntime:
@@ -78,7 +104,8 @@ class SteeringRuntime:
         self.inline_forward = False  # set by the engine adapter from DynsteerConfig.forward
         self.capture: CaptureCollector | None = None  # set when the engine has capture places
         self.consumers: dict[str, Any] = {}
-        self._host_index = np.zeros(tables.row_index.shape[0], np.int32)
+        self._staging = StagingRing(tables.row_index)
+        self._compiled: dict[Any, list[RowContent]] = {}
         self._high_water = 0
 
     # ---- control plane (collective_rpc, between steps) -------------------------------------------------------
@@ -89,6 +116,7 @@ class SteeringRuntime:
         if not np.all(np.isfinite(vector)):
             raise SteeringValidationError(f"vector {name!r}: contains NaN or infinite values")
         self.named[name] = np.ascontiguousarray(vector, np.float32)
+        self._compiled.clear()
 
     def set_global(self, spec: SteeringSpec) -> None:
         """Replace the global spec; every live request's rows are recompiled (global is folded into rows)."""
@@ -98,6 +126,7 @@ class SteeringRuntime:
         for _, entry in old_entries:
             self._release_rows(entry)
         self.global_spec = spec
+        self._compiled.clear()
         for req_id, entry in old_entries:
             self._assign_rows(req_id, entry)
 
@@ -131,7 +160,8 @@ class SteeringRuntime:
                 # Admission in the frontend rejects these; reaching here means a client bypassed it.
                 error = f"request {req_id}: {exc}"
                 self._record_error(error)
-        entry = RequestEntry(prompt_len=prompt_len, spec=spec, tag=tag, error=error)
+        entry = RequestEntry(prompt_len=prompt_len, spec=spec, tag=tag, error=error,
+                             payload_key=payload if isinstance(payload, str) else None)
         self._assign_rows(req_id, entry)
         if self.capture is not None:
             self.capture.begin(req_id, tag, capture, prompt_len)
@@ -140,30 +170,38 @@ class SteeringRuntime:
         return entry
 
     def plan(self, view: BatchView, payload_of: PayloadLookup) -> None:
-        """Fill ``row_index`` for this step (padding and unsteered tokens read row 0)."""
+        """Fill ``row_index`` for this step (padding and unsteered tokens read row 0).
+
+        Per-request work is a dict lookup; per-token work is vectorised. The index reaches the device through a
+        pinned staging ring with a non-blocking copy, so the host never waits for the GPU here (a blocking copy
+        would serialise vLLM's asynchronous scheduling with the forward).
+        """
         self.stats.steps += 1
-        idx = self._host_index
-        qsl = view.query_start_loc
+        n_req = len(view.req_ids)
+        qsl = np.asarray(view.query_start_loc[: n_req + 1], dtype=np.int64)
+        rows = np.empty((n_req, 2), np.int32)
+        prompt_lens = np.empty(n_req, np.int64)
         for i, req_id in enumerate(view.req_ids):
             entry = self.requests.get(req_id)
             if entry is None:
                 entry = self.admit(req_id, payload_of(req_id), int(view.prompt_lens[i]))
-            start, end = int(qsl[i]), int(qsl[i + 1])
+            rows[i] = entry.rows
+            prompt_lens[i] = entry.prompt_len
             if self.capture is not None:
-                self.capture.plan(req_id, start, int(view.num_computed[i]), end - start)
-            pre_row, dec_row = entry.rows
-            if pre_row == dec_row:
-                idx[start:end] = pre_row
-            else:
-                first_decode = entry.prompt_len - int(view.num_computed[i])  # tokens before it are prompt tokens
-                split = start + min(max(first_decode, 0), end - start)
-                idx[start:split] = pre_row
-                idx[split:end] = dec_row
+                self.capture.plan(req_id, int(qsl[i]), int(view.num_computed[i]), int(qsl[i + 1] - qsl[i]))
         n = view.num_tokens
         upto = max(n, self._high_water, view.num_tokens_padded)
+        idx = self._staging.next(upto)
+        if n_req:
+            counts = np.diff(qsl)
+            req_of_token = np.repeat(np.arange(n_req), counts)
+            offset = np.arange(n) - np.repeat(qsl[:-1], counts)
+            position = np.asarray(view.num_computed[:n_req], np.int64)[req_of_token] + offset
+            is_decode = position >= prompt_lens[req_of_token]
+            idx[:n] = rows[req_of_token, is_decode.astype(np.int64)]
         idx[n:upto] = 0
         self._high_water = n
-        self.tables.row_index[:upto].copy_(torch.from_numpy(idx[:upto]), non_blocking=False)
+        self._staging.copy_to(self.tables.row_index, upto)
 
     def after_forward(self) -> None:
         """Called once the step's forward is enqueued: start copying captured rows out."""
@@ -210,12 +248,26 @@ class SteeringRuntime:
                     memory.on_finish(record)  # keep the data reachable rather than losing it
 
     # ---- internals ----------------------------------------------------------------------------------------------
+    def _compile(self, specs: list[tuple[str, SteeringSpec]], key: Any) -> list[RowContent]:
+        """Both phases' contents, memoised per payload (most traffic repeats a few configurations; compiling
+        hashes every vector, which would otherwise run for each admitted request)."""
+        cached = self._compiled.get(key) if key is not None else None
+        if cached is None:
+            cached = [compile_phase(specs, phase, self.shape, self.named) for phase in ("prefill", "decode")]
+            if key is not None:
+                if len(self._compiled) >= 1024:
+                    self._compiled.pop(next(iter(self._compiled)))
+                self._compiled[key] = cached
+        return cached
+
     def _assign_rows(self, req_id: str, entry: RequestEntry) -> None:
         specs = [("global.", self.global_spec)]
-        if entry.spec is not None and entry.error is None:
+        key: Any = ""
+        if entry.spec is not None and entry.error is None and not entry.spec.is_empty():
             specs.append(("request.", entry.spec))
+            key = entry.payload_key
         try:
-            contents = [compile_phase(specs, phase, self.shape, self.named) for phase in ("prefill", "decode")]
+            contents = self._compile(specs, key)
             rows = self._acquire(contents)
         except (SteeringValidationError, RowsExhausted) as exc:
             # The frontend validates at admission, so this is rare (e.g. a vector name unregistered mid-flight):
