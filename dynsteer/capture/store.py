@@ -115,7 +115,7 @@ class CaptureCollector:
             main = torch.cuda.current_stream()
             self._side.wait_stream(main)
             with torch.cuda.stream(self._side):
-                host = {p: torch.empty(g.shape, dtype=g.dtype, pin_memory=True).copy_(g, non_blocking=True)
+                host = {p: torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=True).copy_(g, non_blocking=True)
                         for p, g in gathered.items()}
                 for g in gathered.values():
                     g.record_stream(self._side)

@@ -72,7 +72,9 @@ class StagingRing:
     def __init__(self, target: torch.Tensor, depth: int = 4) -> None:
         self.cuda = target.is_cuda
         n = target.shape[0]
-        self.slots = [torch.zeros(n, dtype=target.dtype, pin_memory=self.cuda) for _ in range(depth if self.cuda else 1)]
+        # device="cpu" explicitly: this runs during model construction, under vLLM's default-device context.
+        self.slots = [torch.zeros(n, dtype=target.dtype, device="cpu", pin_memory=self.cuda)
+                      for _ in range(depth if self.cuda else 1)]
         self.events: list[Any] = [None] * len(self.slots)
         self.i = 0
 
