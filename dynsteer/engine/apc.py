@@ -10,6 +10,7 @@ decode-only steering keeps its cache hits.
 from __future__ import annotations
 
 import functools
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,15 +39,23 @@ class FrontendState:
 
         Returns:
             hex fingerprints of the effective prefill and decode configurations ('' where that phase is unsteered).
+            A request that captures prompt positions gets a unique prefill fingerprint: prefix-cache hits skip
+            the forward for cached tokens, and there would be nothing to capture for them.
         """
         specs = [("global.", self.global_spec)]
+        recompute_prompt = False
         if payload is not None:
             decoded = decode_payload(payload)
             specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", decoded.spec))
             if decoded.capture is not None:
                 decoded.capture.check(self.shape, self.capture_places, f"extra_args.{PAYLOAD_KEY}.capture")
-        return tuple(compile_phase(specs, phase, self.shape, self.named).digest.hex()  # type: ignore[return-value]
-                     for phase in ("prefill", "decode"))
+                # the last prompt token is always recomputed (it yields the first logits); the others may be cached
+                recompute_prompt = decoded.capture.positions not in ("last_prompt", "all_generated")
+        prefill, decode = (compile_phase(specs, phase, self.shape, self.named).digest.hex()
+                           for phase in ("prefill", "decode"))
+        if recompute_prompt:
+            prefill = f"{prefill}capture-{uuid.uuid4().hex}"
+        return prefill, decode
 
 
 def shape_from_vllm_config(vllm_config: Any) -> ModelShape:
