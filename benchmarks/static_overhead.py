@@ -131,7 +131,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     name = f"static_overhead-{report['device'].replace(' ', '_')}-{report['date'][:10]}.json"
     (out / name).write_text(json.dumps(report, indent=2))
-    print(f"| mode | " + " | ".join(f"batch {b}" for b in base) + " |")
+    print("| mode | " + " | ".join(f"batch {b}" for b in base) + " |")
     print("|---" * (len(base) + 1) + "|")
     print("| absent (tok/s) | " + " | ".join(f"{base[b]:.0f}" for b in base) + " |")
     for m, rs in report["overhead_pct"].items():

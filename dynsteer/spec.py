@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator

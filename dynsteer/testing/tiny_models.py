@@ -20,9 +20,9 @@ import functools
 import json
 import os
 import pathlib
-import shutil
-import tempfile
 from typing import Any
+
+from dynsteer.cache import build_once, default_cache_root
 
 __all__ = ["CPU_LOADABLE", "TINY_ARCHS", "TINY_SHAPE", "tiny_model", "default_cache_dir"]
 
@@ -137,8 +137,7 @@ you, my dear friend, and I hope this year brings you health, joy and many new ad
 
 def default_cache_dir() -> pathlib.Path:
     """Root cache directory for tiny checkpoints: ``$DYNSTEER_CACHE/tiny`` or ``~/.cache/dynsteer/tiny``."""
-    root = os.environ.get("DYNSTEER_CACHE")
-    return (pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "dynsteer") / "tiny"
+    return default_cache_root() / "tiny"
 
 
 def tiny_model(arch: str, cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
@@ -159,37 +158,12 @@ def tiny_model(arch: str, cache_dir: str | os.PathLike[str] | None = None) -> pa
     if arch not in _ARCH_SPECS:
         raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS}")
     root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / f"{arch}-v{_RECIPE_VERSION}"
-    if _is_complete(final):
-        return final
 
-    from filelock import FileLock
+    def build(out: pathlib.Path) -> dict[str, Any]:
+        _build(arch, out)
+        return {"arch": arch, "recipe": _RECIPE_VERSION}
 
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f".{final.name}.lock")):
-        if _is_complete(final):  # another process built it while we waited
-            return final
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-        try:
-            _build(arch, tmp)
-            (tmp / _DONE_MARKER).write_text(json.dumps({"arch": arch, "recipe": _RECIPE_VERSION}) + "\n")
-            _make_world_readable(tmp)  # mkdtemp and safetensors create owner-only modes
-            if final.exists():  # unmarked, hence incomplete (not made by us); os.replace needs it gone
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-def _is_complete(path: pathlib.Path) -> bool:
-    return (path / _DONE_MARKER).is_file()
-
-
-def _make_world_readable(path: pathlib.Path) -> None:
-    path.chmod(0o755)
-    for child in path.iterdir():
-        child.chmod(0o644)
+    return build_once(root / f"{arch}-v{_RECIPE_VERSION}", build, _DONE_MARKER)
 
 
 @functools.lru_cache(maxsize=1)
