@@ -135,7 +135,7 @@ class Steerer:
         if not np.all(np.isfinite(arr)):
             raise ValueError(f"vector {name!r}: contains NaN or infinite values")
         self.llm.collective_rpc("dynsteer_register_vector", args=(name, pack_vector(arr)))
-        self._front.named[name] = arr
+        self._front.register(name, arr)
 
     # ---- generation ---------------------------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None, *,

@@ -199,3 +199,15 @@ def test_bad_requests_are_rejected_and_requests_in_flight_finish_unchanged(engin
     with pytest.raises(SteeringValidationError, match="global.vectors\\[0\\].vector"):
         st.set_layer_vector(0, np.ones(st.hidden_size + 1))
     assert st.export_steering_spec().is_empty()
+
+
+def test_re_registering_a_name_takes_effect_for_new_requests(engine):
+    llm, st = engine
+    a, b = rand_vec(st, 11), rand_vec(st, 12)
+    by_name = SteeringSpec(vectors=[AddVector(layer=1, vector="swap")])
+    st.register_vector("swap", a)
+    first = token_ids(st.generate(PROMPTS[:2], greedy(), steering=by_name))
+    st.register_vector("swap", b)
+    second = token_ids(st.generate(PROMPTS[:2], greedy(), steering=by_name))
+    inline_b = token_ids(st.generate(PROMPTS[:2], greedy(), steering=SteeringSpec(vectors=[AddVector(layer=1, vector=b)])))
+    assert second == inline_b != first

@@ -33,6 +33,15 @@ class FrontendState:
     named: dict[str, np.ndarray] = field(default_factory=dict)
     global_spec: SteeringSpec = field(default_factory=SteeringSpec)
     capture_places: set = field(default_factory=set)
+    # Admission results per (global spec, vector registry size, packed payload): validation compiles every vector,
+    # which for a large batch of identical requests would otherwise dominate LLM.generate's submission loop.
+    _memo: dict = field(default_factory=dict, repr=False)
+    named_version: int = 0
+
+    def register(self, name: str, vector: np.ndarray) -> None:
+        """Record a named vector (already registered on the workers); cached admissions become stale."""
+        self.named[name] = vector
+        self.named_version += 1
 
     def admit(self, payload: Any) -> tuple[str, str]:
         """Validate ``payload`` (None: no per-request steering).
@@ -42,6 +51,20 @@ class FrontendState:
             A request that captures prompt positions gets a unique prefill fingerprint: prefix-cache hits skip
             the forward for cached tokens, and there would be nothing to capture for them.
         """
+        key = (id(self.global_spec), self.named_version, payload if isinstance(payload, str) else None)
+        cached = self._memo.get(key) if key[2] is not None or payload is None else None
+        if cached is None:
+            cached = self._admit(payload)
+            if key[2] is not None or payload is None:
+                if len(self._memo) >= 1024:
+                    self._memo.clear()
+                self._memo[key] = cached
+        prefill, decode, recompute_prompt = cached
+        if recompute_prompt:
+            prefill = f"{prefill}capture-{uuid.uuid4().hex}"
+        return prefill, decode
+
+    def _admit(self, payload: Any) -> tuple[str, str, bool]:
         specs = [("global.", self.global_spec)]
         recompute_prompt = False
         if payload is not None:
@@ -53,9 +76,7 @@ class FrontendState:
                 recompute_prompt = decoded.capture.positions not in ("last_prompt", "all_generated")
         prefill, decode = (compile_phase(specs, phase, self.shape, self.named).digest.hex()
                            for phase in ("prefill", "decode"))
-        if recompute_prompt:
-            prefill = f"{prefill}capture-{uuid.uuid4().hex}"
-        return prefill, decode
+        return prefill, decode, recompute_prompt
 
 
 def shape_from_vllm_config(vllm_config: Any) -> ModelShape:

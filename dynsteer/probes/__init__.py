@@ -1,0 +1,23 @@
+"""Linear probes on the residual stream: collect activations from vLLM, fit, evaluate, calibrate, export.
+
+A probe trained here is a ``(w, b)`` pair on one ``(layer, site)``; it is saved in the probe file format
+(DESIGN §7) and maps exactly onto the in-graph gate (DESIGN §4, :func:`gate_params`).
+
+Example:
+    >>> from dynsteer.probes import LogisticProbe, collect, layer_sweep     # doctest: +SKIP
+    >>> acts = collect(steerer, sentences, labels, layers=range(4, 30, 2))  # doctest: +SKIP
+    >>> sweep = layer_sweep(acts, LogisticProbe)                            # doctest: +SKIP
+    >>> print(sweep.table())                                                # doctest: +SKIP
+"""
+
+from dynsteer.probes.collect import Activations, chat_prompts, collect
+from dynsteer.probes.estimators import DiffMeanProbe, LDAProbe, LinearProbe, LogisticProbe
+from dynsteer.probes.fileformat import PROBE_FILE_FORMAT, Calibration, Probe, ProbeMeta, load_probe, save_probe
+from dynsteer.probes.gate import GateParams, gate, gate_logit, gate_params
+from dynsteer.probes.metrics import (LayerScore, SweepResult, accuracy, auroc, calibrate_threshold, calibration_curve,
+                                     fpr_at, layer_sweep, recall_at, recall_at_fpr)
+
+__all__ = ["Activations", "Calibration", "DiffMeanProbe", "GateParams", "LDAProbe", "LayerScore", "LinearProbe",
+           "LogisticProbe", "PROBE_FILE_FORMAT", "Probe", "ProbeMeta", "SweepResult", "accuracy", "auroc",
+           "calibrate_threshold", "calibration_curve", "chat_prompts", "collect", "fpr_at", "gate", "gate_logit",
+           "gate_params", "layer_sweep", "load_probe", "recall_at", "recall_at_fpr", "save_probe"]

@@ -1,0 +1,276 @@
+"""Probes: scikit-learn conventions, linear-form folding, the probe ↔ gate identity, the probe file, threshold
+calibration, activation collection from a real engine, and the sentiment example end to end."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.special import expit
+from sklearn.base import clone
+from sklearn.model_selection import cross_val_score
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+
+import dynsteer
+from dynsteer import CaptureSpec, DynsteerConfig, ModelShape
+from dynsteer.probes import (Activations, Calibration, DiffMeanProbe, LDAProbe, LogisticProbe, calibrate_threshold,
+                             chat_prompts, collect, fpr_at, gate, gate_params, layer_sweep, load_probe,
+                             recall_at_fpr, save_probe)
+from tests.conftest import make_llm
+
+REPO = Path(__file__).resolve().parents[1]
+ESTIMATORS = [LogisticProbe(cv=3), LogisticProbe(cv=3, standardize=False), DiffMeanProbe(),
+              DiffMeanProbe(standardize=True), LDAProbe()]
+IDS = ["logistic", "logistic-raw", "diffmean", "diffmean-std", "lda"]
+
+
+def synthetic(n: int = 300, d: int = 16, seed: int = 0, sep: float = 1.5) -> tuple[np.ndarray, np.ndarray]:
+    """Two Gaussian classes with per-feature offsets and scales (so standardisation actually matters)."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 2, n)
+    direction = rng.standard_normal(d)
+    X = rng.standard_normal((n, d)) + np.outer(y - 0.5, direction) * sep
+    return X * rng.uniform(0.5, 5.0, d) + rng.uniform(-10, 10, d), y
+
+
+# ---- estimator conventions ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("est", ESTIMATORS, ids=IDS)
+def test_estimators_follow_sklearn_conventions(est):
+    X, y = synthetic()
+    params = est.get_params()
+    fresh = clone(est)
+    assert fresh.get_params() == params and fresh is not est
+    assert fresh.set_params(**params) is fresh
+    assert fresh.fit(X, y) is fresh
+    assert not any(k.endswith("_") for k in vars(est)), "an unfitted estimator holds no learned state"
+    assert est.get_params() == params  # fitting a clone leaves the original untouched
+    assert fresh.coef_.shape == (1, X.shape[1]) and fresh.n_features_in_ == X.shape[1]
+    proba = fresh.predict_proba(X)
+    assert proba.shape == (len(X), 2) and np.allclose(proba.sum(1), 1.0)
+    assert set(fresh.predict(X)) <= {0, 1} and 0.5 < fresh.score(X, y) <= 1.0
+    scores = cross_val_score(est, X, y, cv=3)
+    assert scores.mean() > 0.75, scores
+    pipe = make_pipeline(StandardScaler(), clone(est)).fit(X, y)
+    assert pipe.score(X, y) > 0.75
+
+
+def test_set_params_changes_hyperparameters_and_labels_keep_their_names():
+    X, y = synthetic()
+    est = LogisticProbe().set_params(Cs=[0.01, 1.0], cv=2)
+    assert est.Cs == [0.01, 1.0] and est.cv == 2
+    labels = np.where(y == 1, "pos", "neg")
+    fitted = est.fit(X, labels)
+    assert fitted.classes_.tolist() == ["neg", "pos"] and fitted.C_ in (0.01, 1.0)
+    assert set(fitted.predict(X)) <= {"neg", "pos"}
+    with pytest.raises(ValueError, match="binary"):
+        LDAProbe().fit(X, y % 3 + (np.arange(len(y)) % 3 == 0))
+
+
+# ---- linear form and the gate identity -----------------------------------------------------------------------------
+@pytest.mark.parametrize("est", ESTIMATORS, ids=IDS)
+def test_linear_form_folds_standardisation(est):
+    X, y = synthetic()
+    fitted = clone(est).fit(X, y)
+    w, b = fitted.linear_form()
+    Xt = synthetic(seed=1)[0]
+    np.testing.assert_allclose(fitted.decision_function(Xt), Xt @ w + b, rtol=1e-10, atol=1e-9)
+    # ... and the folded form equals the wrapped model on its own (standardised) inputs
+    model, scaler = getattr(fitted, "model_", None), getattr(fitted, "scaler_", None)
+    if model is not None:
+        Z = scaler.transform(Xt) if scaler is not None else Xt
+        np.testing.assert_allclose(model.decision_function(Z), Xt @ w + b, rtol=1e-9, atol=1e-8)
+        np.testing.assert_allclose(model.predict_proba(Z), fitted.predict_proba(Xt), atol=1e-10)
+
+
+def test_diffmean_is_the_midpoint_hyperplane():
+    X, y = synthetic()
+    w, b = DiffMeanProbe().fit(X, y).linear_form()
+    mp, mn = X[y == 1].mean(0), X[y == 0].mean(0)
+    np.testing.assert_allclose(w, mp - mn)
+    assert b == pytest.approx(-w @ (mp + mn) / 2)
+    assert (mp + mn) / 2 @ w + b == pytest.approx(0.0, abs=1e-8)
+
+
+def test_gate_params_reproduce_a_fitted_logistic_probe_exactly():
+    X, y = synthetic(d=32)
+    probe = LogisticProbe(cv=3, standardize=True).fit(X, y)
+    params = gate_params(*probe.linear_form())
+    assert np.linalg.norm(params.probe) == pytest.approx(1.0)
+    rng = np.random.default_rng(7)
+    Xr = rng.standard_normal((500, 32)) * X.std(0) * 2 + X.mean(0)  # random inputs around (and beyond) the data
+    np.testing.assert_allclose(gate(Xr, params), probe.predict_proba(Xr)[:, 1], rtol=0, atol=1e-6)
+    # against the wrapped sklearn model on standardised inputs: no part of the identity leans on our own code paths
+    sk = probe.model_.predict_proba(probe.scaler_.transform(Xr))[:, 1]
+    np.testing.assert_allclose(gate(Xr, params), sk, rtol=0, atol=1e-6)
+
+
+def test_gate_params_centred_on_a_calibrated_threshold():
+    w, b, at = np.array([0.3, -1.2, 2.0]), 0.7, 1.5
+    p = gate_params(w, b, at=at)
+    x = np.random.default_rng(0).standard_normal((50, 3))
+    np.testing.assert_allclose(gate(x, p), expit(x @ w + b - at), atol=1e-12)
+    with pytest.raises(ValueError, match="zero"):
+        gate_params(np.zeros(3), 1.0)
+
+
+# ---- probe file ----------------------------------------------------------------------------------------------------
+def test_probe_file_round_trip(tmp_path):
+    X, y = synthetic(d=64)
+    probe = LogisticProbe(cv=3).fit(X, y)
+    cal = Calibration(threshold=0.25, target_fpr=0.05, auroc=0.97, n=len(y))
+    path = save_probe(tmp_path / "p.safetensors", probe, model_id="m", layer=3, site="post_attn", calibration=cal)
+    assert [p.name for p in tmp_path.iterdir()] == ["p.safetensors"], "no temporary file is left behind"
+    loaded = load_probe(path)
+    w, b = probe.linear_form()
+    assert loaded.meta.format == "dynsteer.probe/1" and loaded.meta.method == "LogisticProbe"
+    assert (loaded.layer, loaded.site, loaded.meta.hidden_size, loaded.meta.model_id) == (3, "post_attn", 64, "m")
+    assert loaded.meta.bias == b and loaded.meta.calibration == cal  # JSON keeps float64 exactly
+    np.testing.assert_array_equal(loaded.weight, w.astype(np.float32))
+    np.testing.assert_allclose(loaded.decision_function(X), probe.decision_function(X), rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(loaded.predict(X), loaded.decision_function(X) > 0.25)
+
+    # the standardised form (weight + mean + scale) describes the same function
+    mean, scale = X.mean(0), X.std(0)
+    save_probe(tmp_path / "s.safetensors", w * scale, b + mean @ w, model_id="m", layer=3, mean=mean, scale=scale)
+    std = load_probe(tmp_path / "s.safetensors")
+    assert std.mean is not None and std.scale is not None
+    np.testing.assert_allclose(std.decision_function(X), probe.decision_function(X), rtol=1e-4, atol=1e-3)
+
+
+def test_probe_compatibility_errors_explain_the_mismatch(tmp_path):
+    path = save_probe(tmp_path / "p.safetensors", np.ones(64), 0.0, model_id="model-a", layer=5)
+    probe = load_probe(path)
+    probe.check_compatible(ModelShape(num_layers=8, hidden_size=64, model_id="model-a"))
+    with pytest.raises(ValueError, match=r"hidden size 64.*'model-b' has hidden size 128"):
+        probe.check_compatible(ModelShape(num_layers=8, hidden_size=128, model_id="model-b"))
+    with pytest.raises(ValueError, match=r"layer 5.*only 4 layers \(0..3\)"):
+        probe.check_compatible(ModelShape(num_layers=4, hidden_size=64))
+    with pytest.raises(ValueError, match=r"site 'post_block'.*does not hook"):
+        probe.check_compatible(ModelShape(num_layers=8, hidden_size=64, sites=("pre_attn",)))
+    with pytest.raises(ValueError, match=r"layer 5, which this engine does not hook"):
+        probe.check_compatible(ModelShape(num_layers=8, hidden_size=64, layers=(1, 2)))
+    with pytest.warns(UserWarning, match="trained on model 'model-a' but the engine runs 'model-b'"):
+        probe.check_compatible(ModelShape(num_layers=8, hidden_size=64, model_id="model-b"))
+    with pytest.raises(ValueError, match="model-b"):
+        probe.check_compatible(ModelShape(num_layers=8, hidden_size=64), model_id="model-b", strict_model_id=True)
+    dynsteer.save_vector(tmp_path / "v.safetensors", {0: np.ones(4)})
+    with pytest.raises(ValueError, match="not a dynsteer.probe/1 probe file"):
+        load_probe(tmp_path / "v.safetensors")
+
+
+# ---- metrics -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("target", [0.0, 0.01, 0.05, 0.2])
+def test_calibrated_threshold_meets_the_target_fpr(target):
+    rng = np.random.default_rng(0)
+
+    def draw(n):
+        y = rng.integers(0, 2, n)
+        return rng.standard_normal(n) + 2.0 * y, y
+
+    s_cal, y_cal = draw(4000)
+    t = calibrate_threshold(s_cal, y_cal, target)
+    assert fpr_at(s_cal, y_cal, t) <= target  # guaranteed on the calibration data
+    # the next lower threshold would break it (the threshold is as low, i.e. as sensitive, as the target allows)
+    assert fpr_at(s_cal, y_cal, np.nextafter(t, -np.inf)) > target
+    # On held data from the same distribution: the target up to the calibration set's sampling error (4 sigma of a
+    # quantile estimated from n_neg negatives).
+    s_held, y_held = draw(40000)
+    n_neg = int((y_cal == 0).sum())
+    assert fpr_at(s_held, y_held, t) <= target + 4 * np.sqrt(target * (1 - target) / n_neg) + 1e-3
+    assert 0.0 <= recall_at_fpr(y_held, s_held, target) <= 1.0
+
+
+def test_layer_sweep_finds_the_informative_layer():
+    X, y = synthetic(n=200, d=12, sep=4.0)
+    noise = np.random.default_rng(3).standard_normal(X.shape)
+    acts = Activations(X={2: noise, 5: X, 9: noise[::-1].copy()}, y=y, site="post_block", model_id="m",
+                       hidden_size=12)
+    sweep = layer_sweep(acts, LogisticProbe(cv=3), test_size=0.3, seed=0)
+    assert sweep.best_layer == 5 and sweep.best_auroc > 0.95 and sweep.auroc[2] < 0.8
+    assert len(sweep.test_idx) == 60 and abs(y[sweep.test_idx].mean() - y.mean()) < 0.02  # stratified
+    assert set(sweep.train_idx).isdisjoint(sweep.test_idx)
+    assert "<- best" in sweep.table().splitlines()[2]
+
+
+# ---- collection from a real engine -----------------------------------------------------------------------------------
+PROMPTS = ["the quick brown fox jumps over the lazy dog", "once upon a time there was", "a small boat drifted",
+           "my grandmother baked bread every sunday", "rain again", "we walked to the old mill by the river"]
+
+
+@pytest.fixture(scope="module")
+def capture_steerer(tiny_llama_path):
+    cfg = DynsteerConfig(capture_sites=("post_block", "pre_attn"))
+    with make_llm(tiny_llama_path, **cfg.engine_kwargs()) as llm:
+        yield dynsteer.attach(llm)
+
+
+def test_collect_returns_one_row_per_prompt_equal_to_the_capture(capture_steerer):
+    from vllm import SamplingParams
+
+    st = capture_steerer
+    labels = [1, 0, 1, 0, 1, 0]
+    acts = collect(st, PROMPTS, labels, layers=(0, 2, 3), batch_size=4, progress=False)
+    assert acts.layers == [0, 2, 3] and len(acts) == len(PROMPTS) and acts.hidden_size == st.hidden_size == 128
+    assert acts.y.tolist() == labels and acts.site == "post_block" and acts.model_id == st.shape.model_id
+    assert acts.n_positions.tolist() == [1] * len(PROMPTS)
+    outs = st.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=1),
+                       capture=CaptureSpec(layers=(0, 2, 3), positions="all_prompt"))
+    for layer in (0, 2, 3):
+        assert acts.X[layer].shape == (len(PROMPTS), 128) and acts.X[layer].dtype == np.float32
+        last = np.stack([o.capture[(layer, "post_block")][-1] for o in outs])
+        np.testing.assert_allclose(acts.X[layer], last, rtol=1e-5, atol=1e-5)
+
+    # multi-position selectors give the mean over the selected positions, still one row per prompt
+    mean = collect(st, PROMPTS, layers=(2,), site="pre_attn", positions="all_prompt", progress=False)
+    assert mean.y is None and mean.n_positions.tolist() == [len(o.prompt_token_ids) for o in outs]
+    outs_pre = st.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=1),
+                           capture=CaptureSpec(layers=(2,), sites=("pre_attn",), positions="all_prompt"))
+    np.testing.assert_allclose(mean.X[2], np.stack([o.capture[(2, "pre_attn")].mean(0) for o in outs_pre]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_collect_rejects_bad_requests(capture_steerer):
+    with pytest.raises(ValueError, match="2 labels for 6 prompts"):
+        collect(capture_steerer, PROMPTS, [0, 1], layers=(0,), progress=False)
+    with pytest.raises(ValueError, match=r"\(1, 'post_attn'\) has no capture buffer"):
+        collect(capture_steerer, PROMPTS, layers=(1,), site="post_attn", progress=False)
+
+
+def test_chat_prompts_use_the_chat_template_without_a_second_bos():
+    class Tok:
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            assert add_generation_prompt and not tokenize and messages[0]["role"] == "user"
+            return f"<s>[user]{messages[0]['content']}[assistant]"
+
+        def encode(self, text, add_special_tokens=True):
+            return [1] * add_special_tokens + [ord(c) for c in text]
+
+    class LLM:
+        def get_tokenizer(self):
+            return Tok()
+
+    (p,) = chat_prompts(LLM(), ["hi"])
+    assert p["prompt_token_ids"] == [ord(c) for c in "<s>[user]hi[assistant]"]
+
+
+# ---- the example (the CI check of examples/probe_training.py) ---------------------------------------------------------
+@pytest.mark.slow
+def test_probe_training_example_reaches_auroc_095(tmp_path):
+    out = tmp_path / "probe.safetensors"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "probe_training.py"), str(out)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = re.search(r"BEST_AUROC=([0-9.]+) BEST_LAYER=(\d+)", proc.stdout)
+    assert m, proc.stdout[-3000:]
+    assert float(m.group(1)) >= 0.95
+    probe = load_probe(out)
+    assert probe.layer == int(m.group(2)) and probe.meta.hidden_size == 576
+    assert probe.meta.calibration is not None and probe.meta.calibration.target_fpr == 0.05
