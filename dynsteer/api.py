@@ -65,6 +65,11 @@ class Steerer:
     def num_layers(self) -> int:
         return self.shape.num_layers
 
+    @property
+    def capture_places(self) -> set[tuple[int, str]]:
+        """The (layer, site) places this engine has capture buffers for (DynsteerConfig.capture_sites/layers)."""
+        return set(self._front.capture_places)
+
     # ---- global spec ----------------------------------------------------------------------------------------------
     def export_steering_spec(self) -> SteeringSpec:
         """The current global spec (immutable; safe to keep and re-apply later)."""

@@ -66,7 +66,9 @@ def test_set_params_changes_hyperparameters_and_labels_keep_their_names():
     est = LogisticProbe().set_params(Cs=[0.01, 1.0], cv=2)
     assert est.Cs == [0.01, 1.0] and est.cv == 2
     labels = np.where(y == 1, "pos", "neg")
-    fitted = est.fit(X, labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # no reliance on scikit-learn defaults that are changing
+        fitted = est.fit(X, labels)
     assert fitted.classes_.tolist() == ["neg", "pos"] and fitted.C_ in (0.01, 1.0)
     assert set(fitted.predict(X)) <= {"neg", "pos"}
     with pytest.raises(ValueError, match="binary"):
@@ -225,15 +227,16 @@ def test_collect_returns_one_row_per_prompt_equal_to_the_capture(capture_steerer
     for layer in (0, 2, 3):
         assert acts.X[layer].shape == (len(PROMPTS), 128) and acts.X[layer].dtype == np.float32
         last = np.stack([o.capture[(layer, "post_block")][-1] for o in outs])
-        np.testing.assert_allclose(acts.X[layer], last, rtol=1e-5, atol=1e-5)
+        # float32 CPU kernels round differently with another batch composition (4 + 2 vs 6 prompts): near-equal
+        np.testing.assert_allclose(acts.X[layer], last, rtol=1e-5, atol=1e-5 * float(np.abs(last).max()))
 
     # multi-position selectors give the mean over the selected positions, still one row per prompt
     mean = collect(st, PROMPTS, layers=(2,), site="pre_attn", positions="all_prompt", progress=False)
     assert mean.y is None and mean.n_positions.tolist() == [len(o.prompt_token_ids) for o in outs]
     outs_pre = st.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=1),
                            capture=CaptureSpec(layers=(2,), sites=("pre_attn",), positions="all_prompt"))
-    np.testing.assert_allclose(mean.X[2], np.stack([o.capture[(2, "pre_attn")].mean(0) for o in outs_pre]),
-                               rtol=1e-5, atol=1e-5)
+    ref = np.stack([o.capture[(2, "pre_attn")].mean(0) for o in outs_pre])
+    np.testing.assert_allclose(mean.X[2], ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
 
 
 def test_collect_rejects_bad_requests(capture_steerer):
@@ -274,3 +277,29 @@ def test_probe_training_example_reaches_auroc_095(tmp_path):
     probe = load_probe(out)
     assert probe.layer == int(m.group(2)) and probe.meta.hidden_size == 576
     assert probe.meta.calibration is not None and probe.meta.calibration.target_fpr == 0.05
+
+
+def test_probe_training_notebook_is_valid_and_matches_the_script():
+    import json
+
+    nb = json.loads((REPO / "examples" / "probe_training.ipynb").read_text())
+    assert nb["nbformat"] == 4 and nb["cells"]
+    script = (REPO / "examples" / "probe_training.py").read_text()
+    script_lines = {line.strip() for line in script.splitlines()}
+    for i, cell in enumerate(nb["cells"]):
+        assert cell["cell_type"] in ("markdown", "code") and isinstance(cell["source"], list)
+        if cell["cell_type"] == "code":
+            assert cell["outputs"] == [] and "execution_count" in cell
+            src = "".join(cell["source"])
+            compile(src, f"cell {i}", "exec")
+            extra = [l for l in src.splitlines() if l.strip() and l.strip() not in script_lines]
+            assert len(extra) <= 1, (i, extra)  # the same code as the script (the notebook sets out_path itself)
+
+
+def test_loading_a_probe_for_another_hidden_size_into_an_engine_fails_clearly(capture_steerer, tmp_path):
+    path = save_probe(tmp_path / "big.safetensors", np.ones(576), 0.0, model_id="smollm2", layer=2)
+    with pytest.raises(ValueError, match=r"hidden size 576.*has hidden size 128"):
+        load_probe(path).check_compatible(capture_steerer.shape)
+    ok = save_probe(tmp_path / "ok.safetensors", np.ones(capture_steerer.hidden_size), 0.0,
+                    model_id=capture_steerer.shape.model_id, layer=2)
+    load_probe(ok).check_compatible(capture_steerer.shape)

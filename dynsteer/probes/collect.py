@@ -111,9 +111,7 @@ def collect(steerer: Any, prompts: Sequence[str], labels: Sequence[Any] | np.nda
     if positions in ("all_generated",):
         raise ValueError("positions='all_generated' captures nothing with max_tokens=1; use a prompt selector")
     spec = CaptureSpec(layers=layers, sites=(site,), positions=positions)
-    front = getattr(steerer, "_front", None)
-    if front is not None:  # fail before the first batch, naming the DynsteerConfig fix
-        spec.check(steerer.shape, front.capture_places)
+    spec.check(steerer.shape, steerer.capture_places)  # fail before the first batch, naming the config fix
     inputs: list[Any] = chat_prompts(steerer.llm, prompts) if chat else prompts
     params = SamplingParams(temperature=0.0, max_tokens=1)
     rows: dict[int, list[np.ndarray]] = {layer: [] for layer in layers}
