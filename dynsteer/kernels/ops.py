@@ -108,18 +108,7 @@ def steer_site(
 ) -> torch.Tensor:
     """Call ``torch.ops.dynsteer.steer_site`` (contract: ``dynsteer.kernels.reference``).
 
-    Args:
-        h: [T, H] branch activations (float32 / bfloat16 / float16).
-        r: [T, H] carried residual in h's dtype, or None.
-        row_index: int32 [N >= T] table row per token; entries past T are ignored.
-        vec: float32 [R, H] additive vectors.
-        clamp_dir: float32 [R, K, H] unit clamp directions.
-        clamp_lo: float32 [R, K] lower bounds.
-        clamp_hi: float32 [R, K] upper bounds.
-        clamp_strength: float32 [R, K] clamp strengths (0 = off).
-
-    Returns:
-        New [T, H] tensor in h's dtype.
+    Arguments and result: see ``steer_site_reference`` (the contract every implementation shares).
     """
     return torch.ops.dynsteer.steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength)
 

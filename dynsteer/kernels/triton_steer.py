@@ -103,18 +103,7 @@ def steer_site_triton(
     capture. Rows may be strided, but the hidden dimension of h, r, vec and clamp_dir must be
     contiguous.
 
-    Args:
-        h: [T, H] branch activations (float32 / bfloat16 / float16).
-        r: [T, H] carried residual in h's dtype, or None.
-        row_index: int32 [N >= T] table row per token; entries past T are ignored.
-        vec: float32 [R, H] additive vectors.
-        clamp_dir: float32 [R, K, H] unit clamp directions.
-        clamp_lo: float32 [R, K] lower bounds.
-        clamp_hi: float32 [R, K] upper bounds.
-        clamp_strength: float32 [R, K] clamp strengths (0 = off).
-
-    Returns:
-        New [T, H] tensor in h's dtype.
+    Arguments and result: see ``steer_site_reference``.
     """
     num_tokens, hidden = h.shape
     num_k = clamp_dir.shape[1]
