@@ -43,6 +43,13 @@ class SteeringValidationError(ValueError):
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
+    # Value semantics through the canonical JSON form: field-wise comparison would hit numpy's ambiguous truth value.
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self.model_dump_json() == other.model_dump_json()  # type: ignore[union-attr]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.model_dump_json()))
+
 
 def _finite(name: str, value: float) -> float:
     if not math.isfinite(value):

@@ -184,3 +184,10 @@ def test_vector_file_and_packing_round_trip(tmp_path):
     save_vector(tmp_path / "v.safetensors", {3: v, 5: -v}, model_id="m", method="test")
     loaded, meta = load_vector(tmp_path / "v.safetensors")
     assert np.array_equal(loaded[3], v) and np.array_equal(loaded[5], -v) and meta["model_id"] == "m"
+
+
+def test_specs_compare_and_hash_by_value():
+    a = SteeringSpec(vectors=[AddVector(layer=1, vector=vec(0))])
+    b = SteeringSpec(vectors=[AddVector(layer=1, vector=vec(0).copy())])
+    c = SteeringSpec(vectors=[AddVector(layer=1, vector=vec(1))])
+    assert a == b and hash(a) == hash(b) and a != c and len({a, b, c}) == 2

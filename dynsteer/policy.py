@@ -1,0 +1,490 @@
+"""Dynamic steering policies: monitors (in-graph probe gates), rules (what a gate switches on) and a sync controller.
+
+A :class:`DynamicSteeringPolicy` is the schema of the dynamic tiers of DESIGN §4. Like :mod:`dynsteer.spec` it is
+pydantic, immutable, versioned and free of vLLM and torch imports, so it can be written in a notebook, saved as
+YAML/JSON, shipped with a request and validated against a model's shape (:meth:`DynamicSteeringPolicy.check`) before
+anything reaches the engine.
+
+Semantics:
+    * A :class:`Monitor` reads the residual at ``(layer, site)`` of each generated token and computes
+      ``score = x·direction`` and ``gate = σ(sharpness · (score − threshold))`` inside the forward (the in-graph
+      monitor, :func:`dynsteer.kernels.monitor_reference.monitor_gate_reference`). Prompt (prefill) tokens are never
+      gated: their gate is 0. The monitor reads the residual *before* any dynamic action at the same site.
+    * A :class:`Rule` ties a monitor to actions. ``gate`` values below ``gate_floor`` count as 0. Each action is the
+      dynamic term ``g · dyn_scale · action`` of DESIGN §3: an ``add`` adds ``g · dyn_scale · scale · vector``; a
+      ``clamp``/``ablate`` uses ``g · dyn_scale · strength`` as its strength. ``dyn_scale`` is the sync controller's
+      output (1 without a controller).
+    * ``scope`` says when the gate acts: ``this_token`` — in the same forward pass, on the same token (the gate is
+      carried forward from the monitor site, so actions can only steer the monitor's layer or later ones);
+      ``next_step`` — the gate of token ``t`` steers token ``t + 1``; ``rest_of_request`` — once the gate fires
+      (``g ≥ gate_floor`` and ``g > 0``) the actions stay on, at full gate, until the request finishes.
+    * The optional :class:`SyncControllerSpec` is the sync actuator tier: after every step it sees the monitor's
+      score/gate for the token just computed and sets ``dyn_scale`` for the next step
+      (:mod:`dynsteer.controllers.sync`).
+
+Example:
+    >>> import numpy as np
+    >>> from dynsteer.policy import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec
+    >>> from dynsteer.spec import ModelShape
+    >>> mon = Monitor(name="tox", layer=2, direction=np.eye(8)[0], sharpness=4.0, threshold=1.5)
+    >>> rule = Rule(monitor="tox", actions=[Action(kind="add", layer=3, vector=-np.eye(8)[0], scale=2.0)])
+    >>> policy = DynamicSteeringPolicy(monitors=[mon], rules=[rule],
+    ...                                controller=SyncControllerSpec(kind="latch", on=2.0, off=1.0, scale=1.0))
+    >>> DynamicSteeringPolicy.from_yaml(policy.to_yaml()) == policy
+    True
+    >>> policy.check(ModelShape(num_layers=4, hidden_size=8))
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from dynsteer.spec import SITES, ModelShape, Site, SteeringValidationError, resolve_vector
+from dynsteer.vectors import Vector
+
+POLICY_VERSION = 1
+
+Scope = Literal["this_token", "next_step", "rest_of_request"]
+"""When a rule's gate acts: the same token (in-graph), the next step, or from the first trigger to the end."""
+ControllerKind = Literal["latch", "ema_latch", "pid", "budget"]
+
+__all__ = ["Action", "ControllerKind", "DynamicSteeringPolicy", "Monitor", "POLICY_VERSION", "Rule", "Scope",
+           "SyncControllerSpec"]
+
+
+def _finite(name: str, value: float | None) -> None:
+    if value is not None and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+
+
+def _site_order(site: str) -> int:
+    return SITES.index(site)  # type: ignore[arg-type]
+
+
+class _Model(BaseModel):
+    """Frozen, strict base. Equality compares the JSON form, so models holding numpy vectors compare by value."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self.model_dump(mode="json") == other.model_dump(mode="json")  # type: ignore[union-attr]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, json.dumps(self.model_dump(mode="json"), sort_keys=True)))
+
+
+class Monitor(_Model):
+    """An in-graph probe gate on the residual at ``(layer, site)``.
+
+    Exactly one of two forms:
+
+    * ``probe_file``: a dynsteer probe file (DESIGN §7), loaded when the policy is resolved or checked; or
+    * inline ``direction`` + ``sharpness`` + ``threshold``: ``gate = σ(sharpness · (x·direction − threshold))``.
+
+    :meth:`from_probe_file` builds the inline form from a probe file (exact logistic-probe identity, DESIGN §4).
+
+    Args:
+        name: unique name that rules refer to.
+        layer: decoder layer whose residual is read (0-based).
+        site: residual site read.
+        probe_file: path of a probe file (file form).
+        direction: probe direction ``[hidden]`` (inline form; usually unit norm, any non-zero norm is accepted).
+        sharpness: slope of the gate's logit per unit of projection, ``> 0`` (inline form).
+        threshold: projection at which the gate is 0.5, finite (inline form).
+
+    Example:
+        >>> m = Monitor(name="m", layer=1, direction=[0.6, 0.8], sharpness=2.0, threshold=0.5)
+        >>> round(float(m.gate([3.0, 4.0])), 6)   # σ(2 · (5 − 0.5))
+        0.999877
+    """
+
+    name: str = Field(min_length=1)
+    layer: int = Field(ge=0)
+    site: Site = "post_block"
+    probe_file: Optional[str] = None
+    direction: Optional[Vector] = None
+    sharpness: Optional[float] = Field(default=None, gt=0.0)
+    threshold: Optional[float] = None
+
+    @field_validator("sharpness", "threshold")
+    @classmethod
+    def _finite_params(cls, v: float | None, info: Any) -> float | None:
+        _finite(info.field_name, v)
+        return v
+
+    @field_validator("direction")
+    @classmethod
+    def _finite_direction(cls, v: np.ndarray | None) -> np.ndarray | None:
+        if v is not None:
+            if not np.all(np.isfinite(v)):
+                raise ValueError("direction contains NaN or infinite values")
+            if not np.linalg.norm(v.astype(np.float64)) > 0:
+                raise ValueError("direction has zero norm")
+        return v
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "Monitor":
+        inline = {"direction": self.direction, "sharpness": self.sharpness, "threshold": self.threshold}
+        given = [k for k, v in inline.items() if v is not None]
+        if self.probe_file is not None:
+            if given:
+                raise ValueError(f"monitor {self.name!r}: give either probe_file or the inline form "
+                                 f"(direction, sharpness, threshold), not both (got probe_file and {', '.join(given)})")
+        elif len(given) != 3:
+            missing = [k for k in inline if inline[k] is None]
+            raise ValueError(f"monitor {self.name!r}: needs either probe_file or all of direction, sharpness, "
+                             f"threshold (missing: {', '.join(missing)})")
+        return self
+
+    @property
+    def is_inline(self) -> bool:
+        return self.probe_file is None
+
+    @classmethod
+    def from_probe_file(cls, path: str | Path, *, name: str, calibrated: bool = False) -> "Monitor":
+        """An inline monitor equal to the probe in ``path``: its layer, site and gate parameters.
+
+        Args:
+            path: a file written by :func:`dynsteer.probes.save_probe`.
+            name: the monitor's name.
+            calibrated: centre the gate on the probe's calibration threshold instead of decision 0.
+        """
+        from dynsteer.probes.fileformat import load_probe
+
+        probe = load_probe(path)
+        p = probe.gate_params(calibrated=calibrated)
+        return cls(name=name, layer=probe.layer, site=probe.site, direction=p.probe, sharpness=p.sharpness,
+                   threshold=p.threshold)
+
+    def resolve(self) -> "Monitor":
+        """The inline form (loads ``probe_file``; checks that the file's layer and site match this monitor)."""
+        if self.is_inline:
+            return self
+        m = Monitor.from_probe_file(self.probe_file, name=self.name)  # type: ignore[arg-type]
+        if (m.layer, m.site) != (self.layer, self.site):
+            raise ValueError(f"monitor {self.name!r}: probe file {self.probe_file!r} reads layer {m.layer} site "
+                             f"{m.site!r}, but the monitor says layer {self.layer} site {self.site!r}")
+        return m
+
+    def gate_params(self) -> Any:
+        """The :class:`dynsteer.probes.gate.GateParams` of this monitor (loads ``probe_file`` if needed)."""
+        from dynsteer.probes.gate import GateParams
+
+        m = self.resolve()
+        assert m.direction is not None and m.sharpness is not None and m.threshold is not None
+        return GateParams(probe=np.asarray(m.direction, dtype=np.float64), sharpness=float(m.sharpness),
+                          threshold=float(m.threshold))
+
+    def score(self, x: Any) -> np.ndarray:
+        """``x·direction`` in float64 for ``x`` of shape ``[..., hidden]`` (host-side reference)."""
+        return np.asarray(x, dtype=np.float64) @ self.gate_params().probe
+
+    def gate(self, x: Any) -> np.ndarray:
+        """``σ(sharpness · (x·direction − threshold))`` in float64 (host-side reference; no prefill masking)."""
+        from dynsteer.probes.gate import gate
+
+        return gate(np.asarray(x, dtype=np.float64), self.gate_params())
+
+
+class Action(_Model):
+    """One dynamic steering action, scaled by the rule's gate and the controller's ``dyn_scale``.
+
+    Args:
+        kind: ``add`` (add ``scale · vector``), ``clamp`` (projection clamp to ``[lo, hi]``) or ``ablate``
+            (clamp to ``[0, 0]``).
+        layer: decoder layer steered; must not be before the rule's monitor layer.
+        site: residual site steered; at the monitor's layer it must not be before the monitor's site.
+        vector: registered vector name or inline vector (the direction for clamp/ablate).
+        scale: multiplier for ``add`` (must stay 1 for the other kinds).
+        lo: clamp lower bound (``clamp`` only; ``None``: open).
+        hi: clamp upper bound (``clamp`` only; ``None``: open).
+        strength: clamp/ablation strength, ``> 0`` (must stay 1 for ``add``).
+
+    Example:
+        >>> Action(kind="clamp", layer=4, vector="refusal", hi=0.5).kind
+        'clamp'
+    """
+
+    kind: Literal["add", "clamp", "ablate"]
+    layer: int = Field(ge=0)
+    site: Site = "post_block"
+    vector: str | Vector
+    scale: float = 1.0
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    strength: float = Field(default=1.0, gt=0.0)
+
+    @field_validator("scale", "lo", "hi", "strength")
+    @classmethod
+    def _finite_fields(cls, v: float | None, info: Any) -> float | None:
+        _finite(info.field_name, v)
+        return v
+
+    @field_validator("vector")
+    @classmethod
+    def _finite_vector(cls, v: Any) -> Any:
+        if isinstance(v, np.ndarray) and not np.all(np.isfinite(v)):
+            raise ValueError("vector contains NaN or infinite values")
+        return v
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> "Action":
+        if self.kind == "clamp":
+            if self.lo is None and self.hi is None:
+                raise ValueError("lo/hi: a clamp action needs lo, hi or both")
+            if self.lo is not None and self.hi is not None and self.lo > self.hi:
+                raise ValueError(f"lo: lo ({self.lo}) must not exceed hi ({self.hi})")
+        elif self.lo is not None or self.hi is not None:
+            raise ValueError(f"lo/hi: only clamp actions take bounds, not {self.kind!r}")
+        if self.kind != "add" and self.scale != 1.0:
+            raise ValueError(f"scale: only add actions take a scale (use strength for {self.kind!r})")
+        if self.kind == "add" and self.strength != 1.0:
+            raise ValueError("strength: add actions take a scale, not a strength")
+        return self
+
+
+class Rule(_Model):
+    """A monitor's gate switching a group of actions.
+
+    Args:
+        monitor: name of a monitor of the policy.
+        actions: one or more actions.
+        scope: ``this_token``, ``next_step`` or ``rest_of_request`` (see the module docstring).
+        gate_floor: gate values below it count as 0, in ``[0, 1]``.
+
+    Example:
+        >>> Rule(monitor="m", actions=[Action(kind="ablate", layer=5, vector="dir")]).scope
+        'this_token'
+    """
+
+    monitor: str = Field(min_length=1)
+    actions: tuple[Action, ...] = Field(min_length=1)
+    scope: Scope = "this_token"
+    gate_floor: float = Field(default=0.0, ge=0.0, le=1.0)
+
+
+_CONTROLLER_REQUIRED = {"latch": ("on", "off", "scale"), "ema_latch": ("alpha", "on", "off", "scale"),
+                        "pid": ("target", "kp", "ki", "kd"), "budget": ("inner", "max_steered_tokens")}
+_CONTROLLER_OPTIONAL = {"pid": ("min_scale", "max_scale")}
+_CONTROLLER_PARAMS = ("on", "off", "scale", "alpha", "target", "kp", "ki", "kd", "min_scale", "max_scale", "inner",
+                      "max_steered_tokens")
+
+
+class SyncControllerSpec(_Model):
+    """Parameters of a built-in sync controller (:mod:`dynsteer.controllers.sync`; build with ``make_controller``).
+
+    Required fields per kind (others must be left unset):
+
+    * ``latch``: ``on``, ``off``, ``scale`` — hysteresis on the score (``on ≥ off``).
+    * ``ema_latch``: ``alpha`` in ``(0, 1]``, ``on``, ``off``, ``scale`` — the latch on an EMA of the score.
+    * ``pid``: ``target``, ``kp``, ``ki``, ``kd`` (``min_scale`` = 0, ``max_scale`` = 1 by default).
+    * ``budget``: ``inner`` (another spec), ``max_steered_tokens`` ≥ 0.
+
+    Args:
+        kind: the controller.
+        monitor: whose score/gate feeds it; ``None`` is allowed when the policy has exactly one monitor.
+
+    Example:
+        >>> SyncControllerSpec(kind="budget", max_steered_tokens=32,
+        ...                    inner=SyncControllerSpec(kind="latch", on=1.0, off=0.5, scale=2.0)).kind
+        'budget'
+    """
+
+    kind: ControllerKind
+    monitor: Optional[str] = None
+    on: Optional[float] = None
+    off: Optional[float] = None
+    scale: Optional[float] = None
+    alpha: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    target: Optional[float] = None
+    kp: Optional[float] = None
+    ki: Optional[float] = None
+    kd: Optional[float] = None
+    min_scale: Optional[float] = None
+    max_scale: Optional[float] = None
+    inner: Optional["SyncControllerSpec"] = None
+    max_steered_tokens: Optional[int] = Field(default=None, ge=0)
+
+    @field_validator("on", "off", "scale", "target", "kp", "ki", "kd", "min_scale", "max_scale")
+    @classmethod
+    def _finite_fields(cls, v: float | None, info: Any) -> float | None:
+        _finite(info.field_name, v)
+        return v
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> "SyncControllerSpec":
+        required = _CONTROLLER_REQUIRED[self.kind]
+        allowed = set(required) | set(_CONTROLLER_OPTIONAL.get(self.kind, ()))
+        for name in _CONTROLLER_PARAMS:
+            value = getattr(self, name)
+            if name in required and value is None:
+                raise ValueError(f"{name}: a {self.kind!r} controller needs {', '.join(required)}")
+            if name not in allowed and value is not None:
+                raise ValueError(f"{name}: not a parameter of a {self.kind!r} controller "
+                                 f"(it takes {', '.join(sorted(allowed))})")
+        if self.on is not None and self.off is not None and self.on < self.off:
+            raise ValueError(f"off: hysteresis needs on ≥ off (on={self.on}, off={self.off})")
+        lo = 0.0 if self.min_scale is None else self.min_scale
+        hi = 1.0 if self.max_scale is None else self.max_scale
+        if self.kind == "pid" and lo > hi:
+            raise ValueError(f"min_scale: min_scale ({lo}) must not exceed max_scale ({hi})")
+        if self.inner is not None and self.inner.monitor is not None:
+            raise ValueError("inner.monitor: set the monitor on the outer controller only")
+        return self
+
+
+class DynamicSteeringPolicy(_Model):
+    """Monitors, the rules they gate, and an optional sync controller: one request's dynamic steering.
+
+    Args:
+        version: schema version (1).
+        monitors: in-graph probe gates, unique names.
+        rules: each a monitor and the actions its gate scales.
+        controller: optional sync controller setting ``dyn_scale`` every step.
+
+    Raises:
+        pydantic.ValidationError: (a ``ValueError``) duplicate monitor names, a rule naming an unknown monitor, an
+            action steering a layer/site before its monitor's (e.g. ``rules[0].actions[1].layer``), or a controller
+            without a well-defined monitor. The message names the field.
+
+    Example:
+        >>> p = DynamicSteeringPolicy(
+        ...     monitors=[Monitor(name="m", layer=3, direction=[1.0, 0.0], sharpness=1.0, threshold=0.0)],
+        ...     rules=[Rule(monitor="m", actions=[Action(kind="ablate", layer=3, vector=[0.0, 1.0])])])
+        >>> DynamicSteeringPolicy.from_json(p.to_json()) == p
+        True
+    """
+
+    version: Literal[1] = POLICY_VERSION
+    monitors: tuple[Monitor, ...] = ()
+    rules: tuple[Rule, ...] = ()
+    controller: Optional[SyncControllerSpec] = None
+
+    @model_validator(mode="after")
+    def _references(self) -> "DynamicSteeringPolicy":
+        by_name: dict[str, Monitor] = {}
+        for i, m in enumerate(self.monitors):
+            if m.name in by_name:
+                raise ValueError(f"monitors[{i}].name: duplicate monitor name {m.name!r}")
+            by_name[m.name] = m
+        known = ", ".join(sorted(by_name)) or "none defined"
+        for i, rule in enumerate(self.rules):
+            mon = by_name.get(rule.monitor)
+            if mon is None:
+                raise ValueError(f"rules[{i}].monitor: unknown monitor {rule.monitor!r} (known: {known})")
+            for j, a in enumerate(rule.actions):
+                where = f"rules[{i}].actions[{j}]"
+                if a.layer < mon.layer:
+                    raise ValueError(
+                        f"{where}.layer: layer {a.layer} is before monitor {mon.name!r}'s layer {mon.layer}; the "
+                        f"gate is computed at the monitor site and carried forward, so it can only steer layer "
+                        f"{mon.layer} (site {mon.site!r} or later) and later layers")
+                if a.layer == mon.layer and _site_order(a.site) < _site_order(mon.site):
+                    raise ValueError(
+                        f"{where}.site: site {a.site!r} at layer {a.layer} comes before monitor {mon.name!r}'s "
+                        f"site {mon.site!r}; the gate does not exist yet there")
+        if self.controller is not None:
+            if self.controller.monitor is None:
+                if len(self.monitors) != 1:
+                    raise ValueError(f"controller.monitor: name the monitor that feeds the controller (the policy "
+                                     f"has {len(self.monitors)} monitors: {known})")
+            elif self.controller.monitor not in by_name:
+                raise ValueError(f"controller.monitor: unknown monitor {self.controller.monitor!r} (known: {known})")
+        return self
+
+    def monitor(self, name: str) -> Monitor:
+        """The monitor called ``name`` (``KeyError`` if none)."""
+        for m in self.monitors:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def controller_monitor(self) -> Monitor | None:
+        """The monitor feeding the controller (``None`` without a controller)."""
+        if self.controller is None:
+            return None
+        return self.monitor(self.controller.monitor) if self.controller.monitor else self.monitors[0]
+
+    def resolved(self) -> "DynamicSteeringPolicy":
+        """A copy whose monitors are all inline (probe files loaded)."""
+        return self.model_copy(update={"monitors": tuple(m.resolve() for m in self.monitors)})
+
+    def layers(self) -> list[int]:
+        """Every layer a monitor reads or an action steers."""
+        return sorted({m.layer for m in self.monitors} | {a.layer for r in self.rules for a in r.actions})
+
+    def check(self, shape: ModelShape, named: dict[str, np.ndarray] | None = None, prefix: str = "") -> None:
+        """Validate against a model like :func:`dynsteer.spec.check_spec`.
+
+        Checks layer ranges and hooked layers/sites of monitors and actions, vector hidden sizes, finite values and
+        non-zero directions; loads probe-file monitors and checks them too.
+
+        Args:
+            shape: the engine's model shape.
+            named: registered vectors for actions that refer to a vector by name.
+            prefix: prepended to field names in messages (e.g. ``"policy."``).
+
+        Raises:
+            SteeringValidationError: naming the first bad field (e.g. ``monitors[0].direction``).
+        """
+        def place(where: str, layer: int, site: str) -> None:
+            if layer >= shape.num_layers:
+                raise SteeringValidationError(
+                    f"{where}.layer: layer {layer} out of range; the model has {shape.num_layers} layers "
+                    f"(0..{shape.num_layers - 1})")
+            if shape.layers is not None and layer not in shape.layers:
+                raise SteeringValidationError(f"{where}.layer: layer {layer} is not hooked in this engine "
+                                              f"(hooked: {list(shape.layers)})")
+            if site not in shape.sites:
+                raise SteeringValidationError(f"{where}.site: site {site!r} is not hooked in this engine "
+                                              f"(hooked: {list(shape.sites)})")
+
+        for i, m in enumerate(self.monitors):
+            where = f"{prefix}monitors[{i}]"
+            place(where, m.layer, m.site)
+            if m.probe_file is not None:
+                try:
+                    m = m.resolve()
+                except (OSError, ValueError) as exc:
+                    raise SteeringValidationError(f"{where}.probe_file: {exc}") from None
+            arr = resolve_vector(m.direction, f"{where}.direction", shape, None)
+            if not np.linalg.norm(arr.astype(np.float64)) > 0:
+                raise SteeringValidationError(f"{where}.direction: direction has zero norm")
+            for name in ("sharpness", "threshold"):
+                if not math.isfinite(getattr(m, name)):
+                    raise SteeringValidationError(f"{where}.{name}: must be finite")
+        for i, rule in enumerate(self.rules):
+            for j, a in enumerate(rule.actions):
+                where = f"{prefix}rules[{i}].actions[{j}]"
+                place(where, a.layer, a.site)
+                arr = resolve_vector(a.vector, f"{where}.vector", shape, named)
+                if a.kind != "add" and not np.linalg.norm(arr.astype(np.float64)) > 0:
+                    raise SteeringValidationError(f"{where}.vector: direction has zero norm")
+
+    def to_json(self) -> str:
+        """JSON with vectors in the packed ``{"b64": ...}`` form (bit-exact round trip)."""
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "DynamicSteeringPolicy":
+        return cls.model_validate_json(text)
+
+    def to_yaml(self) -> str:
+        """YAML of the JSON form (vectors packed, bit-exact round trip)."""
+        import yaml
+
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "DynamicSteeringPolicy":
+        import yaml
+
+        return cls.model_validate(yaml.safe_load(text))
