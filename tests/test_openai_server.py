@@ -1,0 +1,88 @@
+"""The OpenAI-compatible server steers per request: the packed payload rides in `vllm_xargs` (loopback only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+import dynsteer
+from dynsteer import AddVector, SteeringSpec
+from tests.conftest import ON_GPU
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_path, tmp_path_factory):
+    port = _free_port()
+    args = ["--dtype", "bfloat16"] if ON_GPU else ["--dtype", "float32", "--enforce-eager"]
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                             str(tiny_llama_path), "--host", "127.0.0.1", "--port", str(port),
+                             "--max-model-len", "256", *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=open(log, "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited early:\n{log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(1)
+        else:
+            pytest.fail(f"server did not come up:\n{log.read_text()[-3000:]}")
+        yield url, str(tiny_llama_path)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def complete(server, xargs=None) -> tuple[int, str]:
+    url, model = server
+    body = {"model": model, "prompt": "the quick brown fox", "max_tokens": 10, "temperature": 0}
+    if xargs is not None:
+        body["vllm_xargs"] = xargs
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())["choices"][0]["text"]
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_per_request_steering_through_vllm_xargs(server):
+    v = (np.random.default_rng(0).standard_normal(128) * 8).astype(np.float32)
+    status, base = complete(server)
+    assert status == 200
+    payload = dynsteer.encode_payload(SteeringSpec(vectors=[AddVector(layer=1, vector=v)]))
+    status, steered = complete(server, {"dynsteer": payload})
+    assert status == 200 and steered != base
+    assert complete(server) == (200, base)  # the next unsteered request is untouched
+
+
+def test_bad_payload_is_a_400_naming_the_field(server):
+    v = np.ones(128, np.float32)
+    bad = dynsteer.encode_payload(SteeringSpec(vectors=[AddVector(layer=9, vector=v)]))
+    status, body = complete(server, {"dynsteer": bad})
+    assert status == 400 and "extra_args.dynsteer.spec.vectors[0].layer" in body
+    status, body = complete(server, {"dynsteer": "ds1:not-base64!"})
+    assert status == 400 and "malformed packed payload" in body
+    assert complete(server)[0] == 200  # the server keeps serving
