@@ -19,14 +19,13 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
 
 from dynsteer.capture.result import Capture, unpack_record
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.engine.apc import state_of
 from dynsteer.payload import PAYLOAD_KEY, encode_payload
 from dynsteer.spec import (AddVector, Ablation, ModelShape, ProjectionClamp, Site, SteeringSpec, Tier,
-                           VectorSource)
+                           VectorSource, check_vector)
 from dynsteer.steering.compile import compile_phase
 from dynsteer.vectors import as_vector, pack_vector
 
@@ -80,7 +79,7 @@ class Steerer:
         for phase in ("prefill", "decode"):
             compile_phase([("global.", spec)], phase, self.shape, self._front.named)
         self.llm.collective_rpc("dynsteer_set_global", args=(encode_payload(spec),))
-        self._front.global_spec = spec
+        self._front.set_global(spec)
 
     @contextlib.contextmanager
     def steering(self, spec: SteeringSpec) -> Iterator["Steerer"]:
@@ -95,7 +94,7 @@ class Steerer:
     def set_layer_vector(self, layer: int, vector: VectorSource | None, *, site: Site = "post_block",
                          tier: Tier = "base", scale: float = 1.0) -> None:
         """Set (replace) the additive vector at ``(layer, site, tier)``; ``None`` clears it."""
-        spec = self._replaced(layer, site, tier, "add")
+        spec = self.export_steering_spec().without(layer, site, ("add",), tier)
         if vector is not None:
             spec = spec.merged(SteeringSpec(vectors=(AddVector(layer=layer, site=site, tier=tier,
                                                                vector=self._vec(vector), scale=scale),)))
@@ -107,13 +106,13 @@ class Steerer:
         """Clamp the projection on ``vector``'s direction into ``[min, max]`` at ``(layer, site, tier)``."""
         clamp = ProjectionClamp(layer=layer, site=site, tier=tier, direction=self._vec(vector), lo=min, hi=max,
                                 strength=strength)
-        self.apply_steering_spec(self._replaced(layer, site, tier, "clamp").merged(SteeringSpec(clamps=(clamp,))))
+        self.apply_steering_spec(self.export_steering_spec().without(layer, site, ("clamp",), tier).merged(SteeringSpec(clamps=(clamp,))))
 
     def set_layer_ablation(self, layer: int, vector: VectorSource, *, scale: float = 1.0,
                            site: Site = "post_block", tier: Tier = "base") -> None:
         """Ablate ``vector``'s direction at ``(layer, site, tier)``; ``scale`` < 1 removes only that fraction."""
         ablation = Ablation(layer=layer, site=site, tier=tier, direction=self._vec(vector), strength=scale)
-        self.apply_steering_spec(self._replaced(layer, site, tier, "ablate").merged(
+        self.apply_steering_spec(self.export_steering_spec().without(layer, site, ("ablate",), tier).merged(
             SteeringSpec(ablations=(ablation,))))
 
     def clear_layer_vector(self, layer: int, site: Site | None = None) -> None:
@@ -134,11 +133,7 @@ class Steerer:
     # ---- named vectors ----------------------------------------------------------------------------------------------
     def register_vector(self, name: str, vector: Any) -> None:
         """Register a vector on every rank under ``name``; request payloads may then reference it by name."""
-        arr = as_vector(vector)
-        if arr.shape != (self.hidden_size,):
-            raise ValueError(f"vector {name!r}: expected hidden size {self.hidden_size}, got shape {arr.shape}")
-        if not np.all(np.isfinite(arr)):
-            raise ValueError(f"vector {name!r}: contains NaN or infinite values")
+        arr = check_vector(as_vector(vector), self.hidden_size, f"vector {name!r}")
         self.llm.collective_rpc("dynsteer_register_vector", args=(name, pack_vector(arr)))
         self._front.register(name, arr)
 
@@ -203,12 +198,6 @@ class Steerer:
         tags = [f"ds-{uuid.uuid4().hex}" for _ in range(n)] if capture is not None else None
         params = [steer_params(b, s, tags[i] if tags else None, capture) for i, (b, s) in enumerate(zip(bases, specs))]
         return params, tags
-
-    def _replaced(self, layer: int, site: Site, tier: Tier, kind: str) -> SteeringSpec:
-        spec = self.export_steering_spec()
-        keep = lambda e: not (e.kind == kind and e.layer == layer and e.site == site and e.tier == tier)  # noqa
-        return SteeringSpec(vectors=tuple(filter(keep, spec.vectors)), clamps=tuple(filter(keep, spec.clamps)),
-                            ablations=tuple(filter(keep, spec.ablations)))
 
     def _vec(self, vector: VectorSource) -> VectorSource:
         return vector if isinstance(vector, str) else as_vector(vector)

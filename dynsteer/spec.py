@@ -175,12 +175,13 @@ class SteeringSpec(_Frozen):
         return SteeringSpec(vectors=self.vectors + other.vectors, clamps=self.clamps + other.clamps,
                             ablations=self.ablations + other.ablations)
 
-    def without(self, layer: int, site: Site | None = None, kinds: tuple[str, ...] = ("add", "clamp", "ablate")
-                ) -> "SteeringSpec":
-        """A copy with the entries of ``kinds`` at ``layer`` (and ``site``, if given) removed."""
+    def without(self, layer: int, site: Site | None = None, kinds: tuple[str, ...] = ("add", "clamp", "ablate"),
+                tier: Tier | None = None) -> "SteeringSpec":
+        """A copy with the entries of ``kinds`` at ``layer`` (and ``site`` / ``tier``, if given) removed."""
 
         def keep(e: Any) -> bool:
-            return not (e.kind in kinds and e.layer == layer and (site is None or e.site == site))
+            return not (e.kind in kinds and e.layer == layer and (site is None or e.site == site)
+                        and (tier is None or e.tier == tier))
 
         return SteeringSpec(vectors=tuple(filter(keep, self.vectors)), clamps=tuple(filter(keep, self.clamps)),
                             ablations=tuple(filter(keep, self.ablations)))
@@ -209,6 +210,16 @@ class ModelShape(_Frozen):
     max_clamps: int = 2
 
 
+def check_vector(arr: np.ndarray, hidden_size: int, field: str) -> np.ndarray:
+    """``arr`` if it is a finite vector of ``hidden_size``; otherwise raise naming ``field``."""
+    if arr.ndim != 1 or arr.shape[0] != hidden_size:
+        raise SteeringValidationError(
+            f"{field}: expected a vector of the model's hidden size {hidden_size}, got shape {tuple(arr.shape)}")
+    if not np.all(np.isfinite(arr)):
+        raise SteeringValidationError(f"{field}: vector contains NaN or infinite values")
+    return arr
+
+
 def resolve_vector(source: VectorSource, field: str, shape: ModelShape,
                    named: dict[str, np.ndarray] | None) -> np.ndarray:
     """Turn a name or inline vector into a checked float32 array, or raise naming ``field``."""
@@ -219,12 +230,7 @@ def resolve_vector(source: VectorSource, field: str, shape: ModelShape,
         arr = named[source]
     else:
         arr = as_vector(source)
-    if arr.ndim != 1 or arr.shape[0] != shape.hidden_size:
-        raise SteeringValidationError(
-            f"{field}: expected a vector of the model's hidden size {shape.hidden_size}, got shape {tuple(arr.shape)}")
-    if not np.all(np.isfinite(arr)):
-        raise SteeringValidationError(f"{field}: vector contains NaN or infinite values")
-    return arr
+    return check_vector(arr, shape.hidden_size, field)
 
 
 def check_spec(spec: SteeringSpec, shape: ModelShape, named: dict[str, np.ndarray] | None = None,

@@ -26,7 +26,7 @@ from torch import nn
 from dynsteer.capture.consumers import build_consumer
 from dynsteer.capture.store import CaptureCollector
 from dynsteer.config import DynsteerConfig
-from dynsteer.spec import ModelShape
+from dynsteer.engine.apc import shape_from_vllm_config
 from dynsteer.steering.runtime import SteeringRuntime
 from dynsteer.steering.site import SiteHook
 from dynsteer.steering.tables import SteeringTables
@@ -76,14 +76,9 @@ def _runtime_for_current_model() -> SteeringRuntime:
     if rt is None:
         _building.clear()  # a new model: runtimes of earlier models stay reachable from their own hooks
         cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
-        text = vllm_config.model_config.hf_config.get_text_config()
-        num_layers = int(text.num_hidden_layers)
-        layers = tuple(range(num_layers)) if cfg.layers is None else tuple(l for l in cfg.layers if l < num_layers)
-        shape = ModelShape(num_layers=num_layers, hidden_size=int(text.hidden_size),
-                           model_id=str(vllm_config.model_config.model),
-                           architecture=(vllm_config.model_config.architectures or ["?"])[0],
-                           sites=cfg.sites, layers=None if cfg.layers is None else layers,
-                           max_clamps=cfg.max_clamps)
+        shape = shape_from_vllm_config(vllm_config)
+        num_layers = shape.num_layers
+        layers = tuple(range(num_layers)) if shape.layers is None else shape.layers
         sched = vllm_config.scheduler_config
         max_tokens = max(int(sched.max_num_batched_tokens),
                          int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0))

@@ -33,15 +33,20 @@ class FrontendState:
     named: dict[str, np.ndarray] = field(default_factory=dict)
     global_spec: SteeringSpec = field(default_factory=SteeringSpec)
     capture_places: set = field(default_factory=set)
-    # Admission results per (global spec, vector registry size, packed payload): validation compiles every vector,
+    # Admission results per (state version, packed payload): validation compiles every vector,
     # which for a large batch of identical requests would otherwise dominate LLM.generate's submission loop.
     _memo: dict = field(default_factory=dict, repr=False)
-    named_version: int = 0
+    version: int = 0  # bumped whenever the global spec or a named vector changes: keys the admission memo
 
     def register(self, name: str, vector: np.ndarray) -> None:
         """Record a named vector (already registered on the workers); cached admissions become stale."""
         self.named[name] = vector
-        self.named_version += 1
+        self.version += 1
+
+    def set_global(self, spec: SteeringSpec) -> None:
+        """Record the global spec (already applied on the workers); cached admissions become stale."""
+        self.global_spec = spec
+        self.version += 1
 
     def admit(self, payload: Any) -> tuple[str, str]:
         """Validate ``payload`` (None: no per-request steering).
@@ -51,11 +56,12 @@ class FrontendState:
             A request that captures prompt positions gets a unique prefill fingerprint: prefix-cache hits skip
             the forward for cached tokens, and there would be nothing to capture for them.
         """
-        key = (id(self.global_spec), self.named_version, payload if isinstance(payload, str) else None)
-        cached = self._memo.get(key) if key[2] is not None or payload is None else None
+        cacheable = payload is None or isinstance(payload, str)  # JSON-object payloads are not hashable
+        key = (self.version, payload)
+        cached = self._memo.get(key) if cacheable else None
         if cached is None:
             cached = self._admit(payload)
-            if key[2] is not None or payload is None:
+            if cacheable:
                 if len(self._memo) >= 1024:
                     self._memo.clear()
                 self._memo[key] = cached
@@ -80,12 +86,15 @@ class FrontendState:
 
 
 def shape_from_vllm_config(vllm_config: Any) -> ModelShape:
+    """The model's shape and hooked places as every process sees them (frontend admission and workers alike)."""
     cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
     text = vllm_config.model_config.hf_config.get_text_config()
-    return ModelShape(num_layers=int(text.num_hidden_layers), hidden_size=int(text.hidden_size),
+    num_layers = int(text.num_hidden_layers)
+    layers = None if cfg.layers is None else tuple(l for l in cfg.layers if l < num_layers)
+    return ModelShape(num_layers=num_layers, hidden_size=int(text.hidden_size),
                       model_id=str(vllm_config.model_config.model),
                       architecture=(vllm_config.model_config.architectures or ["?"])[0], sites=cfg.sites,
-                      layers=cfg.layers, max_clamps=cfg.max_clamps)
+                      layers=layers, max_clamps=cfg.max_clamps)
 
 
 def frontend_state(input_processor: Any) -> FrontendState:

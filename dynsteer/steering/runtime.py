@@ -17,7 +17,7 @@ import torch
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.capture.store import CaptureCollector, CaptureRecord
 from dynsteer.payload import decode_payload
-from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
+from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
 from dynsteer.steering.compile import EMPTY, RowContent, compile_phase
 from dynsteer.steering.tables import RowPool, RowsExhausted, SteeringTables
 
@@ -78,7 +78,7 @@ class StagingRing:
         self.events: list[Any] = [None] * len(self.slots)
         self.i = 0
 
-    def next(self, upto: int) -> np.ndarray:
+    def next(self) -> np.ndarray:
         self.i = (self.i + 1) % len(self.slots)
         if self.events[self.i] is not None:
             self.events[self.i].synchronize()
@@ -112,11 +112,7 @@ class SteeringRuntime:
 
     # ---- control plane (collective_rpc, between steps) -------------------------------------------------------
     def register_vector(self, name: str, vector: np.ndarray) -> None:
-        if vector.shape != (self.shape.hidden_size,):
-            raise SteeringValidationError(
-                f"vector {name!r}: expected hidden size {self.shape.hidden_size}, got shape {tuple(vector.shape)}")
-        if not np.all(np.isfinite(vector)):
-            raise SteeringValidationError(f"vector {name!r}: contains NaN or infinite values")
+        check_vector(vector, self.shape.hidden_size, f"vector {name!r}")
         self.named[name] = np.ascontiguousarray(vector, np.float32)
         self._compiled.clear()
 
@@ -193,7 +189,7 @@ class SteeringRuntime:
                 self.capture.plan(req_id, int(qsl[i]), int(view.num_computed[i]), int(qsl[i + 1] - qsl[i]))
         n = view.num_tokens
         upto = max(n, self._high_water, view.num_tokens_padded)
-        idx = self._staging.next(upto)
+        idx = self._staging.next()
         if n_req:
             counts = np.diff(qsl)
             req_of_token = np.repeat(np.arange(n_req), counts)
