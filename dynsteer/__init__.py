@@ -10,11 +10,14 @@ from dynsteer.capture.result import Capture
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.config import DynsteerConfig
 from dynsteer.payload import decode_payload, encode_payload
+from dynsteer.policy import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec
 from dynsteer.spec import (SITES, TIERS, Ablation, AddVector, ModelShape, ProjectionClamp, SteeringSpec,
                            SteeringValidationError)
+from dynsteer.trace import DynamicTrace
 from dynsteer.vectors import load_vector, save_vector
 
 __version__ = "0.1.0"
-__all__ = ["Ablation", "AddVector", "Capture", "CaptureReader", "CaptureSpec", "DynsteerConfig", "ModelShape", "ProjectionClamp", "SITES", "Steerer",
-           "SteeringSpec", "SteeringValidationError", "TIERS", "attach", "decode_payload", "encode_payload",
-           "load_vector", "save_vector", "steer_params"]
+__all__ = ["Ablation", "Action", "AddVector", "Capture", "CaptureReader", "CaptureSpec", "DynamicSteeringPolicy",
+           "DynamicTrace", "DynsteerConfig", "ModelShape", "Monitor", "ProjectionClamp", "Rule", "SITES", "Steerer",
+           "SteeringSpec", "SteeringValidationError", "SyncControllerSpec", "TIERS", "attach", "decode_payload",
+           "encode_payload", "load_vector", "save_vector", "steer_params"]

@@ -24,21 +24,26 @@ from dynsteer.capture.result import Capture, unpack_record
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.engine.apc import state_of
 from dynsteer.payload import PAYLOAD_KEY, encode_payload
+from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import (AddVector, Ablation, ModelShape, ProjectionClamp, Site, SteeringSpec, Tier,
                            VectorSource, check_vector)
 from dynsteer.steering.compile import compile_phase
+from dynsteer.trace import DynamicTrace
 from dynsteer.vectors import as_vector, pack_vector
+
+PolicyArg = DynamicSteeringPolicy | Sequence[DynamicSteeringPolicy | None] | None
 
 
 def steer_params(sampling_params: Any, spec: SteeringSpec | None, tag: str | None = None,
-                 capture: CaptureSpec | None = None) -> Any:
-    """A copy of ``sampling_params`` carrying ``spec`` (and ``capture``) for this request (``None``: plain copy).
+                 capture: CaptureSpec | None = None, policy: DynamicSteeringPolicy | None = None) -> Any:
+    """A copy of ``sampling_params`` carrying ``spec`` (and ``capture``, ``policy``) for this request.
 
     Works for any client that submits ``SamplingParams`` (``LLM``, ``AsyncLLM``, ``LLMEngine.add_request``).
+    With nothing to carry it is a plain copy.
     """
     params = sampling_params.clone()
-    if (spec is not None and not spec.is_empty()) or capture is not None:
-        params.extra_args = {**(params.extra_args or {}), PAYLOAD_KEY: encode_payload(spec, tag, capture)}
+    if (spec is not None and not spec.is_empty()) or capture is not None or policy is not None or tag is not None:
+        params.extra_args = {**(params.extra_args or {}), PAYLOAD_KEY: encode_payload(spec, tag, capture, policy)}
     return params
 
 
@@ -76,10 +81,39 @@ class Steerer:
 
     def apply_steering_spec(self, spec: SteeringSpec) -> None:
         """Replace the global spec on every rank (validated first: a bad spec changes nothing)."""
+        self._set_global(spec, self._front.global_policy)
+
+    # ---- global dynamic policy ------------------------------------------------------------------------------------
+    def set_policy(self, policy: DynamicSteeringPolicy | None) -> None:
+        """Apply ``policy`` to every request without its own (``None`` removes it); validated first.
+
+        Probe-file monitors are loaded here. Requests already running switch to the new policy at their next step.
+        """
+        self._set_global(self._front.global_spec, None if policy is None else policy.resolved())
+
+    def export_policy(self) -> DynamicSteeringPolicy | None:
+        """The current global policy."""
+        return self._front.global_policy
+
+    def clear_policy(self) -> None:
+        self.set_policy(None)
+
+    @contextlib.contextmanager
+    def policy(self, policy: DynamicSteeringPolicy) -> Iterator["Steerer"]:
+        """Apply ``policy`` globally for the duration of the block; the previous policy is restored even on error."""
+        previous = self.export_policy()
+        self.set_policy(policy)
+        try:
+            yield self
+        finally:
+            self.set_policy(previous)
+
+    def _set_global(self, spec: SteeringSpec, policy: DynamicSteeringPolicy | None) -> None:
+        pol = None if policy is None else ("global_policy.", policy)
         for phase in ("prefill", "decode"):
-            compile_phase([("global.", spec)], phase, self.shape, self._front.named)
-        self.llm.collective_rpc("dynsteer_set_global", args=(encode_payload(spec),))
-        self._front.set_global(spec)
+            compile_phase([("global.", spec)], phase, self.shape, self._front.named, pol)
+        self.llm.collective_rpc("dynsteer_set_global", args=(encode_payload(spec, policy=policy),))
+        self._front.set_global(spec, policy)
 
     @contextlib.contextmanager
     def steering(self, spec: SteeringSpec) -> Iterator["Steerer"]:
@@ -140,8 +174,8 @@ class Steerer:
     # ---- generation ---------------------------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None, *,
                  steering: SteeringSpec | Sequence[SteeringSpec | None] | None = None,
-                 capture: CaptureSpec | None = None, **kwargs: Any) -> list[Any]:
-        """``LLM.generate`` with per-request steering and capture.
+                 capture: CaptureSpec | None = None, policy: PolicyArg = None, **kwargs: Any) -> list[Any]:
+        """``LLM.generate`` with per-request steering, dynamic policies and capture.
 
         Args:
             prompts: as for ``LLM.generate``.
@@ -149,16 +183,19 @@ class Steerer:
             steering: one spec for all prompts, or one (or ``None``) per prompt.
             capture: capture these places for every prompt; each output then has ``output.capture``
                 (a :class:`~dynsteer.capture.result.Capture`).
+            policy: a dynamic policy for all prompts, or one (or ``None``: the global policy, if any) per prompt.
+                With a request or global policy, each output has ``output.trace`` (a
+                :class:`~dynsteer.trace.DynamicTrace`, or ``None`` for a request that ran without one).
         """
-        params, tags = self._params(prompts, sampling_params, steering, capture=capture)
-        return self._with_captures(self.llm.generate(prompts, params, **kwargs), tags)
+        params, tags = self._params(prompts, sampling_params, steering, capture=capture, policy=policy)
+        return self._with_results(self.llm.generate(prompts, params, **kwargs), tags, capture, policy)
 
     def chat(self, messages: Any, sampling_params: Any = None, *,
              steering: SteeringSpec | Sequence[SteeringSpec | None] | None = None,
-             capture: CaptureSpec | None = None, **kwargs: Any) -> list[Any]:
-        """``LLM.chat`` with per-request steering and capture (``messages``: one conversation or a list)."""
-        params, tags = self._params(messages, sampling_params, steering, chat=True, capture=capture)
-        return self._with_captures(self.llm.chat(messages, params, **kwargs), tags)
+             capture: CaptureSpec | None = None, policy: PolicyArg = None, **kwargs: Any) -> list[Any]:
+        """``LLM.chat`` with per-request steering, policies and capture (``messages``: one conversation or a list)."""
+        params, tags = self._params(messages, sampling_params, steering, chat=True, capture=capture, policy=policy)
+        return self._with_results(self.llm.chat(messages, params, **kwargs), tags, capture, policy)
 
     def set_capture(self, spec: CaptureSpec | None) -> None:
         """Capture every request admitted from now on (results go to the engine's configured consumers)."""
@@ -169,12 +206,27 @@ class Steerer:
         packed = [rec for rank in self.llm.collective_rpc("dynsteer_take_captures", args=(list(tags),)) for rec in rank]
         return {c.tag: c for c in map(unpack_record, packed)}
 
-    def _with_captures(self, outputs: list[Any], tags: list[str] | None) -> list[Any]:
+    def take_traces(self, tags: Sequence[str], all_ranks: bool = False) -> Any:
+        """Dynamic-steering traces of finished requests, by payload tag (each can be taken once).
+
+        Args:
+            all_ranks: return one ``{tag: trace}`` dict per rank (every rank decides on its own; they must agree).
+        """
+        per_rank = [{t["tag"]: DynamicTrace.model_validate(t) for t in rank}
+                    for rank in self.llm.collective_rpc("dynsteer_take_traces", args=(list(tags),))]
+        return per_rank if all_ranks else per_rank[0]
+
+    def _with_results(self, outputs: list[Any], tags: list[str] | None, capture: Any, policy: Any) -> list[Any]:
         if tags is None:
             return outputs
-        captures = self.take_captures(tags)
-        for out, tag in zip(outputs, tags):
-            out.capture = captures.get(tag)
+        if capture is not None:
+            captures = self.take_captures(tags)
+            for out, tag in zip(outputs, tags):
+                out.capture = captures.get(tag)
+        if policy is not None or self._front.global_policy is not None:
+            traces = self.take_traces(tags)
+            for out, tag in zip(outputs, tags):
+                out.trace = traces.get(tag)
         return outputs
 
     def detach(self) -> None:
@@ -183,21 +235,31 @@ class Steerer:
 
     # ---- internals ------------------------------------------------------------------------------------------------
     def _params(self, prompts: Any, sampling_params: Any, steering: Any, chat: bool = False,
-                capture: CaptureSpec | None = None) -> tuple[Any, list[str] | None]:
+                capture: CaptureSpec | None = None, policy: PolicyArg = None) -> tuple[Any, list[str] | None]:
         from vllm import SamplingParams
 
         base = sampling_params or SamplingParams()
-        if capture is None and (steering is None or isinstance(steering, SteeringSpec)):
+        tagged = capture is not None or policy is not None or self._front.global_policy is not None
+        if not tagged and (steering is None or isinstance(steering, SteeringSpec)):
             return steer_params(base, steering), None
         single = isinstance(prompts, (str, dict)) or (chat and prompts and isinstance(prompts[0], dict))
         n = 1 if single else len(prompts)
-        specs = [steering] * n if steering is None or isinstance(steering, SteeringSpec) else list(steering)
-        if len(specs) != n:
-            raise ValueError(f"steering: got {len(specs)} specs for {n} prompts")
+        specs = self._per_prompt("steering", steering, SteeringSpec, n)
+        policies = self._per_prompt("policy", policy, DynamicSteeringPolicy, n)
         bases = base if isinstance(base, list) else [base] * n
-        tags = [f"ds-{uuid.uuid4().hex}" for _ in range(n)] if capture is not None else None
-        params = [steer_params(b, s, tags[i] if tags else None, capture) for i, (b, s) in enumerate(zip(bases, specs))]
+        tags = [f"ds-{uuid.uuid4().hex}" for _ in range(n)] if tagged else None
+        params = [steer_params(b, s, tags[i] if tags else None, capture, p)
+                  for i, (b, s, p) in enumerate(zip(bases, specs, policies))]
         return params, tags
+
+    @staticmethod
+    def _per_prompt(name: str, value: Any, one: type, n: int) -> list[Any]:
+        if value is None or isinstance(value, one):
+            return [value] * n
+        values = list(value)
+        if len(values) != n:
+            raise ValueError(f"{name}: got {len(values)} entries for {n} prompts")
+        return values
 
     def _vec(self, vector: VectorSource) -> VectorSource:
         return vector if isinstance(vector, str) else as_vector(vector)

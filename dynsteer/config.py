@@ -24,7 +24,9 @@ class DynsteerConfig(BaseModel):
 
     Args:
         max_rows: table rows per hooked site; one per distinct live configuration and phase (row 0 is reserved).
-        max_clamps: clamp/ablation slots per row and site.
+        max_clamps: clamp/ablation slots per row and site (gated clamps of dynamic policies count too).
+        max_gates: gate slots per row: how many rules (plus a controller-only monitor) one dynamic policy may
+            have. 0 removes the dynamic tier (no monitor tables, the static kernel).
         sites: sites to hook (fewer sites, fewer kernels per step).
         layers: layers to hook (``None``: every decoder layer).
         vectors: named vectors to load in every process at start-up: ``{name: "file.safetensors[:layer]"}``.
@@ -44,6 +46,7 @@ class DynsteerConfig(BaseModel):
 
     max_rows: int = Field(default=64, ge=2, le=4096)
     max_clamps: int = Field(default=2, ge=0, le=16)
+    max_gates: int = Field(default=2, ge=0, le=8)
     sites: tuple[Site, ...] = SITES
     layers: tuple[int, ...] | None = None
     vectors: dict[str, str] = Field(default_factory=dict)

@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from dynsteer.capture.spec import CaptureSpec
+from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import SteeringSpec, SteeringValidationError
 
 PAYLOAD_KEY = "dynsteer"
@@ -25,11 +26,12 @@ _PREFIX = "ds1:"
 
 @dataclass(frozen=True)
 class RequestPayload:
-    """A decoded payload: the request's static spec, an optional capture spec and a correlation tag."""
+    """A decoded payload: the request's static spec, optional capture spec and dynamic policy, a correlation tag."""
 
     spec: SteeringSpec
     tag: str | None = None
     capture: CaptureSpec | None = None
+    policy: DynamicSteeringPolicy | None = None
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -39,11 +41,16 @@ def _enc_hook(obj: Any) -> Any:
 
 
 def encode_payload(spec: SteeringSpec | None = None, tag: str | None = None,
-                   capture: CaptureSpec | None = None) -> str:
-    """Pack a spec, an optional capture spec and a tag into the string stored under ``extra_args["dynsteer"]``."""
+                   capture: CaptureSpec | None = None, policy: DynamicSteeringPolicy | None = None) -> str:
+    """Pack a spec, optional capture spec and policy, and a tag into the string stored under ``extra_args["dynsteer"]``.
+
+    A policy's probe-file monitors are loaded here (the workers may not see the file).
+    """
     body: dict[str, Any] = {"spec": (spec or SteeringSpec()).model_dump(mode="python"), "tag": tag}
     if capture is not None:
         body["capture"] = capture.model_dump(mode="python")
+    if policy is not None:
+        body["policy"] = policy.resolved().model_dump(mode="python", exclude_none=True)
     return _PREFIX + base64.b64encode(msgspec.msgpack.encode(body, enc_hook=_enc_hook)).decode("ascii")
 
 
@@ -60,11 +67,11 @@ def decode_payload(obj: Any, field: str = f"extra_args.{PAYLOAD_KEY}") -> Reques
         body = obj
     else:
         raise SteeringValidationError(f"{field}: expected a packed string or an object, got {type(obj).__name__}")
-    if not isinstance(body, dict) or set(body) - {"spec", "tag", "capture"}:
+    if not isinstance(body, dict) or set(body) - {"spec", "tag", "capture", "policy"}:
         raise SteeringValidationError(
-            f"{field}: payload must be an object with keys 'spec', 'capture' and 'tag' (all optional)")
+            f"{field}: payload must be an object with keys 'spec', 'capture', 'policy' and 'tag' (all optional)")
     parsed: dict[str, Any] = {}
-    for key, model in (("spec", SteeringSpec), ("capture", CaptureSpec)):
+    for key, model in (("spec", SteeringSpec), ("capture", CaptureSpec), ("policy", DynamicSteeringPolicy)):
         if body.get(key) is None:
             continue
         try:
@@ -76,4 +83,5 @@ def decode_payload(obj: Any, field: str = f"extra_args.{PAYLOAD_KEY}") -> Reques
     tag = body.get("tag")
     if tag is not None and not isinstance(tag, str):
         raise SteeringValidationError(f"{field}.tag: must be a string")
-    return RequestPayload(spec=parsed.get("spec", SteeringSpec()), tag=tag, capture=parsed.get("capture"))
+    return RequestPayload(spec=parsed.get("spec", SteeringSpec()), tag=tag, capture=parsed.get("capture"),
+                          policy=parsed.get("policy"))

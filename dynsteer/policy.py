@@ -149,20 +149,26 @@ class Monitor(_Model):
         return self.probe_file is None
 
     @classmethod
-    def from_probe_file(cls, path: str | Path, *, name: str, calibrated: bool = False) -> "Monitor":
+    def from_probe_file(cls, path: str | Path, *, name: str, calibrated: bool = False,
+                        target_class: int = 1) -> "Monitor":
         """An inline monitor equal to the probe in ``path``: its layer, site and gate parameters.
 
         Args:
             path: a file written by :func:`dynsteer.probes.save_probe`.
             name: the monitor's name.
             calibrated: centre the gate on the probe's calibration threshold instead of decision 0.
+            target_class: the class whose probability is the gate: 1 (the probe's positive class, the gate is
+                ``predict_proba[:, 1]``) or 0 (the gate is ``predict_proba[:, 0]``: direction and threshold negated).
         """
         from dynsteer.probes.fileformat import load_probe
 
+        if target_class not in (0, 1):
+            raise ValueError(f"target_class must be 0 or 1, got {target_class!r}")
         probe = load_probe(path)
         p = probe.gate_params(calibrated=calibrated)
-        return cls(name=name, layer=probe.layer, site=probe.site, direction=p.probe, sharpness=p.sharpness,
-                   threshold=p.threshold)
+        sign = 1.0 if target_class == 1 else -1.0  # σ(−z) = 1 − σ(z)
+        return cls(name=name, layer=probe.layer, site=probe.site, direction=sign * p.probe, sharpness=p.sharpness,
+                   threshold=sign * p.threshold)
 
     def resolve(self) -> "Monitor":
         """The inline form (loads ``probe_file``; checks that the file's layer and site match this monitor)."""

@@ -208,6 +208,7 @@ class ModelShape(_Frozen):
     sites: tuple[Site, ...] = SITES
     layers: tuple[int, ...] | None = None  # None: every layer is hooked
     max_clamps: int = 2
+    max_gates: int = 0  # gate slots per row (dynamic policies' rules); 0: the engine has no dynamic tier
 
 
 def check_vector(arr: np.ndarray, hidden_size: int, field: str) -> np.ndarray:

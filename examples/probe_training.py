@@ -103,13 +103,20 @@ def main(out_path: str | None = None) -> float:
     from vllm import LLM
 
     model = smollm2()
-    texts = POSITIVE + NEGATIVE
-    labels = np.array([1] * len(POSITIVE) + [0] * len(NEGATIVE))
     cfg = DynsteerConfig(capture_sites=("post_block",))
     llm = LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=32, seed=0,
               **cfg.engine_kwargs())
-    steerer = dynsteer.attach(llm)
+    path = Path(out_path) if out_path else Path(tempfile.mkdtemp()) / "probe-sentiment.safetensors"
+    return train_sentiment_probe(dynsteer.attach(llm), path)
 
+
+def train_sentiment_probe(steerer: dynsteer.Steerer, path: Path) -> float:
+    """Collect, sweep layers, calibrate and save the probe to ``path``; returns the best held-out AUROC.
+
+    ``steerer``'s engine needs capture buffers at ``post_block`` on the swept layers.
+    """
+    texts = POSITIVE + NEGATIVE
+    labels = np.array([1] * len(POSITIVE) + [0] * len(NEGATIVE))
     acts = collect(steerer, texts, labels, layers=LAYERS, site="post_block", positions="last_prompt")
     print(f"collected {len(acts)} samples x {len(acts.layers)} layers, hidden {acts.hidden_size}")
 
@@ -127,7 +134,6 @@ def main(out_path: str | None = None) -> float:
     print(f"threshold at {TARGET_FPR:.0%} FPR: decision > {threshold:.4f} "
           f"(held-out FPR {fpr_at(s_test, y_test, threshold):.3f}, recall {recall_at(s_test, y_test, threshold):.3f})")
 
-    path = Path(out_path) if out_path else Path(tempfile.mkdtemp()) / "probe-sentiment.safetensors"
     save_probe(path, probe, model_id=steerer.shape.model_id, layer=best, site="post_block",
                method=f"LogisticProbe(C={probe.C_:.3g}), {len(texts)} sentiment sentences, last prompt token",
                calibration=Calibration(threshold=threshold, target_fpr=TARGET_FPR, auroc=sweep.best_auroc,

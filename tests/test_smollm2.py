@@ -45,3 +45,21 @@ def test_smollm2_sentiment_steering_changes_output_and_restores(smollm2_path, se
         st.clear_all()
         assert token_ids(llm.chat(convs, params)) == token_ids(base)
         assert np.linalg.norm(sentiment_vector) > 1.0
+
+
+def test_smollm2_probe_gated_steering_targets_one_class():
+    """examples/dynamic_sentiment.py: complaints are steered, praise is byte-identical, gate == predict_proba."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import dynamic_sentiment
+
+    res = dynamic_sentiment.run()
+    for prompt, targeted, base, steered, fired in zip(res.prompts, res.targeted, res.baseline, res.steered,
+                                                       res.fired):
+        if targeted:
+            assert fired > 0 and steered != base, prompt
+        else:
+            assert fired == 0 and steered == base, prompt
+    assert res.gate_error < 1e-3

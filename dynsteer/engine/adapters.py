@@ -83,7 +83,7 @@ def _runtime_for_current_model() -> SteeringRuntime:
         max_tokens = max(int(sched.max_num_batched_tokens),
                          int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0))
         tables = SteeringTables([(l, s) for l in layers for s in cfg.sites], shape.hidden_size, cfg.max_rows,
-                                cfg.max_clamps, max_tokens)
+                                cfg.max_clamps, max_tokens, max_gates=cfg.max_gates)
         rt = SteeringRuntime(shape, tables)
         rt.inline_forward = cfg.forward == "inline"
         places = cfg.capture_places(num_layers)

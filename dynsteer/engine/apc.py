@@ -32,6 +32,7 @@ class FrontendState:
     shape: ModelShape
     named: dict[str, np.ndarray] = field(default_factory=dict)
     global_spec: SteeringSpec = field(default_factory=SteeringSpec)
+    global_policy: Any = None  # DynamicSteeringPolicy applied to requests without their own
     capture_places: set = field(default_factory=set)
     # Admission results per (state version, packed payload): validation compiles every vector,
     # which for a large batch of identical requests would otherwise dominate LLM.generate's submission loop.
@@ -43,10 +44,15 @@ class FrontendState:
         self.named[name] = vector
         self.version += 1
 
-    def set_global(self, spec: SteeringSpec) -> None:
-        """Record the global spec (already applied on the workers); cached admissions become stale."""
-        self.global_spec = spec
+    def set_global(self, spec: SteeringSpec, policy: Any = None) -> None:
+        """Record the global spec and policy (already applied on the workers); cached admissions become stale."""
+        self.global_spec, self.global_policy = spec, policy
         self.version += 1
+
+    @property
+    def idle(self) -> bool:
+        """Nothing global: requests without a payload need no admission."""
+        return self.global_spec.is_empty() and self.global_policy is None
 
     def admit(self, payload: Any) -> tuple[str, str]:
         """Validate ``payload`` (None: no per-request steering).
@@ -54,7 +60,9 @@ class FrontendState:
         Returns:
             hex fingerprints of the effective prefill and decode configurations ('' where that phase is unsteered).
             A request that captures prompt positions gets a unique prefill fingerprint: prefix-cache hits skip
-            the forward for cached tokens, and there would be nothing to capture for them.
+            the forward for cached tokens, and there would be nothing to capture for them. A dynamic policy is part
+            of the decode fingerprint: its gates are a deterministic function of the tokens, so blocks generated
+            under the same policy may be shared, and no other request ever reuses them (DESIGN §5).
         """
         cacheable = payload is None or isinstance(payload, str)  # JSON-object payloads are not hashable
         key = (self.version, payload)
@@ -72,15 +80,18 @@ class FrontendState:
 
     def _admit(self, payload: Any) -> tuple[str, str, bool]:
         specs = [("global.", self.global_spec)]
+        policy = None if self.global_policy is None else ("global_policy.", self.global_policy)
         recompute_prompt = False
         if payload is not None:
             decoded = decode_payload(payload)
             specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", decoded.spec))
+            if decoded.policy is not None:
+                policy = (f"extra_args.{PAYLOAD_KEY}.policy.", decoded.policy)
             if decoded.capture is not None:
                 decoded.capture.check(self.shape, self.capture_places, f"extra_args.{PAYLOAD_KEY}.capture")
                 # the last prompt token is always recomputed (it yields the first logits); the others may be cached
                 recompute_prompt = decoded.capture.positions not in ("last_prompt", "all_generated")
-        prefill, decode = (compile_phase(specs, phase, self.shape, self.named).digest.hex()
+        prefill, decode = (compile_phase(specs, phase, self.shape, self.named, policy).digest.hex()
                            for phase in ("prefill", "decode"))
         return prefill, decode, recompute_prompt
 
@@ -94,7 +105,7 @@ def shape_from_vllm_config(vllm_config: Any) -> ModelShape:
     return ModelShape(num_layers=num_layers, hidden_size=int(text.hidden_size),
                       model_id=str(vllm_config.model_config.model),
                       architecture=(vllm_config.model_config.architectures or ["?"])[0], sites=cfg.sites,
-                      layers=layers, max_clamps=cfg.max_clamps)
+                      layers=layers, max_clamps=cfg.max_clamps, max_gates=cfg.max_gates)
 
 
 def frontend_state(input_processor: Any) -> FrontendState:
@@ -125,7 +136,7 @@ def patch_input_processor(cls: type) -> None:
         extra = getattr(params, "extra_args", None) or {}
         state = frontend_state(self)
         payload = extra.get(PAYLOAD_KEY)
-        if payload is None and state.global_spec.is_empty():
+        if payload is None and state.idle:
             return orig(self, request_id, prompt, params, *args, **kwargs)
         prefill_fp, decode_fp = state.admit(payload)  # raises SteeringValidationError naming the field
         request = orig(self, request_id, prompt, params, *args, **kwargs)

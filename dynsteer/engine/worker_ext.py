@@ -34,9 +34,11 @@ def dynsteer_describe(self: Any) -> dict[str, Any]:
 
 
 def dynsteer_set_global(self: Any, payload: str) -> str:
-    """Replace the global spec (a packed payload); returns the new spec's prefill fingerprint."""
+    """Replace the global spec and dynamic policy (a packed payload; no policy removes it); returns the new
+    spec's prefill fingerprint."""
     rt = _runtime(self)
-    rt.set_global(decode_payload(payload, field="global").spec)
+    decoded = decode_payload(payload, field="global")
+    rt.set_global(decoded.spec, decoded.policy)
     return rt.global_fingerprint()
 
 
@@ -65,8 +67,14 @@ def dynsteer_take_captures(self: Any, tags: list[str]) -> list[dict[str, Any]]:
     return [pack_record(rec) for rec in _runtime(self).take_captures(tags)]
 
 
+def dynsteer_take_traces(self: Any, tags: list[str]) -> list[dict[str, Any]]:
+    """Dynamic-steering traces of finished requests with these tags (every rank returns its own: they must agree)."""
+    return _runtime(self).take_traces(tags)
+
+
 RPC_METHODS = {f.__name__: f for f in (dynsteer_describe, dynsteer_set_global, dynsteer_register_vector,
-                                        dynsteer_unregister_vector, dynsteer_set_capture, dynsteer_take_captures)}
+                                        dynsteer_unregister_vector, dynsteer_set_capture, dynsteer_take_captures,
+                                        dynsteer_take_traces)}
 
 
 def install(wrapper_cls: type) -> None:

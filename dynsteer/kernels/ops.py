@@ -1,13 +1,14 @@
-"""``torch.ops.dynsteer.steer_site``: the custom op wrapping the steering implementations.
+"""``torch.ops.dynsteer.steer_site`` / ``steer_site_dyn``: the custom ops wrapping the steering implementations.
 
-The op is opaque to torch.compile (a fake impl provides shapes), so the real implementation is
+The ops are opaque to torch.compile (a fake impl provides shapes), so the real implementation is
 chosen at run time by :func:`select_impl`, the single dispatch point:
 
 * ``DYNSTEER_KERNEL=reference`` or ``=triton`` forces one implementation (``triton`` on CPU
   tensors only works with ``TRITON_INTERPRET=1`` set before the kernel module is imported);
 * otherwise (unset / ``auto``): CUDA tensors -> Triton kernel, everything else -> torch reference.
 
-Semantics: see ``dynsteer.kernels.reference``.
+Semantics: see ``dynsteer.kernels.reference`` (static) and ``dynsteer.kernels.dynamic_reference``
+(dynamic: monitors and gated terms; declared to mutate ``gates`` and ``scores``).
 """
 
 from __future__ import annotations
@@ -18,37 +19,41 @@ from typing import Optional
 
 import torch
 
+from dynsteer.kernels.dynamic_reference import steer_site_dyn_reference
 from dynsteer.kernels.reference import steer_site_reference
 
-__all__ = ["OP_NAME", "ENV_KERNEL", "select_impl", "steer_site"]
+__all__ = ["DYN_OP_NAME", "OP_NAME", "ENV_KERNEL", "select_impl", "steer_site", "steer_site_dyn"]
 
 OP_NAME = "dynsteer::steer_site"
+DYN_OP_NAME = "dynsteer::steer_site_dyn"
 ENV_KERNEL = "DYNSTEER_KERNEL"
 
 SteerImpl = Callable[..., torch.Tensor]
 
 
-def select_impl(h: torch.Tensor) -> SteerImpl:
+def select_impl(h: torch.Tensor, dynamic: bool = False) -> SteerImpl:
     """Return the implementation that should run for ``h`` (the one dispatch decision).
 
     Read on every call (a dict lookup) so tests and launch scripts can flip the env var late.
 
     Args:
         h: the branch tensor; only its device is inspected.
+        dynamic: pick an implementation of ``steer_site_dyn`` instead of ``steer_site``.
 
     Returns:
-        ``steer_site_triton`` or ``steer_site_reference``.
+        ``steer_site_triton`` / ``steer_site_reference``, or with ``dynamic``
+        ``steer_site_dyn_triton`` / ``steer_site_dyn_reference``.
     """
     forced = os.environ.get(ENV_KERNEL, "").strip().lower()
     if forced not in ("", "auto", "reference", "triton"):
         raise ValueError(f"{ENV_KERNEL}={forced!r}: expected 'reference', 'triton' or 'auto'")
     if forced == "reference" or (forced != "triton" and not h.is_cuda):
-        return steer_site_reference
+        return steer_site_dyn_reference if dynamic else steer_site_reference
     # Imported lazily: triton may be absent on CPU installs, and the jit decorator fixes
     # interpreted-vs-compiled mode at import time.
-    from dynsteer.kernels.triton_steer import steer_site_triton
+    from dynsteer.kernels.triton_steer import steer_site_dyn_triton, steer_site_triton
 
-    return steer_site_triton
+    return steer_site_dyn_triton if dynamic else steer_site_triton
 
 
 def _steer_site_impl(
@@ -80,9 +85,9 @@ def _steer_site_fake(
     return torch.empty_like(h)
 
 
-def _op_registered() -> bool:
+def _op_registered(name: str = "steer_site") -> bool:
     # hasattr on the namespace resolves registered ops and is False for unknown names.
-    return hasattr(torch.ops.dynsteer, "steer_site")
+    return hasattr(torch.ops.dynsteer, name)
 
 
 def _register() -> None:
@@ -111,6 +116,101 @@ def steer_site(
     Arguments and result: see ``steer_site_reference`` (the contract every implementation shares).
     """
     return torch.ops.dynsteer.steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength)
+
+
+# ---- dynamic steering (monitors + gated terms) -----------------------------------------------------------------
+def _steer_site_dyn_impl(
+    h: torch.Tensor,
+    r: Optional[torch.Tensor],
+    row_index: torch.Tensor,
+    vec: torch.Tensor,
+    clamp_dir: torch.Tensor,
+    clamp_lo: torch.Tensor,
+    clamp_hi: torch.Tensor,
+    clamp_strength: torch.Tensor,
+    clamp_gate: torch.Tensor,
+    mon_mask: torch.Tensor,
+    mon_probe: torch.Tensor,
+    mon_sharp: torch.Tensor,
+    mon_thresh: torch.Tensor,
+    mon_floor: torch.Tensor,
+    dyn_mask: torch.Tensor,
+    dyn_vec: torch.Tensor,
+    gate_mul: torch.Tensor,
+    gate_add: torch.Tensor,
+    gates: torch.Tensor,
+    scores: torch.Tensor,
+) -> torch.Tensor:
+    impl = select_impl(h, dynamic=True)
+    return impl(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, clamp_gate, mon_mask,
+                mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec, gate_mul, gate_add, gates, scores)
+
+
+def _steer_site_dyn_fake(
+    h: torch.Tensor,
+    r: Optional[torch.Tensor],
+    row_index: torch.Tensor,
+    vec: torch.Tensor,
+    clamp_dir: torch.Tensor,
+    clamp_lo: torch.Tensor,
+    clamp_hi: torch.Tensor,
+    clamp_strength: torch.Tensor,
+    clamp_gate: torch.Tensor,
+    mon_mask: torch.Tensor,
+    mon_probe: torch.Tensor,
+    mon_sharp: torch.Tensor,
+    mon_thresh: torch.Tensor,
+    mon_floor: torch.Tensor,
+    dyn_mask: torch.Tensor,
+    dyn_vec: torch.Tensor,
+    gate_mul: torch.Tensor,
+    gate_add: torch.Tensor,
+    gates: torch.Tensor,
+    scores: torch.Tensor,
+) -> torch.Tensor:
+    # gates / scores are mutated in place (declared in mutates_args): only the output needs a shape.
+    return torch.empty_like(h)
+
+
+def _register_dyn() -> None:
+    if _op_registered("steer_site_dyn"):
+        return
+    op = torch.library.custom_op(DYN_OP_NAME, mutates_args=("gates", "scores"))(_steer_site_dyn_impl)
+    op.register_fake(_steer_site_dyn_fake)
+
+
+_register_dyn()
+
+
+def steer_site_dyn(
+    h: torch.Tensor,
+    r: Optional[torch.Tensor],
+    row_index: torch.Tensor,
+    vec: torch.Tensor,
+    clamp_dir: torch.Tensor,
+    clamp_lo: torch.Tensor,
+    clamp_hi: torch.Tensor,
+    clamp_strength: torch.Tensor,
+    clamp_gate: torch.Tensor,
+    mon_mask: torch.Tensor,
+    mon_probe: torch.Tensor,
+    mon_sharp: torch.Tensor,
+    mon_thresh: torch.Tensor,
+    mon_floor: torch.Tensor,
+    dyn_mask: torch.Tensor,
+    dyn_vec: torch.Tensor,
+    gate_mul: torch.Tensor,
+    gate_add: torch.Tensor,
+    gates: torch.Tensor,
+    scores: torch.Tensor,
+) -> torch.Tensor:
+    """Call ``torch.ops.dynsteer.steer_site_dyn`` (contract: ``dynsteer.kernels.dynamic_reference``).
+
+    Arguments and result: see ``steer_site_dyn_reference``; ``gates`` and ``scores`` are updated in place.
+    """
+    return torch.ops.dynsteer.steer_site_dyn(
+        h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, clamp_gate, mon_mask, mon_probe,
+        mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec, gate_mul, gate_add, gates, scores)
 
 
 # ---- residual capture ------------------------------------------------------------------------------------------

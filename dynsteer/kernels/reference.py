@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["steer_site_reference"]
+__all__ = ["apply_clamps", "steer_site_reference"]
 
 
 def steer_site_reference(
@@ -66,7 +66,35 @@ def steer_site_reference(
     # h.float() + 0.0 is exact, so rows with vec == 0 stay bit-identical after the final cast.
     x = h.float() + vec.index_select(0, idx)
     r32 = r.float() if r is not None else None
-    strength = clamp_strength.index_select(0, idx)  # [T, K]
+    x = apply_clamps(x, r32, idx, clamp_dir, clamp_lo, clamp_hi, clamp_strength.index_select(0, idx))
+    return x.to(h.dtype)
+
+
+def apply_clamps(
+    x: torch.Tensor,
+    r32: torch.Tensor | None,
+    idx: torch.Tensor,
+    clamp_dir: torch.Tensor,
+    clamp_lo: torch.Tensor,
+    clamp_hi: torch.Tensor,
+    strength: torch.Tensor,
+) -> torch.Tensor:
+    """The K sequential projection clamps of the contract, given per-token strengths.
+
+    Shared with the dynamic op (``dynamic_reference``), whose gated clamps only change the strength.
+
+    Args:
+        x: float32 [T, H] branch values so far (h + vec, ...).
+        r32: float32 [T, H] carried residual, or None.
+        idx: int64 [T] table row per token.
+        clamp_dir: float32 [R, K, H] unit clamp directions.
+        clamp_lo: float32 [R, K] lower bounds.
+        clamp_hi: float32 [R, K] upper bounds.
+        strength: float32 [T, K] per-token strengths (0 = slot off for that token).
+
+    Returns:
+        New float32 [T, H] tensor.
+    """
     lo = clamp_lo.index_select(0, idx)
     hi = clamp_hi.index_select(0, idx)
     # K is a static shape, so this loop unrolls at trace time (no value-dependent branching).
@@ -82,4 +110,4 @@ def steer_site_reference(
         # where(), not multiplication by a mask: strength 0 must be an exact no-op even if the
         # unused slot holds garbage (inf bounds, nan directions).
         x = torch.where((s != 0).unsqueeze(-1), x + coef.unsqueeze(-1) * u, x)
-    return x.to(h.dtype)
+    return x

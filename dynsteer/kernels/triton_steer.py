@@ -1,10 +1,17 @@
-"""Fused Triton kernel for the per-site steering op (semantics: see ``dynsteer.kernels.reference``).
+"""Fused Triton kernels for the per-site steering ops.
 
-One program per token: load the row index, gather the vec row, add it, apply the K clamps
-(skipped by a scalar branch when the strength is 0), all in fp32, and write a new output.
+``steer_site_triton`` (semantics: ``dynsteer.kernels.reference``): one program per token loads the row
+index, gathers the vec row, adds it, applies the K clamps (skipped by a scalar branch when the
+strength is 0), all in fp32, and writes a new output.
 
-The launcher is CUDA-graph safe: it never syncs with the device, allocates nothing but the
-output (``torch.empty_like``), and its grid depends only on shapes.
+``steer_site_dyn_triton`` (semantics: ``dynsteer.kernels.dynamic_reference``) does the same after
+the row's monitors (probe score -> sigmoid gate, stored to ``gates``/``scores``) and gated dyn
+vectors; its clamps may be scaled by a gate. It is a second kernel rather than a constexpr flag on
+the first, so the static launch keeps its short argument list (host launch cost grows with it);
+the clamp loop is one shared ``@triton.jit`` helper, inlined into both.
+
+Both launchers are CUDA-graph safe: they never sync with the device, allocate nothing but the
+output (``torch.empty_like``), and their grids depend only on shapes.
 
 Note: ``triton.jit`` decides between compiled and interpreted mode when this module is
 imported, so ``TRITON_INTERPRET=1`` must be in the environment before the first import of this
@@ -17,7 +24,61 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["steer_site_triton"]
+__all__ = ["steer_site_dyn_triton", "steer_site_triton"]
+
+
+@triton.jit
+def _clamp_slots(
+    x,
+    res,
+    row,
+    t,
+    offs,
+    mask,
+    K,
+    dir_ptr,
+    lo_ptr,
+    hi_ptr,
+    s_ptr,
+    cgate_ptr,
+    gates_ptr,
+    stride_dir_row,
+    stride_dir_k,
+    stride_lo_row,
+    stride_lo_k,
+    stride_hi_row,
+    stride_hi_k,
+    stride_s_row,
+    stride_s_k,
+    stride_cg_row,
+    stride_cg_k,
+    stride_gates_g,
+    stride_gates_t,
+    HAS_R: tl.constexpr,
+    GATED: tl.constexpr,
+):
+    """The K sequential clamps of one token (x: fp32 [BLOCK_H]); GATED scales strengths by gates."""
+    # Runtime loop over K (not constexpr): one compiled kernel serves every table width.
+    for k in range(K):
+        s = tl.load(s_ptr + row * stride_s_row + k * stride_s_k)
+        if GATED:
+            if s != 0.0:  # unsteered rows (strength 0) skip the gate-slot load too
+                slot = tl.load(cgate_ptr + row * stride_cg_row + k * stride_cg_k)
+                if slot >= 0:
+                    s = s * tl.load(gates_ptr + slot * stride_gates_g + t * stride_gates_t)
+        # Scalar branch: unsteered tokens skip the direction load and the reduction entirely,
+        # which also keeps them bit-identical to h.
+        if s != 0.0:
+            u = tl.load(dir_ptr + row * stride_dir_row + k * stride_dir_k + offs, mask=mask, other=0.0)
+            if HAS_R:
+                p = tl.sum((x + res) * u, axis=0)
+            else:
+                p = tl.sum(x * u, axis=0)
+            lo = tl.load(lo_ptr + row * stride_lo_row + k * stride_lo_k)
+            hi = tl.load(hi_ptr + row * stride_hi_row + k * stride_hi_k)
+            clipped = tl.minimum(tl.maximum(p, lo), hi)
+            x = x + (s * (clipped - p)) * u
+    return x
 
 
 @triton.jit
@@ -58,23 +119,137 @@ def _steer_site_kernel(
     x = x + tl.load(vec_ptr + row * stride_vec + offs, mask=mask, other=0.0)
     if HAS_R:
         res = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        res = x  # unused placeholder: _clamp_slots reads res only when HAS_R
 
-    # Runtime loop over K (not constexpr): one compiled kernel serves every table width.
-    for k in range(K):
-        s = tl.load(s_ptr + row * stride_s_row + k * stride_s_k)
-        # Scalar branch: unsteered tokens skip the direction load and the reduction entirely,
-        # which also keeps them bit-identical to h.
-        if s != 0.0:
-            u = tl.load(dir_ptr + row * stride_dir_row + k * stride_dir_k + offs, mask=mask, other=0.0)
-            if HAS_R:
-                p = tl.sum((x + res) * u, axis=0)
-            else:
-                p = tl.sum(x * u, axis=0)
-            lo = tl.load(lo_ptr + row * stride_lo_row + k * stride_lo_k)
-            hi = tl.load(hi_ptr + row * stride_hi_row + k * stride_hi_k)
-            clipped = tl.minimum(tl.maximum(p, lo), hi)
-            x = x + (s * (clipped - p)) * u
+    # GATED=False: the gate arguments are dead placeholders (s_ptr, 0) and compile away.
+    x = _clamp_slots(
+        x, res, row, t, offs, mask, K,
+        dir_ptr, lo_ptr, hi_ptr, s_ptr, s_ptr, s_ptr,
+        stride_dir_row, stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k,
+        stride_s_row, stride_s_k, 0, 0, 0, 0,
+        HAS_R=HAS_R, GATED=False,
+    )
+    tl.store(out_ptr + t * stride_out + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
+
+@triton.jit
+def _steer_site_dyn_kernel(
+    h_ptr,
+    r_ptr,
+    idx_ptr,
+    vec_ptr,
+    dir_ptr,
+    lo_ptr,
+    hi_ptr,
+    s_ptr,
+    cgate_ptr,
+    mmask_ptr,
+    probe_ptr,
+    sharp_ptr,
+    thresh_ptr,
+    floor_ptr,
+    dmask_ptr,
+    dvec_ptr,
+    gmul_ptr,
+    gadd_ptr,
+    gates_ptr,
+    scores_ptr,
+    out_ptr,
+    H,
+    K,
+    G,
+    stride_h,
+    stride_r,
+    stride_out,
+    stride_vec,
+    stride_dir_row,
+    stride_dir_k,
+    stride_lo_row,
+    stride_lo_k,
+    stride_hi_row,
+    stride_hi_k,
+    stride_s_row,
+    stride_s_k,
+    stride_cg_row,
+    stride_cg_k,
+    stride_mmask,
+    stride_probe_row,
+    stride_probe_g,
+    stride_sharp_row,
+    stride_sharp_g,
+    stride_thresh_row,
+    stride_thresh_g,
+    stride_floor_row,
+    stride_floor_g,
+    stride_dmask,
+    stride_dvec_row,
+    stride_dvec_g,
+    stride_gmul_g,
+    stride_gmul_t,
+    stride_gadd_g,
+    stride_gadd_t,
+    stride_gates_g,
+    stride_gates_t,
+    stride_scores_g,
+    stride_scores_t,
+    HAS_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    row = tl.load(idx_ptr + t).to(tl.int64)
+
+    x = tl.load(h_ptr + t * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_R:
+        res = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        res = x
+
+    # Monitors read the residual before this site's steering. The mask is uniform per program, so
+    # tokens of rows without monitors skip every monitor load with one scalar branch.
+    mon = tl.load(mmask_ptr + row * stride_mmask)
+    if mon != 0:
+        if HAS_R:
+            full = x + res
+        else:
+            full = x
+        for g_slot in range(G):
+            if ((mon >> g_slot) & 1) != 0:
+                probe = tl.load(
+                    probe_ptr + row * stride_probe_row + g_slot * stride_probe_g + offs, mask=mask, other=0.0
+                )
+                score = tl.sum(full * probe, axis=0)
+                sharp = tl.load(sharp_ptr + row * stride_sharp_row + g_slot * stride_sharp_g)
+                thresh = tl.load(thresh_ptr + row * stride_thresh_row + g_slot * stride_thresh_g)
+                floor = tl.load(floor_ptr + row * stride_floor_row + g_slot * stride_floor_g)
+                gate = tl.sigmoid(sharp * (score - thresh))
+                gate = tl.where(gate >= floor, gate, 0.0)
+                gmul = tl.load(gmul_ptr + g_slot * stride_gmul_g + t * stride_gmul_t)
+                gadd = tl.load(gadd_ptr + g_slot * stride_gadd_g + t * stride_gadd_t)
+                tl.store(scores_ptr + g_slot * stride_scores_g + t * stride_scores_t, score)
+                tl.store(gates_ptr + g_slot * stride_gates_g + t * stride_gates_t, gate * gmul + gadd)
+        # A scalar store is issued by one thread; every thread re-reads gates below (dyn terms, gated
+        # clamps), so order those reads after the stores. Uniform branch: no divergent barrier.
+        tl.debug_barrier()
+
+    x = x + tl.load(vec_ptr + row * stride_vec + offs, mask=mask, other=0.0)
+    dyn = tl.load(dmask_ptr + row * stride_dmask)
+    if dyn != 0:
+        for g_slot in range(G):
+            if ((dyn >> g_slot) & 1) != 0:
+                gate = tl.load(gates_ptr + g_slot * stride_gates_g + t * stride_gates_t)
+                dv = tl.load(dvec_ptr + row * stride_dvec_row + g_slot * stride_dvec_g + offs, mask=mask, other=0.0)
+                x = x + gate * dv
+
+    x = _clamp_slots(
+        x, res, row, t, offs, mask, K,
+        dir_ptr, lo_ptr, hi_ptr, s_ptr, cgate_ptr, gates_ptr,
+        stride_dir_row, stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k,
+        stride_s_row, stride_s_k, stride_cg_row, stride_cg_k, stride_gates_g, stride_gates_t,
+        HAS_R=HAS_R, GATED=True,
+    )
     tl.store(out_ptr + t * stride_out + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -145,6 +320,124 @@ def steer_site_triton(
         clamp_hi.stride(1),
         clamp_strength.stride(0),
         clamp_strength.stride(1),
+        HAS_R=r is not None,
+        BLOCK_H=block_h,
+        num_warps=_num_warps(block_h),
+    )
+    return out
+
+
+def steer_site_dyn_triton(
+    h: torch.Tensor,
+    r: torch.Tensor | None,
+    row_index: torch.Tensor,
+    vec: torch.Tensor,
+    clamp_dir: torch.Tensor,
+    clamp_lo: torch.Tensor,
+    clamp_hi: torch.Tensor,
+    clamp_strength: torch.Tensor,
+    clamp_gate: torch.Tensor,
+    mon_mask: torch.Tensor,
+    mon_probe: torch.Tensor,
+    mon_sharp: torch.Tensor,
+    mon_thresh: torch.Tensor,
+    mon_floor: torch.Tensor,
+    dyn_mask: torch.Tensor,
+    dyn_vec: torch.Tensor,
+    gate_mul: torch.Tensor,
+    gate_add: torch.Tensor,
+    gates: torch.Tensor,
+    scores: torch.Tensor,
+) -> torch.Tensor:
+    """Launch the fused dynamic steering kernel (same contract as ``steer_site_dyn_reference``).
+
+    Writes ``gates`` / ``scores`` in place for the monitored slots of the first T tokens. Only
+    shape/stride metadata is inspected on the host, so this is safe under CUDA graph capture. Any
+    strides are accepted except that the hidden dimension of h, r, vec, clamp_dir, mon_probe and
+    dyn_vec must be contiguous.
+
+    Arguments and result: see ``steer_site_dyn_reference``.
+    """
+    num_tokens, hidden = h.shape
+    num_k, num_g = clamp_dir.shape[1], gates.shape[0]
+    if any(t.stride(-1) != 1 for t in (h, vec, clamp_dir, mon_probe, dyn_vec)):
+        raise ValueError("steer_site_dyn_triton: the hidden dimension must be contiguous")
+    if r is not None and (r.shape != h.shape or r.dtype != h.dtype or r.stride(1) != 1):
+        raise ValueError("steer_site_dyn_triton: r must match h in shape and dtype, with contiguous rows")
+    if vec.shape[1] != hidden or clamp_dir.shape[2] != hidden or mon_probe.shape[2] != hidden or (
+        dyn_vec.shape[2] != hidden
+    ):
+        raise ValueError("steer_site_dyn_triton: table hidden size does not match h")
+    if mon_probe.shape[1] != num_g or dyn_vec.shape[1] != num_g or clamp_gate.shape[1] != num_k:
+        raise ValueError("steer_site_dyn_triton: gate slots / clamp slots differ between tables and buffers")
+    for buf in (gate_mul, gate_add, gates, scores):
+        if buf.dtype != torch.float32 or buf.shape[0] != num_g or buf.shape[1] < num_tokens:
+            raise ValueError("steer_site_dyn_triton: gate buffers must be float32 [G, N >= T]")
+
+    out = torch.empty_like(h)
+    if num_tokens == 0:
+        return out
+    block_h = triton.next_power_of_2(hidden)
+    r_arg = r if r is not None else h
+    _steer_site_dyn_kernel[(num_tokens,)](
+        h,
+        r_arg,
+        row_index,
+        vec,
+        clamp_dir,
+        clamp_lo,
+        clamp_hi,
+        clamp_strength,
+        clamp_gate,
+        mon_mask,
+        mon_probe,
+        mon_sharp,
+        mon_thresh,
+        mon_floor,
+        dyn_mask,
+        dyn_vec,
+        gate_mul,
+        gate_add,
+        gates,
+        scores,
+        out,
+        hidden,
+        num_k,
+        num_g,
+        h.stride(0),
+        r_arg.stride(0),
+        out.stride(0),
+        vec.stride(0),
+        clamp_dir.stride(0),
+        clamp_dir.stride(1),
+        clamp_lo.stride(0),
+        clamp_lo.stride(1),
+        clamp_hi.stride(0),
+        clamp_hi.stride(1),
+        clamp_strength.stride(0),
+        clamp_strength.stride(1),
+        clamp_gate.stride(0),
+        clamp_gate.stride(1),
+        mon_mask.stride(0),
+        mon_probe.stride(0),
+        mon_probe.stride(1),
+        mon_sharp.stride(0),
+        mon_sharp.stride(1),
+        mon_thresh.stride(0),
+        mon_thresh.stride(1),
+        mon_floor.stride(0),
+        mon_floor.stride(1),
+        dyn_mask.stride(0),
+        dyn_vec.stride(0),
+        dyn_vec.stride(1),
+        gate_mul.stride(0),
+        gate_mul.stride(1),
+        gate_add.stride(0),
+        gate_add.stride(1),
+        gates.stride(0),
+        gates.stride(1),
+        scores.stride(0),
+        scores.stride(1),
         HAS_R=r is not None,
         BLOCK_H=block_h,
         num_warps=_num_warps(block_h),

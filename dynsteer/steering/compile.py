@@ -1,37 +1,61 @@
 """Compile steering specs into what one table row holds: per (layer, site), an additive vector and ordered clamps.
 
 The effective configuration of a token is ``global + request`` for its phase (prefill or decode), with the ``base``
-tier counting in both phases. Compiling is pure host work, done once per distinct configuration at admission.
+tier counting in both phases. A dynamic policy adds, to the decode phase only (prompt tokens are never gated), the
+monitors that compute gate slots and the gated terms that read them. Compiling is pure host work, done once per
+distinct configuration at admission.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dynsteer.spec import ModelShape, Phase, Site, SteeringSpec, SteeringValidationError, check_spec, resolve_vector
+
+if TYPE_CHECKING:
+    from dynsteer.policy import DynamicSteeringPolicy
 
 SiteKey = tuple[int, Site]
 
 
 @dataclass(frozen=True)
 class Clamp:
-    """One compiled clamp: unit direction, bounds (±inf for open sides) and strength."""
+    """One compiled clamp: unit direction, bounds (±inf for open sides), strength and the gate slot scaling the
+    strength (-1: static)."""
 
     direction: np.ndarray
     lo: float
     hi: float
     strength: float
+    gate: int = -1
+
+
+@dataclass(frozen=True)
+class MonitorProgram:
+    """A probe gate computed at a site into one gate slot: ``σ(sharpness·(x·probe − threshold))``, 0 below floor."""
+
+    probe: np.ndarray
+    sharpness: float
+    threshold: float
+    floor: float
 
 
 @dataclass
 class SiteProgram:
-    """What a row holds at one (layer, site)."""
+    """What a row holds at one (layer, site): static vector and clamps, monitors and gated vectors by slot."""
 
     vec: np.ndarray | None = None
     clamps: list[Clamp] = field(default_factory=list)
+    monitors: dict[int, MonitorProgram] = field(default_factory=dict)
+    dyn: dict[int, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.clamps or self.monitors or self.dyn or (self.vec is not None and np.any(self.vec)))
 
 
 @dataclass(frozen=True)
@@ -50,11 +74,16 @@ EMPTY = RowContent(sites={}, digest=b"")
 
 
 def compile_phase(specs: list[tuple[str, SteeringSpec]], phase: Phase, shape: ModelShape,
-                  named: dict[str, np.ndarray] | None = None) -> RowContent:
+                  named: dict[str, np.ndarray] | None = None,
+                  policy: tuple[str, "DynamicSteeringPolicy"] | None = None) -> RowContent:
     """Compile ``specs`` (applied in order, each with a field prefix for errors) for one phase.
 
+    Args:
+        policy: ``(field prefix, policy)`` of the request's dynamic policy, compiled into the decode phase only.
+
     Raises:
-        SteeringValidationError: a bad field, or more clamps at one place than the engine's ``max_clamps``.
+        SteeringValidationError: a bad field, more clamps at one place than the engine's ``max_clamps``, or more
+            gate slots than its ``max_gates``.
     """
     sites: dict[SiteKey, SiteProgram] = {}
     for prefix, spec in specs:
@@ -77,7 +106,23 @@ def compile_phase(specs: list[tuple[str, SteeringSpec]], phase: Phase, shape: Mo
                     f"site {c.site!r} (raise the engine's max_clamps)")
             prog.clamps.append(Clamp(u, -np.inf if c.lo is None else c.lo, np.inf if c.hi is None else c.hi,
                                      c.strength))
-    sites = {k: p for k, p in sites.items() if p.clamps or (p.vec is not None and np.any(p.vec))}
+    if policy is not None:
+        from dynsteer.steering.dynamic import compile_policy  # the policy schema imports this package's spec
+
+        prefix, pol = policy
+        pol_sites = compile_policy(pol, shape, named, prefix)
+        if phase == "decode":  # prompt tokens are never gated
+            for key, extra in pol_sites.items():
+                prog = sites.setdefault(key, SiteProgram())
+                prog.monitors.update(extra.monitors)
+                prog.dyn.update(extra.dyn)
+                for c in extra.clamps:
+                    if len(prog.clamps) >= shape.max_clamps:
+                        raise SteeringValidationError(
+                            f"{prefix}rules: more than {shape.max_clamps} clamps/ablations (static and gated) at "
+                            f"layer {key[0]} site {key[1]!r} (raise the engine's max_clamps)")
+                    prog.clamps.append(c)
+    sites = {k: p for k, p in sites.items() if p.active}
     return RowContent(sites=sites, digest=_digest(sites) if sites else b"")
 
 
@@ -89,7 +134,12 @@ def _digest(sites: dict[SiteKey, SiteProgram]) -> bytes:
         if prog.vec is not None:
             h.update(b"v" + prog.vec.tobytes())
         for c in prog.clamps:
-            h.update(b"c" + c.direction.tobytes() + np.array([c.lo, c.hi, c.strength], np.float64).tobytes())
+            h.update(b"c" + c.direction.tobytes() + np.array([c.lo, c.hi, c.strength, c.gate], np.float64).tobytes())
+        for slot in sorted(prog.monitors):
+            m = prog.monitors[slot]
+            h.update(b"m%d" % slot + m.probe.tobytes() + np.array([m.sharpness, m.threshold, m.floor]).tobytes())
+        for slot in sorted(prog.dyn):
+            h.update(b"d%d" % slot + prog.dyn[slot].tobytes())
     return h.digest()
 
 

@@ -19,6 +19,7 @@ from dynsteer.capture.store import CaptureCollector, CaptureRecord
 from dynsteer.payload import decode_payload
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
 from dynsteer.steering.compile import EMPTY, RowContent, compile_phase
+from dynsteer.steering.dynamic import DynamicDriver, DynState
 from dynsteer.steering.tables import RowPool, RowsExhausted, SteeringTables
 
 logger = logging.getLogger("dynsteer")
@@ -51,6 +52,8 @@ class RequestEntry:
     rows: tuple[int, int] = (0, 0)
     error: str | None = None
     payload_key: str | None = None  # the packed payload string, when the request sent one (memoisation key)
+    policy: Any = None  # the request's own DynamicSteeringPolicy (overrides the global one)
+    dyn: DynState | None = None
 
 
 @dataclass
@@ -63,6 +66,7 @@ class RuntimeStats:
 
 
 PayloadLookup = Callable[[str], Any]
+_KEEP = object()
 
 
 class StagingRing:
@@ -101,6 +105,7 @@ class SteeringRuntime:
         self.pool = RowPool(tables.num_rows)
         self.named: dict[str, np.ndarray] = {}
         self.global_spec = SteeringSpec()
+        self.global_policy: Any = None
         self.requests: dict[str, RequestEntry] = {}
         self.stats = RuntimeStats()
         self.inline_forward = False  # set by the engine adapter from DynsteerConfig.forward
@@ -109,6 +114,10 @@ class SteeringRuntime:
         self._staging = StagingRing(tables.row_index)
         self._compiled: dict[Any, list[RowContent]] = {}
         self._high_water = 0
+        g = tables.gate_buffers
+        self.dynamic = DynamicDriver(g["gate_mul"], g["gate_add"], g["scores"], g["gates"]) if g else None
+        self._dyn: dict[str, DynState] = {}  # live and preempted requests with a dynamic policy
+        self.traces: dict[str, dict[str, Any]] = {}  # finished requests' traces by tag, until taken
 
     # ---- control plane (collective_rpc, between steps) -------------------------------------------------------
     def register_vector(self, name: str, vector: np.ndarray) -> None:
@@ -116,16 +125,22 @@ class SteeringRuntime:
         self.named[name] = np.ascontiguousarray(vector, np.float32)
         self._compiled.clear()
 
-    def set_global(self, spec: SteeringSpec) -> None:
-        """Replace the global spec; every live request's rows are recompiled (global is folded into rows)."""
-        for phase in ("prefill", "decode"):
-            compile_phase([("global.", spec)], phase, self.shape, self.named)  # validate before touching state
+    def set_global(self, spec: SteeringSpec, policy: Any = _KEEP) -> None:
+        """Replace the global spec (and, if given, the global dynamic policy; ``None`` removes it); every live
+        request's rows are recompiled (global is folded into rows)."""
+        policy = self.global_policy if policy is _KEEP else policy
+        for phase in ("prefill", "decode"):  # validate before touching state
+            compile_phase([("global.", spec)], phase, self.shape, self.named,
+                          None if policy is None else ("global_policy.", policy))
         old_entries = list(self.requests.items())
         for _, entry in old_entries:
             self._release_rows(entry)
-        self.global_spec = spec
+        changed = policy != self.global_policy
+        self.global_spec, self.global_policy = spec, policy
         self._compiled.clear()
         for req_id, entry in old_entries:
+            if changed and entry.policy is None:
+                self._set_dyn(req_id, entry, fresh=True)
             self._assign_rows(req_id, entry)
 
     def global_fingerprint(self) -> str:
@@ -143,23 +158,27 @@ class SteeringRuntime:
             entry = self.requests.pop(req_id, None)
             if entry is not None:
                 self._release_rows(entry)
+            if finished and req_id in self._dyn:
+                self.dynamic.poll(self._dyn, block=True)  # the last step's scores complete the trace
+                self._finish_trace(req_id, entry)
             if finished and self.capture is not None:
                 self._deliver(self.capture.finish(req_id))
 
     def admit(self, req_id: str, payload: Any, prompt_len: int) -> RequestEntry:
-        spec = tag = None
+        spec = tag = policy = None
         capture: CaptureSpec | None = None
         error = None
         if payload is not None:
             try:
                 decoded = decode_payload(payload)
-                spec, tag, capture = decoded.spec, decoded.tag, decoded.capture
+                spec, tag, capture, policy = decoded.spec, decoded.tag, decoded.capture, decoded.policy
             except SteeringValidationError as exc:
                 # Admission in the frontend rejects these; reaching here means a client bypassed it.
                 error = f"request {req_id}: {exc}"
                 self._record_error(error)
-        entry = RequestEntry(prompt_len=prompt_len, spec=spec, tag=tag, error=error,
+        entry = RequestEntry(prompt_len=prompt_len, spec=spec, tag=tag, error=error, policy=policy,
                              payload_key=payload if isinstance(payload, str) else None)
+        self._set_dyn(req_id, entry, fresh=False)
         self._assign_rows(req_id, entry)
         if self.capture is not None:
             self.capture.begin(req_id, tag, capture, prompt_len)
@@ -200,11 +219,22 @@ class SteeringRuntime:
         idx[n:upto] = 0
         self._high_water = n
         self._staging.copy_to(self.tables.row_index, upto)
+        if self.dynamic is not None and self._dyn:
+            tokens = []
+            for i, req_id in enumerate(view.req_ids):
+                if self.requests[req_id].dyn is None:
+                    continue
+                for t in range(int(qsl[i]), int(qsl[i + 1])):
+                    if is_decode[t] and rows[i, 1] != 0:
+                        tokens.append((req_id, t, int(position[t])))
+            self.dynamic.plan(self._dyn, tokens, upto)
 
     def after_forward(self) -> None:
         """Called once the step's forward is enqueued: start copying captured rows out."""
         if self.capture is not None:
             self.capture.after_forward()
+        if self.dynamic is not None:
+            self.dynamic.after_forward()
 
     def take_captures(self, tags: Iterable[str]) -> list[CaptureRecord]:
         """Finish live records with these tags (the caller knows they are done) and take them from memory."""
@@ -215,6 +245,46 @@ class SteeringRuntime:
             self._deliver(self.capture.finish(req_id))
         memory = self.consumers.get("memory")
         return [rec for tag in tags if memory is not None and (rec := memory.take(tag)) is not None]
+
+    def take_traces(self, tags: Iterable[str]) -> list[dict[str, Any]]:
+        """Traces of finished requests with these tags (each can be taken once).
+
+        The caller knows these requests are done; the scheduler tells the runner only at the next step, so live
+        states with these tags are finished here.
+        """
+        tags = set(tags)
+        done = [r for r in self._dyn if (e := self.requests.get(r)) is not None and e.tag in tags]
+        if done:
+            self.dynamic.poll(self._dyn, block=True)
+            for req_id in done:
+                self._finish_trace(req_id, self.requests[req_id])
+        return [tr for tag in tags if (tr := self.traces.pop(tag, None)) is not None]
+
+    def _set_dyn(self, req_id: str, entry: RequestEntry, fresh: bool) -> None:
+        """Give the request its dynamic state (a resumed request keeps the one it had before preemption)."""
+        policy = self._effective_policy(entry)
+        if policy is None or self.dynamic is None:
+            self._dyn.pop(req_id, None)
+            entry.dyn = None
+            return
+        st = None if fresh else self._dyn.get(req_id)
+        if st is None:
+            st = DynState.for_policy(policy.resolved())
+        entry.dyn = self._dyn[req_id] = st
+
+    def _effective_policy(self, entry: RequestEntry) -> Any:
+        if entry.error is not None:
+            return None
+        policy = entry.policy if entry.policy is not None else self.global_policy
+        return policy if policy is not None and (policy.rules or policy.controller) else None
+
+    def _finish_trace(self, req_id: str, entry: RequestEntry | None) -> None:
+        st = self._dyn.pop(req_id)
+        tag = (entry.tag if entry is not None else None) or req_id
+        if len(self.traces) >= 4096:  # never taken: drop the oldest rather than grow without bound
+            self.traces.pop(next(iter(self.traces)))
+        self.traces[tag] = {"tag": tag, "monitors": [s.monitor for s in st.slots],
+                            "scopes": [s.scope for s in st.slots], **st.trace}
 
     def attach_capture(self, collector: CaptureCollector, consumers: dict[str, Any]) -> None:
         self.capture, self.consumers = collector, consumers
@@ -246,12 +316,13 @@ class SteeringRuntime:
                     memory.on_finish(record)  # keep the data reachable rather than losing it
 
     # ---- internals ----------------------------------------------------------------------------------------------
-    def _compile(self, specs: list[tuple[str, SteeringSpec]], key: Any) -> list[RowContent]:
+    def _compile(self, specs: list[tuple[str, SteeringSpec]], key: Any, policy: Any = None) -> list[RowContent]:
         """Both phases' contents, memoised per payload (most traffic repeats a few configurations; compiling
         hashes every vector, which would otherwise run for each admitted request)."""
         cached = self._compiled.get(key) if key is not None else None
         if cached is None:
-            cached = [compile_phase(specs, phase, self.shape, self.named) for phase in ("prefill", "decode")]
+            pol = None if policy is None else ("policy.", policy)
+            cached = [compile_phase(specs, phase, self.shape, self.named, pol) for phase in ("prefill", "decode")]
             if key is not None:
                 if len(self._compiled) >= 1024:
                     self._compiled.pop(next(iter(self._compiled)))
@@ -264,8 +335,11 @@ class SteeringRuntime:
         if entry.spec is not None and entry.error is None and not entry.spec.is_empty():
             specs.append(("request.", entry.spec))
             key = entry.payload_key
+        policy = self._effective_policy(entry)
+        if entry.policy is not None and policy is not None:
+            key = entry.payload_key
         try:
-            contents = self._compile(specs, key)
+            contents = self._compile(specs, key, policy)
             rows = self._acquire(contents)
         except (SteeringValidationError, RowsExhausted) as exc:
             # The frontend validates at admission, so this is rare (e.g. a vector name unregistered mid-flight):
@@ -274,6 +348,8 @@ class SteeringRuntime:
                 self.stats.rows_exhausted += 1
             entry.error = f"request {req_id}: {exc}"
             self._record_error(entry.error)
+            entry.dyn = None
+            self._dyn.pop(req_id, None)
             try:
                 contents = [compile_phase(specs[:1], phase, self.shape, self.named) for phase in ("prefill", "decode")]
                 rows = self._acquire(contents)
@@ -314,4 +390,7 @@ class SteeringRuntime:
         return {"shape": self.shape.model_dump(mode="json"), "rows_in_use": self.pool.in_use,
                 "rows_total": self.tables.num_rows - 1, "live_requests": len(self.requests),
                 "named_vectors": sorted(self.named), "global_empty": self.global_spec.is_empty(),
-                "table_bytes": self.tables.nbytes(), "stats": vars(self.stats).copy()}
+                "table_bytes": self.tables.nbytes(), "stats": vars(self.stats).copy(),
+                "dynamic": None if self.dynamic is None else {
+                    "live": len(self._dyn), "global_policy": self.global_policy is not None,
+                    **vars(self.dynamic.stats)}}

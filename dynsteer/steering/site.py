@@ -10,13 +10,14 @@ import torch
 from torch import nn
 
 from dynsteer.kernels import ops  # noqa: F401  (registers torch.ops.dynsteer.*)
+from dynsteer.kernels.dynamic_reference import steer_site_dyn_reference
 from dynsteer.kernels.reference import steer_site_reference
 from dynsteer.spec import Site
 from dynsteer.steering.tables import SteeringTables
 
 # vLLM's compile cache hashes the source files Dynamo traces (this one) but not tables.py; a cached graph built for
 # another buffer layout can read stale snapshots. Bump this when the tables' tensors change shape or ownership.
-TABLE_LAYOUT = 2
+TABLE_LAYOUT = 3
 
 
 class SiteHook(nn.Module):
@@ -27,8 +28,9 @@ class SiteHook(nn.Module):
         super().__init__()
         self.layer, self.site, self.inline = layer, site, inline
         self.capturing = stage is not None
+        self.dynamic = tables.max_gates > 0
         self.register_buffer("row_index", tables.row_index, persistent=False)
-        for name, view in tables.views(layer, site).items():
+        for name, view in (tables.views(layer, site) | tables.gate_buffers).items():
             self.register_buffer(name, view, persistent=False)
         if stage is not None:
             self.register_buffer("stage", stage, persistent=False)
@@ -36,11 +38,17 @@ class SiteHook(nn.Module):
     def forward(self, h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
         if self.capturing:  # the unsteered residual, read before this site's steering
             torch.ops.dynsteer.stash_residual(h, r, self.stage)
+        static = (h, r, self.row_index, self.vec, self.clamp_dir, self.clamp_lo, self.clamp_hi, self.clamp_strength)
+        if self.dynamic:  # monitors write gates/scores in place; later sites of the same forward read them
+            dyn = (self.clamp_gate, self.mon_mask, self.mon_probe, self.mon_sharp, self.mon_thresh, self.mon_floor,
+                   self.dyn_mask, self.dyn_vec, self.gate_mul, self.gate_add, self.gates, self.scores)
+            if self.inline:
+                return steer_site_dyn_reference(*static, *dyn)
+            return torch.ops.dynsteer.steer_site_dyn(*static, *dyn)
         if self.inline:  # plain torch ops: traced into the graph, fusable by torch.compile
-            return steer_site_reference(h, r, self.row_index, self.vec, self.clamp_dir, self.clamp_lo,
-                                        self.clamp_hi, self.clamp_strength)
-        return torch.ops.dynsteer.steer_site(h, r, self.row_index, self.vec, self.clamp_dir, self.clamp_lo,
-                                             self.clamp_hi, self.clamp_strength)
+            return steer_site_reference(*static)
+        return torch.ops.dynsteer.steer_site(*static)
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer}, site={self.site}, inline={self.inline}, capturing={self.capturing}"
+        return (f"layer={self.layer}, site={self.site}, inline={self.inline}, capturing={self.capturing}, "
+                f"dynamic={self.dynamic}")

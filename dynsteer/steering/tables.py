@@ -1,14 +1,18 @@
 """Persistent device tables for every hooked (layer, site) and the row pool that shares them between requests.
 
-Layout (n = hooked sites, R = rows, K = clamp slots, H = hidden): ``vec[n, R, H]``, ``clamp_dir[n, R, K, H]``,
-``clamp_lo/hi/strength[n, R, K]`` in float32, and one ``row_index[max_tokens]`` int32 shared by all sites. Row 0 is
-all zeros and is what padding and unsteered tokens read. Tensors are allocated once, before vLLM profiles memory,
+Layout per hooked site (R = rows, K = clamp slots, G = gate slots, H = hidden): ``vec[R, H]``, ``clamp_dir[R, K, H]``,
+``clamp_lo/hi/strength[R, K]`` in float32; with a dynamic tier (G > 0) also ``clamp_gate[R, K]`` and the bitmasks
+``mon_mask[R]``/``dyn_mask[R]`` (int32), ``mon_probe[R, G, H]``, ``mon_sharp/thresh/floor[R, G]`` and
+``dyn_vec[R, G, H]``. Shared by all sites: ``row_index[max_tokens]`` (int32) and, with G > 0, the per-token
+``gate_mul/gate_add`` (staged by the host) and ``gates/scores`` (written by monitors, read by later sites), each
+``[G, max_tokens]`` float32. Row 0 is all zeros and is what padding and unsteered tokens read. Tensors are allocated once, before vLLM profiles memory,
 and only ever written in place, so CUDA graphs captured over them stay valid.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,21 +76,36 @@ class SteeringTables:
     """
 
     FIELDS = ("vec", "clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength")
+    DYN_FIELDS = ("clamp_gate", "mon_mask", "mon_probe", "mon_sharp", "mon_thresh", "mon_floor", "dyn_mask",
+                  "dyn_vec")
 
     def __init__(self, sites: list[SiteKey], hidden_size: int, num_rows: int, max_clamps: int, max_tokens: int,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, max_gates: int = 0) -> None:
         self.sites = list(sites)
         self.slot = {key: i for i, key in enumerate(self.sites)}
-        self.hidden_size, self.num_rows, self.max_clamps = hidden_size, num_rows, max_clamps
-        R, K, H = num_rows, max_clamps, hidden_size
+        self.hidden_size, self.num_rows, self.max_clamps, self.max_gates = hidden_size, num_rows, max_clamps, max_gates
+        R, K, H, G = num_rows, max_clamps, hidden_size, max_gates
         f32 = dict(dtype=torch.float32, device=device)
-        self._site: dict[SiteKey, dict[str, torch.Tensor]] = {
-            key: {"vec": torch.zeros(R, H, **f32), "clamp_dir": torch.zeros(R, K, H, **f32),
-                  "clamp_lo": torch.full((R, K), -float("inf"), **f32),
-                  "clamp_hi": torch.full((R, K), float("inf"), **f32), "clamp_strength": torch.zeros(R, K, **f32)}
-            for key in self.sites}
+        i32 = dict(dtype=torch.int32, device=device)
+
+        def site_tensors() -> dict[str, torch.Tensor]:
+            t = {"vec": torch.zeros(R, H, **f32), "clamp_dir": torch.zeros(R, K, H, **f32),
+                 "clamp_lo": torch.full((R, K), -float("inf"), **f32),
+                 "clamp_hi": torch.full((R, K), float("inf"), **f32), "clamp_strength": torch.zeros(R, K, **f32)}
+            if G:
+                t.update(clamp_gate=torch.full((R, K), -1, **i32), mon_mask=torch.zeros(R, **i32),
+                         mon_probe=torch.zeros(R, G, H, **f32), mon_sharp=torch.zeros(R, G, **f32),
+                         mon_thresh=torch.zeros(R, G, **f32), mon_floor=torch.zeros(R, G, **f32),
+                         dyn_mask=torch.zeros(R, **i32), dyn_vec=torch.zeros(R, G, H, **f32))
+            return t
+
+        self._site: dict[SiteKey, dict[str, torch.Tensor]] = {key: site_tensors() for key in self.sites}
         self.row_index = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.device = self.row_index.device
+        # Standalone tensors (not views of one buffer), for the same reason as the site tables.
+        self.gate_buffers: dict[str, torch.Tensor] = (
+            {name: torch.zeros(G, max_tokens, **f32) for name in ("gate_mul", "gate_add", "gates", "scores")}
+            if G else {})
 
     def views(self, layer: int, site: Site) -> dict[str, torch.Tensor]:
         return self._site[(layer, site)]
@@ -108,10 +127,33 @@ class SteeringTables:
                 for k, c in enumerate(prog.clamps):
                     cdir[k], lo[k], hi[k], strength[k] = c.direction, c.lo, c.hi, c.strength
             vec = prog.vec if prog is not None and prog.vec is not None else zeros_vec
-            for name, src in (("vec", vec), ("clamp_dir", cdir), ("clamp_lo", lo), ("clamp_hi", hi),
-                              ("clamp_strength", strength)):
+            fields = [("vec", vec), ("clamp_dir", cdir), ("clamp_lo", lo), ("clamp_hi", hi),
+                      ("clamp_strength", strength)]
+            if self.max_gates:
+                fields += self._dynamic_fields(prog)
+            for name, src in fields:
                 tensors[name][row].copy_(torch.from_numpy(src), non_blocking=False)
+
+    def _dynamic_fields(self, prog: Any) -> list[tuple[str, np.ndarray]]:
+        K, H, G = self.max_clamps, self.hidden_size, self.max_gates
+        cgate = np.full(K, -1, np.int32)
+        probe, dvec = np.zeros((G, H), np.float32), np.zeros((G, H), np.float32)
+        sharp, thresh, floor = np.zeros(G, np.float32), np.zeros(G, np.float32), np.zeros(G, np.float32)
+        mon_mask = dyn_mask = 0
+        if prog is not None:
+            for k, c in enumerate(prog.clamps):
+                cgate[k] = c.gate
+            for s, m in prog.monitors.items():
+                probe[s], sharp[s], thresh[s], floor[s] = m.probe, m.sharpness, m.threshold, m.floor
+                mon_mask |= 1 << s
+            for s, v in prog.dyn.items():
+                dvec[s] = v
+                dyn_mask |= 1 << s
+        return [("clamp_gate", cgate), ("mon_mask", np.array(mon_mask, np.int32)), ("mon_probe", probe),
+                ("mon_sharp", sharp), ("mon_thresh", thresh), ("mon_floor", floor),
+                ("dyn_mask", np.array(dyn_mask, np.int32)), ("dyn_vec", dvec)]
 
     def nbytes(self) -> int:
         per_site = sum(t.numel() * t.element_size() for t in next(iter(self._site.values()), {}).values())
-        return per_site * len(self._site) + self.row_index.numel() * self.row_index.element_size()
+        shared = [self.row_index, *self.gate_buffers.values()]
+        return per_site * len(self._site) + sum(t.numel() * t.element_size() for t in shared)
