@@ -196,7 +196,8 @@ class SyncStats:
     dynamic_steps: int = 0
     sync_steps: int = 0
     wait_ms: float = 0.0  # blocked waiting for the previous step's scores (sync tier only)
-    host_ms: float = 0.0  # controllers, carried scopes, staging
+    host_ms: float = 0.0  # read-back bookkeeping, controllers, carried scopes, staging
+    controller_ms: float = 0.0  # of which: the controllers' on_step and the carried-scope updates
     device_ms: float = 0.0  # CUDA-event time of the per-step control copies (read one step late)
 
 
@@ -293,6 +294,7 @@ class DynamicDriver:
                     return
                 pend.event.synchronize()
             self._pending.pop(0)
+            t0 = time.perf_counter()
             host = pend.host.numpy()
             for req_id, col, pos in pend.tokens:
                 st = states.get(req_id)
@@ -301,6 +303,7 @@ class DynamicDriver:
                 g = len(st.slots)
                 half = host.shape[0] // 2
                 st.observe(pos, host[:g, col].astype(np.float64), host[half:half + g, col].astype(np.float64))
+            self.stats.controller_ms += (time.perf_counter() - t0) * 1e3
 
     def _read_timing(self) -> None:
         # One step late: only events that already completed are read, so timing never blocks.
