@@ -124,9 +124,9 @@ def test_rest_of_request_latches_after_first_fire(engine):
     probe_run = st.generate(PROMPTS, greedy(), policy=policy(st, NEVER, sharpness=1.0))
     scores = probe_run[0].trace.scores()
     k = 3 + int(np.argmax(scores[3:10]))
-    thr = float(scores[k] - 1e-3)
-    if np.any(scores[:k] >= thr):
+    if np.any(scores[:k] >= scores[k]):
         pytest.skip("no clean first crossing in this prompt's scores")
+    thr = float((scores[k] + scores[:k].max()) / 2)  # midway: robust to bf16 noise between batch shapes
     pol = policy(st, thr, scope="rest_of_request", sharpness=1e4)
     tr = st.generate(PROMPTS[:1], greedy(), policy=pol)[0].trace
     applied = tr.applied_gates()
@@ -159,9 +159,9 @@ def test_sync_controller_latency_is_exactly_one_step(engine):
     base_run = st.generate(PROMPTS[:1], greedy(24), policy=policy(st, NEVER))[0]
     base, scores = list(base_run.outputs[0].token_ids), base_run.trace.scores()
     k = 2 + int(np.argmax(scores[2:12]))
-    on = float(scores[k] - 1e-3)
-    if np.any(scores[:k] >= on):
+    if np.any(scores[:k] >= scores[k]):
         pytest.skip("no clean first crossing")
+    on = float((scores[k] + scores[:k].max()) / 2)
     latch = SyncControllerSpec(kind="latch", on=on, off=-1e9, scale=1.0)
     run = st.generate(PROMPTS[:1], greedy(24), policy=policy(st, ALWAYS, controller=latch))[0]
     scale = np.asarray(run.trace.scale)
