@@ -83,7 +83,9 @@ def test_captured_residuals_equal_a_transformers_forward(capture_engine, tiny_ll
             assert arr.shape == (len(ids), st.hidden_size)
             if ON_GPU:  # bf16 engine vs float32 reference: compare each row's relative error
                 err = np.linalg.norm(arr - ref[place], axis=1) / np.linalg.norm(ref[place], axis=1)
-                assert err.max() < 5e-2, (place, err.max())
+                # bf16 rounding compounds over layers and generated positions (max seen on an H200: 0.055); a wrong
+                # tensor (another site, a steered residual, a shifted row) is off by order 1
+                assert err.max() < 0.1, (place, err.max())
             else:
                 np.testing.assert_allclose(arr, ref[place], rtol=1e-3, atol=1e-3 * float(np.abs(ref[place]).max()),
                                            err_msg=str(place))

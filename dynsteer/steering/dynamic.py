@@ -110,19 +110,25 @@ def compile_policy(policy: "DynamicSteeringPolicy", shape: ModelShape, named: di
 # ---- per-request state ---------------------------------------------------------------------------------------------
 @dataclass
 class DynState:
-    """One request's dynamic state on a worker: controller state, carried gates and its trace."""
+    """One request's dynamic state on a worker: controller state, carried gates and its trace.
+
+    Requests in the sync tier (``feedback``) are observed token by token; the others only keep references to the
+    read-back blocks, and their trace is assembled once, when the request finishes (off the per-step path).
+    """
 
     slots: list[SlotPlan]
     controller: Any = None  # a SyncController, or None
     ctrl_slot: int | None = None
     ctrl_state: Any = None
     scale: float = 1.0  # dyn_scale for the next step
-    latched: np.ndarray = None  # type: ignore[assignment]
-    prev_gate: np.ndarray = None  # type: ignore[assignment]
+    latched: list[bool] = field(default_factory=list)
+    prev_gate: list[float] = field(default_factory=list)
     steps: int = 0
+    feedback: bool = False
+    last_pos: int = -1
     # position -> (mul, add) used for it: a recomputed position (after preemption) is steered exactly as before
-    history: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-    trace: dict[str, list] = field(default_factory=lambda: {k: [] for k in TRACE_FIELDS})
+    history: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
+    refs: list[tuple[np.ndarray, int, int, float]] = field(default_factory=list)  # (block, column, position, scale)
 
     @classmethod
     def for_policy(cls, policy: "DynamicSteeringPolicy") -> "DynState":
@@ -131,19 +137,16 @@ class DynState:
         slots, ctrl_slot = policy_slots(policy)
         ctrl = make_controller(policy.controller) if policy.controller is not None else None
         g = len(slots)
+        feedback = ctrl is not None or any(s.scope in ("next_step", "rest_of_request") for s in slots)
         return cls(slots=slots, controller=ctrl, ctrl_slot=ctrl_slot,
                    ctrl_state=ctrl.initial_state() if ctrl is not None else None,
-                   scale=0.0 if ctrl is not None else 1.0, latched=np.zeros(g, bool), prev_gate=np.zeros(g))
+                   scale=0.0 if ctrl is not None else 1.0, latched=[False] * g, prev_gate=[0.0] * g,
+                   feedback=feedback)
 
-    @property
-    def needs_feedback(self) -> bool:
-        """Whether planning the next step needs this step's scores on the host (the sync tier)."""
-        return self.controller is not None or any(s.scope in ("next_step", "rest_of_request") for s in self.slots)
-
-    def multipliers(self) -> tuple[np.ndarray, np.ndarray]:
+    def multipliers(self) -> tuple[list[float], list[float]]:
         """``(mul, add)`` per slot for the request's next decode token."""
         d = self.scale
-        mul, add = np.zeros(len(self.slots), np.float32), np.zeros(len(self.slots), np.float32)
+        mul, add = [0.0] * len(self.slots), [0.0] * len(self.slots)
         for s, slot in enumerate(self.slots):
             if slot.scope == "next_step":
                 add[s] = d * self.prev_gate[s]
@@ -153,40 +156,70 @@ class DynState:
                 mul[s] = d
         return mul, add
 
-    def observe(self, position: int, scores: np.ndarray, applied: np.ndarray) -> None:
-        """Record one computed decode token and advance the carried state and the controller."""
+    def observe(self, block: np.ndarray, col: int, position: int) -> None:
+        """Record one computed decode token; in the sync tier, advance the carried state and the controller."""
+        self.refs.append((block, col, position, self.scale))
+        self.last_pos = position
+        if not self.feedback:
+            return
         from dynsteer.controllers.sync import StepObservation
 
-        raw = np.array([_gate(sc, s) for sc, s in zip(scores, self.slots)])
-        for k, v in (("position", position), ("score", scores.tolist()), ("gate", raw.tolist()),
-                     ("applied", applied.tolist()), ("scale", self.scale)):
-            self.trace[k].append(v)
+        scores = [float(block[s, col]) for s in range(len(self.slots))]
+        raw = [_gate(sc, slot) for sc, slot in zip(scores, self.slots)]
         self.prev_gate = raw
-        self.latched |= (raw >= FIRE_GATE) & (raw > 0)
+        self.latched = [was or (g >= FIRE_GATE and g > 0) for was, g in zip(self.latched, raw)]
         if self.controller is not None:
             c = self.ctrl_slot
-            obs = StepObservation(step=self.steps, position=position, score=float(scores[c]), gate=float(raw[c]))
-            self.ctrl_state, self.scale = self.controller.on_step(self.ctrl_state, obs)
-            self.scale = float(self.scale)
+            obs = StepObservation(step=self.steps, position=position, score=scores[c], gate=raw[c])
+            self.ctrl_state, scale = self.controller.on_step(self.ctrl_state, obs)
+            self.scale = float(scale)
         self.steps += 1
 
-
-TRACE_FIELDS = ("position", "score", "gate", "applied", "scale")
+    def trace(self) -> dict[str, list]:
+        """The trace fields (see :class:`dynsteer.trace.DynamicTrace`)."""
+        g = len(self.slots)
+        if not self.refs:
+            return {"position": [], "score": [], "gate": [], "applied": [], "scale": []}
+        half = self.refs[0][0].shape[0] // 2
+        scores = np.stack([b[:g, c] for b, c, _, _ in self.refs]).astype(np.float32)
+        applied = np.stack([b[half:half + g, c] for b, c, _, _ in self.refs])
+        k = np.array([s.sharpness for s in self.slots], np.float32)
+        th = np.array([s.threshold for s in self.slots], np.float32)
+        floor = np.array([s.floor for s in self.slots], np.float32)
+        with np.errstate(over="ignore"):
+            gate = (np.float32(1) / (np.float32(1) + np.exp(-(k * (scores - th))))).astype(np.float32)
+        gate = np.where(gate >= floor, gate, np.float32(0))
+        return {"position": [p for _, _, p, _ in self.refs], "score": scores.astype(np.float64).tolist(),
+                "gate": gate.astype(np.float64).tolist(), "applied": applied.astype(np.float64).tolist(),
+                "scale": [sc for _, _, _, sc in self.refs]}
 
 
 def _gate(score: float, slot: SlotPlan) -> float:
-    # The kernel's gate in float32 (σ of the same float32 inputs), with the rule's floor.
-    z = np.float32(slot.sharpness) * (np.float32(score) - np.float32(slot.threshold))
-    g = float(np.float32(1.0) / (np.float32(1.0) + np.exp(-z, dtype=np.float32))) if math.isfinite(z) else float(z > 0)
+    # The kernel's gate (σ of the same inputs, float32 parameters), with the rule's floor.
+    z = float(np.float32(slot.sharpness)) * (score - float(np.float32(slot.threshold)))
+    g = 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
     return g if g >= slot.floor else 0.0
 
 
 # ---- the per-step driver ------------------------------------------------------------------------------------------------
 @dataclass
+class StepTokens:
+    """This step's dynamic decode tokens: batch index, position and owning request (index into ``req_ids``)."""
+
+    req_ids: list[str]
+    req: np.ndarray
+    index: np.ndarray
+    position: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+@dataclass
 class _Pending:
     event: Any
     host: torch.Tensor  # [2G, m]: scores then effective gates of the step's dynamic decode tokens
-    tokens: list[tuple[str, int, int]]  # (req_id, column, position)
+    tokens: StepTokens
 
 
 @dataclass
@@ -196,63 +229,83 @@ class SyncStats:
     dynamic_steps: int = 0
     sync_steps: int = 0
     wait_ms: float = 0.0  # blocked waiting for the previous step's scores (sync tier only)
-    host_ms: float = 0.0  # read-back bookkeeping, controllers, carried scopes, staging
-    controller_ms: float = 0.0  # of which: the controllers' on_step and the carried-scope updates
+    host_ms: float = 0.0  # staging the per-token multipliers
+    controller_ms: float = 0.0  # read-back bookkeeping, controllers and carried scopes
     device_ms: float = 0.0  # CUDA-event time of the per-step control copies (read one step late)
 
 
 class DynamicDriver:
-    """Stages gate multipliers before each forward and reads scores/gates back after it."""
+    """Stages gate multipliers before each forward and reads scores/gates back after it.
+
+    The device multipliers hold ``mul = 1, add = 0`` (a plain in-graph gate) except on steps with sync-tier tokens,
+    which write their own values and restore the defaults afterwards, so most steps copy nothing to the device.
+    """
 
     def __init__(self, gate_mul: torch.Tensor, gate_add: torch.Tensor, scores: torch.Tensor,
                  gates: torch.Tensor) -> None:
         self.gate_mul, self.gate_add, self.scores, self.gates = gate_mul, gate_add, scores, gates
         self.cuda = gates.is_cuda
         g, n = gates.shape
+        gate_mul.fill_(1.0)
+        gate_add.zero_()
         depth = 4 if self.cuda else 1
         self._ctl = [torch.zeros(2, g, n, dtype=torch.float32, device="cpu", pin_memory=self.cuda)
                      for _ in range(depth)]
+        for c in self._ctl:
+            c[0].fill_(1.0)
         self._ctl_events: list[Any] = [None] * depth
+        self._ctl_written: list[list[int]] = [[] for _ in range(depth)]  # token columns a slot holds values at
         self._i = 0
+        self._dirty = 0  # device multipliers [:dirty] may hold a sync step's values
         self._side = torch.cuda.Stream(device=gates.device) if self.cuda else None
         self._pending: list[_Pending] = []
-        self._step_tokens: list[tuple[str, int, int]] = []
+        self._step: StepTokens | None = None
         self._timing: list[tuple[Any, Any]] = []
         self.stats = SyncStats()
 
-    def plan(self, states: dict[str, DynState], tokens: list[tuple[str, int, int]], upto: int) -> None:
-        """Stage ``(mul, add)`` for this step's dynamic decode tokens ``(req_id, batch index, position)``.
-
-        Waits for the previous step's read-back first when any live request is in the sync tier.
-        """
-        if any(st.needs_feedback for st in states.values()):
-            t0 = time.perf_counter()
-            self.poll(states, block=True)
-            t1 = time.perf_counter()
+    def plan(self, states: dict[str, DynState], tokens: StepTokens, upto: int) -> None:
+        """Stage ``(mul, add)`` for this step's sync-tier tokens (waiting for the previous step's read-back first)."""
+        feedback = any(st.feedback for st in states.values())
+        t0 = time.perf_counter()
+        self.poll(states, block=feedback)
+        t1 = time.perf_counter()
+        if feedback:
             self.stats.wait_ms += (t1 - t0) * 1e3
             self.stats.sync_steps += 1
-        else:
-            self.poll(states, block=False)
-            t1 = time.perf_counter()
-        self._step_tokens = tokens
-        if not tokens:
+        self._step = tokens if len(tokens) else None
+        if not len(tokens):
             return
         self.stats.dynamic_steps += 1
+        staged = []
+        if feedback:
+            for k in range(len(tokens)):
+                st = states[tokens.req_ids[tokens.req[k]]]
+                if st.feedback:
+                    pos = int(tokens.position[k])
+                    kept = st.history.get(pos)
+                    if kept is None:
+                        kept = st.history[pos] = st.multipliers()
+                    staged.append((int(tokens.index[k]), kept))
+        if staged or self._dirty:
+            self._stage(staged, max(upto, self._dirty))
+            self._dirty = upto if staged else 0
+        self.stats.host_ms += (time.perf_counter() - t1) * 1e3
+
+    def _stage(self, staged: list[tuple[int, tuple[list[float], list[float]]]], upto: int) -> None:
         self._i = (self._i + 1) % len(self._ctl)
         if self._ctl_events[self._i] is not None:
             self._ctl_events[self._i].synchronize()
-        ctl = self._ctl[self._i].numpy()
-        for req_id, t, pos in tokens:
-            st = states[req_id]
-            kept = st.history.get(pos)
-            if kept is None:
-                kept = st.history[pos] = st.multipliers()
-            g = len(kept[0])
-            ctl[0, :g, t], ctl[1, :g, t] = kept
+        src = self._ctl[self._i]
+        ctl = src.numpy()
+        # Back to defaults only now: this slot's previous copy has completed (the event above), so its DMA is done.
+        for t in self._ctl_written[self._i]:
+            ctl[0, :, t], ctl[1, :, t] = 1.0, 0.0
+        self._ctl_written[self._i] = [t for t, _ in staged]
+        for t, (mul, add) in staged:
+            ctl[0, :len(mul), t], ctl[1, :len(add), t] = mul, add
         start = torch.cuda.Event(enable_timing=True) if self.cuda else None
         if start is not None:
             start.record()
-        src = self._ctl[self._i]
         for s in range(self.gate_mul.shape[0]):
             self.gate_mul[s, :upto].copy_(src[0, s, :upto], non_blocking=self.cuda)
             self.gate_add[s, :upto].copy_(src[1, s, :upto], non_blocking=self.cuda)
@@ -262,14 +315,13 @@ class DynamicDriver:
             self._ctl_events[self._i] = end
             self._timing.append((start, end))
             self._read_timing()
-        self.stats.host_ms += (time.perf_counter() - t1) * 1e3
 
     def after_forward(self) -> None:
         """Gather this step's scores and gates of dynamic tokens and start their copy to host."""
-        tokens, self._step_tokens = self._step_tokens, []
-        if not tokens:
+        tokens, self._step = self._step, None
+        if tokens is None:
             return
-        cols = torch.tensor([t for _, t, _ in tokens], dtype=torch.int64)
+        cols = torch.from_numpy(tokens.index.astype(np.int64))
         if self.cuda:
             cols = cols.pin_memory().to(self.gates.device, non_blocking=True)
         both = torch.cat([self.scores, self.gates]).index_select(1, cols)
@@ -281,9 +333,9 @@ class DynamicDriver:
                 host.copy_(both, non_blocking=True)
                 both.record_stream(self._side)
                 done.record(self._side)
-            self._pending.append(_Pending(done, host, [(r, i, p) for i, (r, _, p) in enumerate(tokens)]))
+            self._pending.append(_Pending(done, host, tokens))
         else:
-            self._pending.append(_Pending(None, both.clone(), [(r, i, p) for i, (r, _, p) in enumerate(tokens)]))
+            self._pending.append(_Pending(None, both.clone(), tokens))
 
     def poll(self, states: dict[str, DynState], block: bool = False) -> None:
         """Feed completed read-backs to their requests, in step order (``block``: wait for all)."""
@@ -295,14 +347,13 @@ class DynamicDriver:
                 pend.event.synchronize()
             self._pending.pop(0)
             t0 = time.perf_counter()
-            host = pend.host.numpy()
-            for req_id, col, pos in pend.tokens:
-                st = states.get(req_id)
-                if st is None or (st.trace["position"] and pos <= st.trace["position"][-1]):
+            host, tok = pend.host.numpy(), pend.tokens
+            for k in range(len(tok)):
+                st = states.get(tok.req_ids[tok.req[k]])
+                pos = int(tok.position[k])
+                if st is None or pos <= st.last_pos:
                     continue  # finished meanwhile, or a recomputed position (already observed)
-                g = len(st.slots)
-                half = host.shape[0] // 2
-                st.observe(pos, host[:g, col].astype(np.float64), host[half:half + g, col].astype(np.float64))
+                st.observe(host, k, pos)
             self.stats.controller_ms += (time.perf_counter() - t0) * 1e3
 
     def _read_timing(self) -> None:

@@ -19,7 +19,7 @@ from dynsteer.capture.store import CaptureCollector, CaptureRecord
 from dynsteer.payload import decode_payload
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
 from dynsteer.steering.compile import EMPTY, RowContent, compile_phase
-from dynsteer.steering.dynamic import DynamicDriver, DynState
+from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens
 from dynsteer.steering.tables import RowPool, RowsExhausted, SteeringTables
 
 logger = logging.getLogger("dynsteer")
@@ -198,12 +198,14 @@ class SteeringRuntime:
         qsl = np.asarray(view.query_start_loc[: n_req + 1], dtype=np.int64)
         rows = np.empty((n_req, 2), np.int32)
         prompt_lens = np.empty(n_req, np.int64)
+        dyn_req = np.zeros(n_req, bool)
         for i, req_id in enumerate(view.req_ids):
             entry = self.requests.get(req_id)
             if entry is None:
                 entry = self.admit(req_id, payload_of(req_id), int(view.prompt_lens[i]))
             rows[i] = entry.rows
             prompt_lens[i] = entry.prompt_len
+            dyn_req[i] = entry.dyn is not None
             if self.capture is not None:
                 self.capture.plan(req_id, int(qsl[i]), int(view.num_computed[i]), int(qsl[i + 1] - qsl[i]))
         n = view.num_tokens
@@ -220,13 +222,12 @@ class SteeringRuntime:
         self._high_water = n
         self._staging.copy_to(self.tables.row_index, upto)
         if self.dynamic is not None and self._dyn:
-            tokens = []
-            for i, req_id in enumerate(view.req_ids):
-                if self.requests[req_id].dyn is None:
-                    continue
-                for t in range(int(qsl[i]), int(qsl[i + 1])):
-                    if is_decode[t] and rows[i, 1] != 0:
-                        tokens.append((req_id, t, int(position[t])))
+            if n_req:
+                picked = np.flatnonzero(is_decode & dyn_req[req_of_token] & (rows[req_of_token, 1] != 0))
+                tokens = StepTokens(list(view.req_ids[:n_req]), req_of_token[picked], picked, position[picked])
+            else:
+                empty = np.zeros(0, np.int64)
+                tokens = StepTokens([], empty, empty, empty)
             self.dynamic.plan(self._dyn, tokens, upto)
 
     def after_forward(self) -> None:
@@ -284,7 +285,7 @@ class SteeringRuntime:
         if len(self.traces) >= 4096:  # never taken: drop the oldest rather than grow without bound
             self.traces.pop(next(iter(self.traces)))
         self.traces[tag] = {"tag": tag, "monitors": [s.monitor for s in st.slots],
-                            "scopes": [s.scope for s in st.slots], **st.trace}
+                            "scopes": [s.scope for s in st.slots], **st.trace()}
 
     def attach_capture(self, collector: CaptureCollector, consumers: dict[str, Any]) -> None:
         self.capture, self.consumers = collector, consumers
