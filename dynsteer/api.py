@@ -23,7 +23,7 @@ from typing import Any
 from dynsteer.capture.result import Capture, unpack_record
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.engine.apc import state_of
-from dynsteer.payload import PAYLOAD_KEY, encode_payload
+from dynsteer.payload import PAYLOAD_KEY, encode_payload, with_tag
 from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import (AddVector, Ablation, ModelShape, ProjectionClamp, Site, SteeringSpec, Tier,
                            VectorSource, check_vector)
@@ -35,15 +35,19 @@ PolicyArg = DynamicSteeringPolicy | Sequence[DynamicSteeringPolicy | None] | Non
 
 
 def steer_params(sampling_params: Any, spec: SteeringSpec | None, tag: str | None = None,
-                 capture: CaptureSpec | None = None, policy: DynamicSteeringPolicy | None = None) -> Any:
+                 capture: CaptureSpec | None = None, policy: DynamicSteeringPolicy | None = None, *,
+                 payload: str | None = None) -> Any:
     """A copy of ``sampling_params`` carrying ``spec`` (and ``capture``, ``policy``) for this request.
 
     Works for any client that submits ``SamplingParams`` (``LLM``, ``AsyncLLM``, ``LLMEngine.add_request``).
-    With nothing to carry it is a plain copy.
+    With nothing to carry it is a plain copy. ``payload``: an already packed body to reuse instead of encoding.
     """
     params = sampling_params.clone()
-    if (spec is not None and not spec.is_empty()) or capture is not None or policy is not None or tag is not None:
-        params.extra_args = {**(params.extra_args or {}), PAYLOAD_KEY: encode_payload(spec, tag, capture, policy)}
+    if payload is None and ((spec is not None and not spec.is_empty()) or capture is not None or policy is not None
+                            or tag is not None):
+        payload = encode_payload(spec, None, capture, policy)
+    if payload is not None:
+        params.extra_args = {**(params.extra_args or {}), PAYLOAD_KEY: with_tag(payload, tag)}
     return params
 
 
@@ -248,8 +252,13 @@ class Steerer:
         policies = self._per_prompt("policy", policy, DynamicSteeringPolicy, n)
         bases = base if isinstance(base, list) else [base] * n
         tags = [f"ds-{uuid.uuid4().hex}" for _ in range(n)] if tagged else None
-        params = [steer_params(b, s, tags[i] if tags else None, capture, p)
-                  for i, (b, s, p) in enumerate(zip(bases, specs, policies))]
+        bodies: dict[tuple[int, int], str] = {}  # one encoding per distinct (spec, policy) object in this call
+        params = []
+        for i, (b, s, p) in enumerate(zip(bases, specs, policies)):
+            body = bodies.get((id(s), id(p)))
+            if body is None:
+                body = bodies[(id(s), id(p))] = encode_payload(s, None, capture, p)
+            params.append(steer_params(b, None, tags[i] if tags else None, payload=body))
         return params, tags
 
     @staticmethod

@@ -1,14 +1,17 @@
 """The per-request steering payload carried in ``SamplingParams.extra_args["dynsteer"]``.
 
-One compact string: base64 of msgpack, with vectors as raw float32 bytes. A single string survives every hop
-(frontend → engine core msgpack, engine core → worker pickle, and the OpenAI server's flat ``vllm_xargs``). A JSON
-object ``{"spec": {...}, "tag": ...}`` (vectors as names or ``{"b64": ...}``) is accepted too, for hand-written requests.
+One compact string: ``ds1:`` + base64 of msgpack (vectors as raw float32 bytes), then ``~`` + the request's tag if it
+has one. A single string survives every hop (frontend → engine core msgpack, engine core → worker pickle, and the
+OpenAI server's flat ``vllm_xargs``). The tag stays outside the packed body so that requests sharing a configuration
+share one body: admission and the workers memoise their work per body, not per request. A JSON object
+``{"spec": {...}, "tag": ...}`` (vectors as names or ``{"b64": ...}``) is accepted too, for hand-written requests.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +25,7 @@ from dynsteer.spec import SteeringSpec, SteeringValidationError
 
 PAYLOAD_KEY = "dynsteer"
 _PREFIX = "ds1:"
+_TAG_SEP = "~"  # not in the base64 alphabet
 
 
 @dataclass(frozen=True)
@@ -46,27 +50,50 @@ def encode_payload(spec: SteeringSpec | None = None, tag: str | None = None,
 
     A policy's probe-file monitors are loaded here (the workers may not see the file).
     """
-    body: dict[str, Any] = {"spec": (spec or SteeringSpec()).model_dump(mode="python"), "tag": tag}
+    body: dict[str, Any] = {"spec": (spec or SteeringSpec()).model_dump(mode="python")}
     if capture is not None:
         body["capture"] = capture.model_dump(mode="python")
     if policy is not None:
         body["policy"] = policy.resolved().model_dump(mode="python", exclude_none=True)
-    return _PREFIX + base64.b64encode(msgspec.msgpack.encode(body, enc_hook=_enc_hook)).decode("ascii")
+    packed = _PREFIX + base64.b64encode(msgspec.msgpack.encode(body, enc_hook=_enc_hook)).decode("ascii")
+    return with_tag(packed, tag)
+
+
+def with_tag(payload: str, tag: str | None) -> str:
+    """``payload`` (packed) carrying ``tag`` instead of its own (the body, and so every memo keyed by it, is shared)."""
+    body = payload_body(payload)
+    return body if tag is None else f"{body}{_TAG_SEP}{tag}"
+
+
+def payload_body(payload: Any) -> Any:
+    """The packed body of a payload without its tag: the memoisation key of what it configures."""
+    return payload.split(_TAG_SEP, 1)[0] if isinstance(payload, str) else payload
 
 
 def decode_payload(obj: Any, field: str = f"extra_args.{PAYLOAD_KEY}") -> RequestPayload:
     """Decode and schema-validate a payload; raises :class:`SteeringValidationError` naming the bad field."""
     if isinstance(obj, str):
-        if not obj.startswith(_PREFIX):
-            raise SteeringValidationError(f"{field}: packed payload must start with {_PREFIX!r}")
-        try:
-            body = msgspec.msgpack.decode(base64.b64decode(obj[len(_PREFIX):], validate=True))
-        except (binascii.Error, msgspec.DecodeError, ValueError) as exc:
-            raise SteeringValidationError(f"{field}: malformed packed payload ({exc})") from None
-    elif isinstance(obj, dict):
-        body = obj
-    else:
+        packed, _, tag = obj.partition(_TAG_SEP)
+        decoded = _decode_packed(packed, field)
+        return decoded if not tag else RequestPayload(decoded.spec, tag, decoded.capture, decoded.policy)
+    if not isinstance(obj, dict):
         raise SteeringValidationError(f"{field}: expected a packed string or an object, got {type(obj).__name__}")
+    return _decode_body(obj, field)
+
+
+@functools.lru_cache(maxsize=512)
+def _decode_packed(packed: str, field: str) -> RequestPayload:
+    # Memoised: a batch usually repeats a few configurations, and validating vectors is the costly part.
+    if not packed.startswith(_PREFIX):
+        raise SteeringValidationError(f"{field}: packed payload must start with {_PREFIX!r}")
+    try:
+        body = msgspec.msgpack.decode(base64.b64decode(packed[len(_PREFIX):], validate=True))
+    except (binascii.Error, msgspec.DecodeError, ValueError) as exc:
+        raise SteeringValidationError(f"{field}: malformed packed payload ({exc})") from None
+    return _decode_body(body, field)
+
+
+def _decode_body(body: Any, field: str) -> RequestPayload:
     if not isinstance(body, dict) or set(body) - {"spec", "tag", "capture", "policy"}:
         raise SteeringValidationError(
             f"{field}: payload must be an object with keys 'spec', 'capture', 'policy' and 'tag' (all optional)")

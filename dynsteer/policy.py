@@ -52,7 +52,7 @@ POLICY_VERSION = 1
 
 Scope = Literal["this_token", "next_step", "rest_of_request"]
 """When a rule's gate acts: the same token (in-graph), the next step, or from the first trigger to the end."""
-ControllerKind = Literal["latch", "ema_latch", "pid", "budget"]
+ControllerKind = Literal["latch", "ema_latch", "pid", "budget", "custom"]
 
 __all__ = ["Action", "ControllerKind", "DynamicSteeringPolicy", "Monitor", "POLICY_VERSION", "Rule", "Scope",
            "SyncControllerSpec"]
@@ -278,10 +278,11 @@ class Rule(_Model):
 
 
 _CONTROLLER_REQUIRED = {"latch": ("on", "off", "scale"), "ema_latch": ("alpha", "on", "off", "scale"),
-                        "pid": ("target", "kp", "ki", "kd"), "budget": ("inner", "max_steered_tokens")}
-_CONTROLLER_OPTIONAL = {"pid": ("min_scale", "max_scale")}
+                        "pid": ("target", "kp", "ki", "kd"), "budget": ("inner", "max_steered_tokens"),
+                        "custom": ("factory",)}
+_CONTROLLER_OPTIONAL = {"pid": ("min_scale", "max_scale"), "custom": ("options",)}
 _CONTROLLER_PARAMS = ("on", "off", "scale", "alpha", "target", "kp", "ki", "kd", "min_scale", "max_scale", "inner",
-                      "max_steered_tokens")
+                      "max_steered_tokens", "factory", "options")
 
 
 class SyncControllerSpec(_Model):
@@ -293,6 +294,9 @@ class SyncControllerSpec(_Model):
     * ``ema_latch``: ``alpha`` in ``(0, 1]``, ``on``, ``off``, ``scale`` — the latch on an EMA of the score.
     * ``pid``: ``target``, ``kp``, ``ki``, ``kd`` (``min_scale`` = 0, ``max_scale`` = 1 by default).
     * ``budget``: ``inner`` (another spec), ``max_steered_tokens`` ≥ 0.
+    * ``custom``: ``factory`` = ``"package.module:Name"``, a class or function importable in every worker, called
+      with ``options`` (a JSON-like dict) as keyword arguments; it returns a controller following the
+      :class:`dynsteer.controllers.sync.SyncController` contract (pure ``initial_state`` / ``on_step``).
 
     Args:
         kind: the controller.
@@ -318,6 +322,8 @@ class SyncControllerSpec(_Model):
     max_scale: Optional[float] = None
     inner: Optional["SyncControllerSpec"] = None
     max_steered_tokens: Optional[int] = Field(default=None, ge=0)
+    factory: Optional[str] = Field(default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    options: Optional[dict[str, Any]] = None
 
     @field_validator("on", "off", "scale", "target", "kp", "ki", "kd", "min_scale", "max_scale")
     @classmethod

@@ -39,10 +39,10 @@ from dynsteer.zoo import smollm2
 from probe_training import NEGATIVE, POSITIVE
 
 LAYER = 20
-TOPICS = ["the new phone", "the hotel room", "the restaurant", "the train service", "the weather"]
-COMPLAINTS = [f"Write two sentences complaining angrily about {t}." for t in TOPICS]
-PRAISE = [f"Write two sentences praising {t} enthusiastically." for t in TOPICS]
-STEER_SCALE = 8.0
+TOPICS = ["the hotel room", "the restaurant", "the train service", "the weather"]
+COMPLAINTS = [f"Write two sentences complaining angrily about {t}." for t in ["the airline", *TOPICS]]
+PRAISE = [f"Write two sentences praising {t} enthusiastically." for t in ["the new phone", *TOPICS]]
+STEER_SCALE = 40.0
 
 
 @dataclass

@@ -33,9 +33,25 @@ def main() -> None:
         st.generate(prompts[:1], sp, steering=dynsteer.SteeringSpec(vectors=[dynsteer.AddVector(layer=99, vector=v)]))
     except ValueError as exc:
         bad = str(exc)
+    # dynamic policies: a gate that is always open at the same place equals static decode-tier steering
+    mon = dynsteer.Monitor(name="m", layer=1, direction=np.eye(st.hidden_size)[0], sharpness=1.0, threshold=-1e9)
+    act = dynsteer.Action(kind="add", layer=1, vector=v)
+    latch = dynsteer.SyncControllerSpec(kind="latch", on=-1e9, off=-1e9, scale=1.0)
+    pol = dynsteer.DynamicSteeringPolicy(monitors=[mon], rules=[dynsteer.Rule(monitor="m", actions=[act])])
+    pol_sync = pol.model_copy(update={"controller": latch})
+    decode_only = ids(st.generate(prompts, sp, steering=dynsteer.SteeringSpec(
+        vectors=[dynsteer.AddVector(layer=1, vector=v, tier="decode")])))
+    dyn = st.generate(prompts, sp, policy=[pol, None])
+    dyn_sync = st.generate(prompts, sp, policy=[pol_sync, pol])
+    st.set_policy(pol)
+    dyn_global = ids(llm.generate(prompts, sp))
+    st.clear_policy()
     print("RESULT " + json.dumps({"base": base, "steered": steered, "restored": restored,
                                   "per_request": per_request, "bad": bad, "pid": os.getpid(),
-                                  "describe": st.describe()[0]["stats"]}), flush=True)
+                                  "describe": st.describe()[0]["stats"], "decode_only": decode_only,
+                                  "dyn": ids(dyn), "dyn_traces": [o.trace and o.trace.applied for o in dyn],
+                                  "dyn_sync": ids(dyn_sync), "sync_scale": dyn_sync[0].trace.scale,
+                                  "dyn_global": dyn_global, "after": ids(llm.generate(prompts, sp))}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""Dynamic steering through a real vLLM engine (tiny Llama): in-graph gates, scopes, sync controllers, traces, APC."""
+"""Dynamic steering through a real vLLM engine (tiny Llama): in-graph gates, scopes, sync controllers, traces, APC.
+
+Tests that build their own engines come last: tearing one down resets vLLM's process-wide parallel state, which the
+module's shared engine still uses.
+"""
 
 from __future__ import annotations
 
@@ -205,6 +209,28 @@ def test_bad_policies_are_rejected_naming_the_field_and_others_run(engine):
     assert all(np.all(o.trace.applied_gates() == 1) for o in outs)
 
 
+class EveryOther:
+    """A user controller: steer at full scale on every other step (pure; state = the step parity)."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+
+    def initial_state(self) -> int:
+        return 0
+
+    def on_step(self, state: int, obs) -> tuple[int, float]:
+        return state + 1, self.scale if state % 2 == 0 else 0.0
+
+
+def test_user_controller_plugs_in_by_import_path(engine):
+    llm, st = engine
+    ctrl = SyncControllerSpec(kind="custom", factory="tests.test_dynamic:EveryOther", options={"scale": 2.0})
+    tr = st.generate(PROMPTS[:1], greedy(), policy=policy(st, ALWAYS, controller=ctrl))[0].trace
+    assert tr.scale == ([0.0] + [2.0, 0.0] * 7)[:len(tr)]
+    with pytest.raises(ValueError, match="factory"):
+        SyncControllerSpec(kind="custom", factory="not a path")
+
+
 def test_dynamic_decode_blocks_are_never_reused_by_other_requests(tiny_llama_path):
     """Blocks holding tokens generated under a policy fork the hash chain; prompt blocks keep their hits."""
     from vllm import SamplingParams
@@ -223,3 +249,28 @@ def test_dynamic_decode_blocks_are_never_reused_by_other_requests(tiny_llama_pat
                   **DynsteerConfig(max_gates=2).engine_kwargs()) as llm:
         truth = token_ids(llm.generate([continued], follow))[0]
     assert cached == truth
+
+
+def test_preempted_requests_replay_their_dynamic_steering(tiny_llama_path):
+    """A KV cache too small for the batch forces preemptions; a resumed request recomputes its generated tokens with
+    the gates and controller scales they had, so outputs and traces equal an unpreempted run."""
+    from vllm import SamplingParams
+
+    prompts = [f"{p} and then" for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    cfg = DynsteerConfig(max_gates=2)
+    runs = {}
+    for name, extra in (("roomy", {}), ("tight", {"num_gpu_blocks_override": 8, "block_size": 32})):
+        with make_llm(tiny_llama_path, disable_log_stats=False, **extra, **cfg.engine_kwargs()) as llm:
+            st = dynsteer.attach(llm)
+            pols = [policy(st, 0.0, sharpness=0.5, controller=SyncControllerSpec(
+                kind="ema_latch", alpha=0.5, on=0.0, off=-2.0, scale=1.0)),
+                policy(st, 0.0, scope="next_step"), policy(st, 0.0, scope="rest_of_request"), policy(st, 0.0)]
+            runs[name] = st.generate(prompts, params, policy=pols)
+            if name == "tight":
+                assert sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions") > 0
+    for roomy, tight in zip(runs["roomy"], runs["tight"]):
+        assert token_ids([tight]) == token_ids([roomy])
+        assert tight.trace.position == roomy.trace.position  # each generated position traced once
+        assert tight.trace.scale == roomy.trace.scale
+        np.testing.assert_allclose(tight.trace.applied_gates(), roomy.trace.applied_gates(), atol=1e-3)

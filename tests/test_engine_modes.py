@@ -53,3 +53,10 @@ def test_default_multiprocess_engine(tiny_llama_path):
     assert r["per_request"][1] == r["base"][1] and r["per_request"][0] == r["steered"][0]
     assert "vectors[0].layer" in r["bad"]
     assert r["describe"]["steps"] > 0  # the runtime lives in the engine's own process
+    # dynamic policies in the spawned engine: open gate == static decode tier; no policy == baseline; traces come back
+    assert r["dyn"][0] == r["decode_only"][0] and r["dyn"][1] == r["base"][1]
+    assert r["dyn_traces"][1] is None and all(a == [1.0] for a in r["dyn_traces"][0])
+    # sync controller: scale 0 on the first decode step, then on (one step of latency)
+    assert r["sync_scale"][0] == 0.0 and set(r["sync_scale"][1:]) == {1.0}
+    assert r["dyn_sync"][1] == r["decode_only"][1] and r["dyn_sync"][0][:2] == r["base"][0][:2]
+    assert r["dyn_global"] == r["decode_only"] and r["after"] == r["base"]

@@ -134,17 +134,21 @@ class CaptureCollector:
                     keep.append(pend)
                     continue
                 pend.event.synchronize()
+            converted: dict[tuple[Place, str], np.ndarray] = {}  # one conversion per place and dtype, then views
             for req_id, s, e, pos in pend.segments:
                 rec = self.records.get(req_id)
                 if rec is None:
                     continue
                 rec.positions.append(pos)
                 rec.chunks += 1
-                dtype = _TORCH_DTYPES[rec.spec.dtype]
                 chunk = {}
                 for place in rec.spec.places():
-                    t = pend.host[place][s:e].to(dtype)
-                    chunk[place] = t.float().numpy() if dtype == torch.bfloat16 else t.numpy()  # numpy has no bf16
+                    arr = converted.get((place, rec.spec.dtype))
+                    if arr is None:
+                        t = pend.host[place].to(_TORCH_DTYPES[rec.spec.dtype])
+                        arr = t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()  # numpy has no bf16
+                        converted[(place, rec.spec.dtype)] = arr
+                    chunk[place] = arr[s:e]
                     rec.values[place].append(chunk[place])
                 if self.on_chunk is not None:
                     self.on_chunk(rec, pos, chunk)

@@ -300,6 +300,14 @@ def make_controller(spec: Any) -> SyncController[Any]:
                    max_scale=1.0 if spec.max_scale is None else spec.max_scale)
     if spec.kind == "budget":
         return Budget(inner=make_controller(spec.inner), max_steered_tokens=spec.max_steered_tokens)
+    if spec.kind == "custom":
+        import importlib
+
+        module, _, name = spec.factory.partition(":")
+        ctrl = getattr(importlib.import_module(module), name)(**(spec.options or {}))
+        if not isinstance(ctrl, SyncController):
+            raise TypeError(f"factory: {spec.factory} built {type(ctrl).__name__}, which lacks initial_state/on_step")
+        return ctrl
     raise ValueError(f"unknown controller kind {spec.kind!r}")
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from dynsteer.config import DynsteerConfig
-from dynsteer.payload import PAYLOAD_KEY, decode_payload
+from dynsteer.payload import PAYLOAD_KEY, decode_payload, payload_body
 from dynsteer.spec import ModelShape, SteeringSpec
 from dynsteer.steering.compile import compile_phase
 
@@ -65,7 +65,7 @@ class FrontendState:
             under the same policy may be shared, and no other request ever reuses them (DESIGN §5).
         """
         cacheable = payload is None or isinstance(payload, str)  # JSON-object payloads are not hashable
-        key = (self.version, payload)
+        key = (self.version, payload_body(payload))  # tags differ per request; the configuration does not
         cached = self._memo.get(key) if cacheable else None
         if cached is None:
             cached = self._admit(payload)

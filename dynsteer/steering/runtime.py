@@ -16,7 +16,7 @@ import torch
 
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.capture.store import CaptureCollector, CaptureRecord
-from dynsteer.payload import decode_payload
+from dynsteer.payload import decode_payload, payload_body
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
 from dynsteer.steering.compile import EMPTY, RowContent, compile_phase
 from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens
@@ -51,7 +51,7 @@ class RequestEntry:
     decode: RowContent = EMPTY
     rows: tuple[int, int] = (0, 0)
     error: str | None = None
-    payload_key: str | None = None  # the packed payload string, when the request sent one (memoisation key)
+    payload_key: str | None = None  # the packed payload body (no tag), when the request sent one (memo key)
     policy: Any = None  # the request's own DynamicSteeringPolicy (overrides the global one)
     dyn: DynState | None = None
 
@@ -177,7 +177,7 @@ class SteeringRuntime:
                 error = f"request {req_id}: {exc}"
                 self._record_error(error)
         entry = RequestEntry(prompt_len=prompt_len, spec=spec, tag=tag, error=error, policy=policy,
-                             payload_key=payload if isinstance(payload, str) else None)
+                             payload_key=payload_body(payload) if isinstance(payload, str) else None)
         self._set_dyn(req_id, entry, fresh=False)
         self._assign_rows(req_id, entry)
         if self.capture is not None:
