@@ -24,16 +24,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from static_overhead import LLAMA3_8B  # noqa: E402
+from static_overhead import LLAMA3_8B, add_common_args, run_worker  # noqa: E402
 
 TARGETS_PCT = {"idle (capture enabled)": 0.3, "global gate": 1.0, "per-request": 1.5}
 MODES = ["idle", "capture", "global gate", "per-request", "sync"]
@@ -135,11 +133,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    add_common_args(ap)
     ap.add_argument("--sites", nargs="+", default=["post_block"], help="DynsteerConfig.sites of the loaded engine")
     ap.add_argument("--worker", choices=["absent", "loaded"], dest="mode")
     ap.add_argument("--model-dir", help="a model directory (default: a fresh Llama-3-8B-shaped config.json)")
@@ -158,18 +152,7 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     sync: dict = {}
     for mode in ("absent", "loaded"):
-        env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-        if mode == "absent":
-            env["DYNSTEER_DISABLE"] = "1"
-        cmd = [sys.executable, __file__, "--worker", mode, "--model-dir", str(model_dir), "--tokens",
-               str(args.tokens), "--prompt-len", str(args.prompt_len), "--repeats", str(args.repeats),
-               "--sites", *args.sites, "--batches", *map(str, args.batches)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if line is None:
-            sys.exit(f"{mode} worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-        print(f"{mode}: {line}", flush=True)
-        got = json.loads(line[len("RESULT "):])
+        got = run_worker(__file__, mode, mode, model_dir, args, ["--sites", *args.sites])
         results.update(got["tokens_per_s"])
         sync.update(got["sync"])
     base = results["absent"]

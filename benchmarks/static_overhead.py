@@ -80,13 +80,36 @@ def worker(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(results), flush=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """The options every overhead benchmark shares (output folder, batch sizes, lengths, repeats)."""
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+
+
+def run_worker(script: str, mode: str, label: str, model_dir: Path, args: argparse.Namespace,
+               extra: list[str]) -> dict:
+    """Run ``script``'s worker for ``mode`` in a fresh interpreter (dynsteer disabled for ``absent``) and return
+    the JSON of its ``RESULT`` line; exit with its output if it has none."""
+    env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    if mode == "absent":
+        env["DYNSTEER_DISABLE"] = "1"
+    cmd = [sys.executable, script, "--worker", mode, "--model-dir", str(model_dir), "--tokens", str(args.tokens),
+           "--prompt-len", str(args.prompt_len), "--repeats", str(args.repeats), "--batches",
+           *map(str, args.batches), *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"{label} worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    print(f"{label}: {line}", flush=True)
+    return json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap)
     ap.add_argument("--forward", nargs="+", default=["op", "op-post_block", "inline-k0"], choices=list(VARIANTS),
                     help="dynsteer configurations to measure (see VARIANTS)")
     ap.add_argument("--worker", choices=["absent", "loaded"], dest="mode")
@@ -101,18 +124,7 @@ def main() -> None:
     (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
     results: dict[str, dict[str, float]] = {}
     for mode, forward in [("absent", "op")] + [("loaded", f) for f in args.forward]:
-        env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-        if mode == "absent":
-            env["DYNSTEER_DISABLE"] = "1"
-        cmd = [sys.executable, __file__, "--worker", mode, "--forward", forward, "--model-dir", str(model_dir),
-               "--tokens", str(args.tokens), "--prompt-len", str(args.prompt_len), "--repeats", str(args.repeats),
-               "--batches", *map(str, args.batches)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if line is None:
-            sys.exit(f"{mode}/{forward} worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-        print(f"{mode}/{forward}: {line}", flush=True)
-        results.update(json.loads(line[len("RESULT "):]))
+        results.update(run_worker(__file__, mode, f"{mode}/{forward}", model_dir, args, ["--forward", forward]))
     base = results["absent"]
     ratios = {m: {b: results[m][b] / base[b] for b in base} for m in results if m != "absent"}
     from importlib.metadata import version
