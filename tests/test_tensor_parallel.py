@@ -44,7 +44,7 @@ def run(path, tp: int):
         st = dynsteer.attach(llm)
         base = token_ids(llm.generate(PROMPTS, params))
         outs = st.generate(PROMPTS, params, policy=policies(st.hidden_size))
-        tags = []  # the per-rank traces of a second identical run
+        # a second identical run, whose traces are taken from every rank
         params_list, tags = st._params(PROMPTS, params, None, policy=policies(st.hidden_size))
         llm.generate(PROMPTS, params_list)
         per_rank = st.take_traces(tags, all_ranks=True)

@@ -79,7 +79,8 @@ def compile_phase(specs: list[tuple[str, SteeringSpec]], phase: Phase, shape: Mo
     """Compile ``specs`` (applied in order, each with a field prefix for errors) for one phase.
 
     Args:
-        policy: ``(field prefix, policy)`` of the request's dynamic policy, compiled into the decode phase only.
+        policy: ``(field prefix, policy)`` of the request's dynamic policy, compiled (and validated) with the decode
+            phase only; the prefill phase ignores it.
 
     Raises:
         SteeringValidationError: a bad field, more clamps at one place than the engine's ``max_clamps``, or more
@@ -106,22 +107,20 @@ def compile_phase(specs: list[tuple[str, SteeringSpec]], phase: Phase, shape: Mo
                     f"site {c.site!r} (raise the engine's max_clamps)")
             prog.clamps.append(Clamp(u, -np.inf if c.lo is None else c.lo, np.inf if c.hi is None else c.hi,
                                      c.strength))
-    if policy is not None:
+    if policy is not None and phase == "decode":  # prompt tokens are never gated: the prefill row has no policy
         from dynsteer.steering.dynamic import compile_policy  # the policy schema imports this package's spec
 
         prefix, pol = policy
-        pol_sites = compile_policy(pol, shape, named, prefix)
-        if phase == "decode":  # prompt tokens are never gated
-            for key, extra in pol_sites.items():
-                prog = sites.setdefault(key, SiteProgram())
-                prog.monitors.update(extra.monitors)
-                prog.dyn.update(extra.dyn)
-                for c in extra.clamps:
-                    if len(prog.clamps) >= shape.max_clamps:
-                        raise SteeringValidationError(
-                            f"{prefix}rules: more than {shape.max_clamps} clamps/ablations (static and gated) at "
-                            f"layer {key[0]} site {key[1]!r} (raise the engine's max_clamps)")
-                    prog.clamps.append(c)
+        for key, extra in compile_policy(pol, shape, named, prefix).items():
+            prog = sites.setdefault(key, SiteProgram())
+            prog.monitors.update(extra.monitors)
+            prog.dyn.update(extra.dyn)
+            for c in extra.clamps:
+                if len(prog.clamps) >= shape.max_clamps:
+                    raise SteeringValidationError(
+                        f"{prefix}rules: more than {shape.max_clamps} clamps/ablations (static and gated) at "
+                        f"layer {key[0]} site {key[1]!r} (raise the engine's max_clamps)")
+                prog.clamps.append(c)
     sites = {k: p for k, p in sites.items() if p.active}
     return RowContent(sites=sites, digest=_digest(sites) if sites else b"")
 

@@ -21,7 +21,6 @@ same decisions.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -129,6 +128,8 @@ class DynState:
     # position -> (mul, add) used for it: a recomputed position (after preemption) is steered exactly as before
     history: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
     refs: list[tuple[np.ndarray, int, int, float]] = field(default_factory=list)  # (block, column, position, scale)
+    # float32 (sharpness, threshold, floor) per slot: the kernel's gate parameters, for raw_gates
+    params: np.ndarray = field(default_factory=lambda: np.zeros((3, 0), np.float32))
 
     @classmethod
     def for_policy(cls, policy: "DynamicSteeringPolicy") -> "DynState":
@@ -141,7 +142,8 @@ class DynState:
         return cls(slots=slots, controller=ctrl, ctrl_slot=ctrl_slot,
                    ctrl_state=ctrl.initial_state() if ctrl is not None else None,
                    scale=0.0 if ctrl is not None else 1.0, latched=[False] * g, prev_gate=[0.0] * g,
-                   feedback=feedback)
+                   feedback=feedback,
+                   params=np.array([[s.sharpness, s.threshold, s.floor] for s in slots], np.float32).T.copy())
 
     def multipliers(self) -> tuple[list[float], list[float]]:
         """``(mul, add)`` per slot for the request's next decode token."""
@@ -164,13 +166,13 @@ class DynState:
             return
         from dynsteer.controllers.sync import StepObservation
 
-        scores = [float(block[s, col]) for s in range(len(self.slots))]
-        raw = [_gate(sc, slot) for sc, slot in zip(scores, self.slots)]
+        scores = block[:len(self.slots), col]
+        raw = raw_gates(scores, self.params).tolist()
         self.prev_gate = raw
         self.latched = [was or (g >= FIRE_GATE and g > 0) for was, g in zip(self.latched, raw)]
         if self.controller is not None:
             c = self.ctrl_slot
-            obs = StepObservation(step=self.steps, position=position, score=scores[c], gate=raw[c])
+            obs = StepObservation(step=self.steps, position=position, score=float(scores[c]), gate=raw[c])
             self.ctrl_state, scale = self.controller.on_step(self.ctrl_state, obs)
             self.scale = float(scale)
         self.steps += 1
@@ -183,22 +185,19 @@ class DynState:
         half = self.refs[0][0].shape[0] // 2
         scores = np.stack([b[:g, c] for b, c, _, _ in self.refs]).astype(np.float32)
         applied = np.stack([b[half:half + g, c] for b, c, _, _ in self.refs])
-        k = np.array([s.sharpness for s in self.slots], np.float32)
-        th = np.array([s.threshold for s in self.slots], np.float32)
-        floor = np.array([s.floor for s in self.slots], np.float32)
-        with np.errstate(over="ignore"):
-            gate = (np.float32(1) / (np.float32(1) + np.exp(-(k * (scores - th))))).astype(np.float32)
-        gate = np.where(gate >= floor, gate, np.float32(0))
+        gate = raw_gates(scores, self.params)
         return {"position": [p for _, _, p, _ in self.refs], "score": scores.astype(np.float64).tolist(),
                 "gate": gate.astype(np.float64).tolist(), "applied": applied.astype(np.float64).tolist(),
                 "scale": [sc for _, _, _, sc in self.refs]}
 
 
-def _gate(score: float, slot: SlotPlan) -> float:
-    # The kernel's gate (σ of the same inputs, float32 parameters), with the rule's floor.
-    z = float(np.float32(slot.sharpness)) * (score - float(np.float32(slot.threshold)))
-    g = 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
-    return g if g >= slot.floor else 0.0
+def raw_gates(scores: np.ndarray, params: np.ndarray) -> np.ndarray:
+    """The kernel's gate in float32, ``σ(sharpness·(score − threshold))``, 0 below the floor, for scores ``[..., G]``
+    and ``params`` = float32 ``[3, G]`` (sharpness, threshold, floor)."""
+    k, th, floor = params
+    with np.errstate(over="ignore"):  # exp overflow is a gate of exactly 0, as in the kernel
+        g = np.float32(1) / (np.float32(1) + np.exp(-(k * (np.asarray(scores, np.float32) - th))))
+    return np.where(g >= floor, g, np.float32(0)).astype(np.float32)
 
 
 # ---- the per-step driver ------------------------------------------------------------------------------------------------
@@ -324,7 +323,7 @@ class DynamicDriver:
         cols = torch.from_numpy(tokens.index.astype(np.int64))
         if self.cuda:
             cols = cols.pin_memory().to(self.gates.device, non_blocking=True)
-        both = torch.cat([self.scores, self.gates]).index_select(1, cols)
+        both = torch.cat([self.scores.index_select(1, cols), self.gates.index_select(1, cols)])
         if self.cuda:
             done = torch.cuda.Event()
             self._side.wait_stream(torch.cuda.current_stream())
