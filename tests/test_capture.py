@@ -173,12 +173,9 @@ def test_chunked_prefill_captures_each_position_once(tiny_llama_path):
 def _record(tag: str, n: int = 5, hidden: int = 8) -> CaptureRecord:
     rng = np.random.default_rng(abs(hash(tag)) % 2**32)
     spec = CaptureSpec(layers=(0, 2), sites=("post_attn",), positions="all")
-    rec = CaptureRecord(tag=tag, req_id=tag, spec=spec, prompt_len=3, values={p: [] for p in spec.places()})
+    rec = CaptureRecord(tag=tag, req_id=tag, spec=spec, prompt_len=3)
     for chunk in (np.arange(0, 3), np.arange(3, n)):
-        rec.positions.append(chunk)
-        rec.chunks += 1
-        for place in spec.places():
-            rec.values[place].append(rng.standard_normal((len(chunk), hidden)).astype(np.float32))
+        rec.add_chunk(chunk, {p: rng.standard_normal((len(chunk), hidden)).astype(np.float32) for p in spec.places()})
     return rec
 
 

@@ -26,6 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_ROWS = 6
 # Sentinel for row_index entries past T: out of range, so reading them would be caught.
 TAIL_SENTINEL = 10_000
+STAGE_SENTINEL = 7.0
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # (T, H, K, has_r, dtype name); T kept small because the interpreter runs each program in Python.
@@ -59,7 +60,7 @@ def make_inputs(
         seed: RNG seed.
 
     Returns:
-        Keyword arguments for ``steer_site`` (h, r, row_index, vec, clamp_*).
+        Keyword arguments for ``steer_site`` (h, r, row_index, vec, clamp_*, stage).
     """
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
@@ -84,8 +85,11 @@ def make_inputs(
     order = torch.randperm(max(num_tokens, NUM_ROWS), generator=gen)[:num_tokens] % NUM_ROWS
     row_index = torch.full((num_tokens + 5,), TAIL_SENTINEL, dtype=torch.int32)
     row_index[:num_tokens] = order.to(torch.int32)
+    # The capture buffer has spare rows past T holding a sentinel the op must leave there.
+    stage = torch.full((num_tokens + 3, hidden), STAGE_SENTINEL, dtype=dtype)
     return dict(
-        h=h, r=r, row_index=row_index, vec=vec, clamp_dir=dirs, clamp_lo=lo, clamp_hi=hi, clamp_strength=strength
+        h=h, r=r, row_index=row_index, vec=vec, clamp_dir=dirs, clamp_lo=lo, clamp_hi=hi, clamp_strength=strength,
+        stage=stage,
     )
 
 
@@ -113,8 +117,10 @@ def _interp_worker() -> int:
         num_tokens, hidden, num_k, has_r, dt = case
         dtype = DTYPES[dt]
         kw = make_inputs(num_tokens, hidden, num_k, has_r, dtype, seed=seed)
-        got = steer_site_triton(**kw)
-        want = steer_site_reference(**kw)
+        got_stage, want_stage = kw["stage"].clone(), kw["stage"].clone()
+        got = steer_site_triton(**dict(kw, stage=got_stage))
+        want = steer_site_reference(**dict(kw, stage=want_stage))
+        unstaged = steer_site_triton(**dict(kw, stage=None))
         atol, rtol = _tolerances(dtype)
         rows = kw["row_index"][:num_tokens].long()
         diff = (got.float() - want.float()).abs()
@@ -129,6 +135,9 @@ def _interp_worker() -> int:
             "zero_row_exact": torch.equal(got[rows == 0], kw["h"][rows == 0]),
             # fp32/fp16 casts round identically in both; the interpreter's bf16 cast truncates.
             "vec_only_exact": torch.equal(got[vec_only], want[vec_only]),
+            "same_without_stage": torch.equal(got, unstaged),
+            "stage_max_err": (got_stage.float() - want_stage.float()).abs().max().item(),
+            "stage_tail_kept": bool((got_stage[num_tokens:] == STAGE_SENTINEL).all()),
         }
 
     # Dispatch through the custom op with the kernel forced (only meaningful when interpreted).
@@ -175,8 +184,12 @@ def test_triton_matches_reference(interp_results: dict[str, Any], case: tuple[in
     assert res["shape_ok"] and res["new_tensor"] and res["finite"], res
     assert res["tol_excess"] <= 0.0, res
     assert res["zero_row_exact"], res
+    assert res["same_without_stage"] and res["stage_tail_kept"], res
     if case[-1] != "bfloat16":
         assert res["vec_only_exact"], res
+        assert res["stage_max_err"] == 0.0, res
+    else:  # the interpreter truncates bf16 casts: one ulp
+        assert res["stage_max_err"] <= 2 ** -7 * 8, res
 
 
 def test_triton_via_forced_op(interp_results: dict[str, Any]) -> None:
@@ -333,7 +346,23 @@ def test_dispatch_rules(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_op_matches_reference_on_cpu(has_r: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_KERNEL, raising=False)
     kw = make_inputs(12, 80, 2, has_r, torch.bfloat16, seed=6)
-    assert torch.equal(torch.ops.dynsteer.steer_site(*kw.values()), steer_site_reference(**kw))
+    want_stage = kw["stage"].clone()
+    assert torch.equal(torch.ops.dynsteer.steer_site(*kw.values()), steer_site_reference(**dict(kw, stage=want_stage)))
+    assert torch.equal(kw["stage"], want_stage)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("has_r", [False, True])
+def test_stage_receives_unsteered_residual(dtype: torch.dtype, has_r: bool) -> None:
+    """Capture rides the op: rows [:T] of the buffer get h + r as it was before steering, the rest is untouched,
+    and the steered output is the same as without a buffer."""
+    kw = make_inputs(12, 80, 2, has_r, dtype, seed=16)
+    out = steer_site(**kw)
+    want = kw["h"] + kw["r"] if has_r else kw["h"]
+    assert torch.equal(kw["stage"][:12], want)
+    assert bool((kw["stage"][12:] == STAGE_SENTINEL).all())
+    assert torch.equal(out, steer_site(**dict(kw, stage=None)))
+    assert not torch.equal(out, kw["h"])  # the table steers these tokens: the buffer saw the input, not the output
 
 
 def test_registration_is_idempotent() -> None:

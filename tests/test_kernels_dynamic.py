@@ -26,6 +26,7 @@ from dynsteer.kernels.monitor_reference import monitor_gate_reference
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_ROWS = 8
 TAIL = 5  # buffer capacity N = T + TAIL; entries past T must never be touched
+STAGE_SENTINEL = 7.0
 TAIL_SENTINEL = 10_000  # row_index past T: out of range, so reading it would be caught
 STATIC_ROWS = (0, 1, 2)  # rows whose output must equal steer_site's bit for bit (row 2 monitors, changes nothing)
 STATIC_ARGS = ("h", "r", "row_index", "vec", "clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength")
@@ -127,7 +128,12 @@ def make_dyn_inputs(num_tokens: int, hidden: int, num_k: int, num_g: int, has_r:
     return dict(h=h, r=r, row_index=row_index, vec=vec, clamp_dir=dirs, clamp_lo=lo, clamp_hi=hi,
                 clamp_strength=strength, clamp_gate=gate_of, mon_mask=mon_mask, mon_probe=probe, mon_sharp=sharp,
                 mon_thresh=thresh, mon_floor=floor, dyn_mask=dyn_mask, dyn_vec=dyn_vec, gate_mul=gate_mul,
-                gate_add=gate_add, gates=gates, scores=scores)
+                gate_add=gate_add, gates=gates, scores=scores, stage=stage_buffer(h))
+
+
+def stage_buffer(h: torch.Tensor) -> torch.Tensor:
+    """A capture buffer with spare rows past T, filled with a sentinel the op must leave there."""
+    return torch.full((h.shape[0] + 3, h.shape[1]), STAGE_SENTINEL, dtype=h.dtype, device=h.device)
 
 
 def later_site(kw: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -139,7 +145,7 @@ def later_site(kw: dict[str, Any], seed: int) -> dict[str, Any]:
 
 
 def clone_buffers(kw: dict[str, Any]) -> dict[str, Any]:
-    return dict(kw, gates=kw["gates"].clone(), scores=kw["scores"].clone())
+    return dict(kw, gates=kw["gates"].clone(), scores=kw["scores"].clone(), stage=kw["stage"].clone())
 
 
 def monitored(kw: dict[str, Any]) -> torch.Tensor:
@@ -178,7 +184,7 @@ def compare_impls(impl: Any, kw: dict[str, Any], static_impl: Any) -> dict[str, 
     rows = kw["row_index"][:num_tokens].long()
     static = torch.isin(rows, torch.tensor(STATIC_ROWS, device=rows.device))
     got_kw, want_kw = clone_buffers(kw), clone_buffers(kw)
-    metrics: dict[str, Any] = {"out_excess": -1.0, "gate_err": 0.0, "score_err": 0.0}
+    metrics: dict[str, Any] = {"out_excess": -1.0, "gate_err": 0.0, "score_err": 0.0, "stage_excess": -1.0}
     for step in range(2):
         if step:
             got_kw, want_kw = later_site(got_kw, 99), later_site(want_kw, 99)
@@ -199,6 +205,17 @@ def compare_impls(impl: Any, kw: dict[str, Any], static_impl: Any) -> dict[str, 
             and torch.equal(got_kw["scores"][untouched], before[1][untouched]))
         static_out = static_impl(**{name: got_kw[name] for name in STATIC_ARGS})
         metrics[f"static_exact{step}"] = torch.equal(got[static], static_out[static])
+        static_stage = stage_buffer(got_kw["h"])
+        static_impl(**{name: got_kw[name] for name in STATIC_ARGS}, stage=static_stage)
+        metrics[f"static_stage_exact{step}"] = torch.equal(static_stage, want_kw["stage"])
+        # Capture: the unsteered residual of the first T rows, the rows past T untouched.
+        got_stage, want_stage = got_kw["stage"], want_kw["stage"]
+        if num_tokens:
+            stage_diff = (got_stage[:num_tokens].float() - want_stage[:num_tokens].float()).abs()
+            excess = (stage_diff - (atol + rtol * want_stage[:num_tokens].float().abs())).max().item()
+            metrics["stage_excess"] = max(metrics["stage_excess"], excess)
+        metrics[f"stage_exact{step}"] = torch.equal(got_stage, want_stage)
+        metrics[f"stage_tail{step}"] = bool((got_stage[num_tokens:] == STAGE_SENTINEL).all())
     return metrics
 
 
@@ -207,7 +224,8 @@ def _assert_case_metrics(res: dict[str, Any]) -> None:
         assert res[f"shape_ok{step}"] and res[f"finite{step}"], res
         assert res[f"untouched_exact{step}"], res
         assert res[f"static_exact{step}"], res
-    assert res["out_excess"] <= 0.0, res
+        assert res[f"stage_tail{step}"], res
+    assert res["out_excess"] <= 0.0 and res["stage_excess"] <= 0.0, res
     assert res["gate_err"] < 1e-5, res
     assert res["score_err"] < 1e-4, res
 
@@ -312,7 +330,11 @@ def test_cuda_triton_matches_reference(case: Case) -> None:
 
     num_tokens, hidden, num_k, num_g, has_r, dt = case
     kw = _to_cuda(make_dyn_inputs(num_tokens, hidden, num_k, num_g, has_r, DTYPES[dt], seed=TRITON_CASES.index(case)))
-    _assert_case_metrics(compare_impls(steer_site_dyn_triton, kw, steer_site_triton))
+    res = compare_impls(steer_site_dyn_triton, kw, steer_site_triton)
+    _assert_case_metrics(res)
+    # One fp32 add, one rounding: exact on a GPU, for the dynamic and the static kernel.
+    assert res["stage_exact0"] and res["stage_exact1"], res
+    assert res["static_stage_exact0"] and res["static_stage_exact1"], res
 
 
 @pytest.mark.gpu
@@ -321,7 +343,7 @@ def test_cuda_graph_replay(monkeypatch: pytest.MonkeyPatch) -> None:
     """Captured once, replayed over new inputs written in place: gates and outputs follow the new inputs."""
     monkeypatch.delenv(ENV_KERNEL, raising=False)
     kw = _to_cuda(make_dyn_inputs(16, 576, 2, 2, True, torch.bfloat16, seed=31))
-    later = dict(kw, mon_mask=torch.zeros_like(kw["mon_mask"]))
+    later = dict(kw, mon_mask=torch.zeros_like(kw["mon_mask"]), stage=stage_buffer(kw["h"]))  # its own place
 
     def forward() -> torch.Tensor:  # two sites sharing the gate buffers, as in a forward
         return steer_site_dyn(**dict(later, h=steer_site_dyn(**kw)))
@@ -342,6 +364,10 @@ def test_cuda_graph_replay(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(kw["gates"], want_kw["gates"], atol=1e-5, rtol=0)
+        # Both places' capture buffers hold this replay's unsteered residuals (the second reads the first's output).
+        assert torch.equal(kw["stage"][:16], kw["h"] + kw["r"])
+        mid = steer_site_dyn(**dict(clone_buffers(kw), stage=stage_buffer(kw["h"])))
+        assert torch.equal(later["stage"][:16], mid + kw["r"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -104,6 +104,11 @@ class FilesystemConsumer:
         self.root.mkdir(parents=True, exist_ok=True)
         self._shard = self._next_shard_index()
 
+    @property
+    def streams(self) -> bool:
+        """Whether chunks are written as they land (only ``per_file`` does)."""
+        return self.layout == "per_file"
+
     def on_chunk(self, record: CaptureRecord, positions: np.ndarray, values: dict[Place, np.ndarray]) -> None:
         if self.layout != "per_file":
             return

@@ -13,11 +13,6 @@ from dynsteer.capture.spec import Positions
 
 def select_positions(positions: Positions, first_pos: int, count: int, prompt_len: int) -> np.ndarray:
     """Absolute positions in ``[first_pos, first_pos + count)`` that ``positions`` selects."""
-    if count == 1 and positions in ("all", "all_generated", "all_prompt", "last_prompt"):  # decode: skip numpy work
-        keep = (positions == "all" or (positions == "all_generated" and first_pos >= prompt_len)
-                or (positions == "all_prompt" and first_pos < prompt_len)
-                or (positions == "last_prompt" and first_pos == prompt_len - 1))
-        return np.array([first_pos] if keep else [], dtype=np.int64)
     pos = np.arange(first_pos, first_pos + count)
     if positions == "all":
         return pos
@@ -36,13 +31,23 @@ class PositionLedger:
     def __init__(self) -> None:
         self.seen: set[int] = set()
         self.high = -1  # every seen position is <= high; positions only go back after a preemption
+        self._marked: list[int] = []  # decode positions taken by mark(), folded into ``seen`` only when needed
+
+    def mark(self, pos: int) -> None:
+        """Take one position above ``high`` (the decode fast path: no set update per step)."""
+        self._marked.append(pos)
+        self.high = pos
 
     def take(self, candidates: np.ndarray) -> np.ndarray:
+        """The candidates (ascending) not taken before, which are now taken."""
         if not candidates.size:
             return candidates
         if int(candidates[0]) > self.high:  # candidates ascend: all fresh (the common case, no per-position work)
             fresh = candidates
         else:
+            if self._marked:
+                self.seen.update(self._marked)
+                self._marked.clear()
             fresh = np.array([p for p in candidates.tolist() if p not in self.seen], dtype=np.int64)
         if fresh.size:
             self.seen.update(fresh.tolist())

@@ -1,16 +1,19 @@
 """Per-request capture records, and the collector that fills them from the forward pass's staging buffers.
 
 The forward writes the unsteered residual of every token at each captured place into a persistent staging buffer
-(inside CUDA graphs too). After the forward, the collector gathers just the selected rows on the compute stream,
-copies them to pinned host memory on a side stream (GPU) and hands them to the request's record once the copy's event
-has completed, so the hot path never waits on the host.
+(inside CUDA graphs too, as part of the steering op's launch). After the forward, the collector gathers just the
+selected rows on the compute stream, converts them to the requested dtype there, copies them to pinned host memory
+on a side stream (GPU) and moves them into the requests' records once the copy's event has completed, so the hot path
+never waits on the device. Per step the host does one gather, one copy and one host copy-out per place and dtype;
+per capturing request it does a few integer comparisons (decode) and one list append when its rows land.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -18,33 +21,59 @@ import torch
 from dynsteer.capture.select import PositionLedger, select_positions
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.spec import Site
+from dynsteer.steering.staging import StagingRing
 
 logger = logging.getLogger("dynsteer")
 Place = tuple[int, Site]
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# numpy has no bfloat16: bfloat16 captures are rounded to bfloat16 on the device and returned as float32 arrays.
+_DEVICE_DTYPES = {"float32": (torch.float32,), "bfloat16": (torch.bfloat16, torch.float32),
+                  "float16": (torch.float16,)}
 
 
 @dataclass
 class CaptureRecord:
-    """Everything captured for one request. ``status`` is ``ok``, ``partial`` (a consumer failed) or ``error``."""
+    """Everything captured for one request. ``status`` is ``ok``, ``partial`` (a consumer failed) or ``error``.
+
+    Rows arrive in chunks (one per step that computed selected positions); each chunk references the step's arrays,
+    which several requests share, so landing a chunk costs one append whatever the number of places.
+    """
 
     tag: str
     req_id: str
     spec: CaptureSpec
     prompt_len: int
     positions: list[np.ndarray] = field(default_factory=list)
-    values: dict[Place, list[np.ndarray]] = field(default_factory=dict)
     status: str = "ok"
     errors: list[str] = field(default_factory=list)
     ledger: PositionLedger = field(default_factory=PositionLedger)
     chunks: int = 0
+    streaming: bool = False  # a consumer of this record wants chunks as they land
+    _parts: list[tuple[Mapping[Place, np.ndarray], int, int]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.places = tuple(self.spec.places())
+        self.selector = self.spec.positions
+        self.explicit = None if isinstance(self.selector, str) else frozenset(self.selector)
+
+    def add_chunk(self, positions: np.ndarray, arrays: Mapping[Place, np.ndarray], start: int = 0,
+                  end: int | None = None) -> None:
+        """Land rows ``[start, end)`` of ``arrays`` (one ``[rows, hidden]`` array per place) at ``positions``."""
+        self.positions.append(positions)
+        self._parts.append((arrays, start, start + len(positions) if end is None else end))
+        self.chunks += 1
+
+    def chunk(self, i: int = -1) -> dict[Place, np.ndarray]:
+        """The values of chunk ``i`` (default: the last landed), one array per place."""
+        arrays, s, e = self._parts[i]
+        return {place: arrays[place][s:e] for place in self.places}
 
     def arrays(self) -> tuple[np.ndarray, dict[Place, np.ndarray]]:
         """Positions (sorted) and one ``[n, hidden]`` array per place, rows in position order."""
         pos = np.concatenate(self.positions) if self.positions else np.zeros(0, np.int64)
         order = np.argsort(pos, kind="stable")
         out = {}
-        for place, parts in self.values.items():
+        for place in self.places:
+            parts = [arrays[place][s:e] for arrays, s, e in self._parts]
             out[place] = np.concatenate(parts)[order] if parts else np.zeros((0, 0), np.float32)
         return pos[order], out
 
@@ -57,8 +86,9 @@ class CaptureRecord:
 @dataclass
 class _Pending:
     event: Any
-    host: dict[Place, torch.Tensor]
-    segments: list[tuple[str, int, int, np.ndarray]]  # (req_id, start, end, positions)
+    host: dict[tuple[Place, str], torch.Tensor]  # (place, spec dtype) -> rows of this step (pinned on GPU)
+    positions: np.ndarray
+    segments: list[tuple[CaptureRecord, int, int]]  # (record, start, end) into the step's rows
 
 
 class CaptureCollector:
@@ -70,13 +100,21 @@ class CaptureCollector:
         self.emit = emit
         self.records: dict[str, CaptureRecord] = {}
         self.global_spec: CaptureSpec | None = None
-        self._step: list[tuple[str, np.ndarray, np.ndarray]] = []
+        self._rows: list[int] = []
+        self._pos: list[int] = []
+        self._segments: list[tuple[CaptureRecord, int, int]] = []
         self._pending: list[_Pending] = []
-        device = next(iter(stages.values())).device if stages else torch.device("cpu")
+        first = next(iter(stages.values()), None)
+        device = first.device if first is not None else torch.device("cpu")
         self._cuda = device.type == "cuda"
         self._side = torch.cuda.Stream(device=device) if self._cuda else None
-        # Called with (record, positions, {place: values}) as chunks land (streaming consumers such as per_file).
-        self.on_chunk: Any = None
+        # Row indices reach the device through pinned slots (a pageable host-to-device copy would block the host
+        # until the forward already queued has finished, serialising vLLM's asynchronous scheduling).
+        self._index = StagingRing(torch.zeros(first.shape[0] if first is not None else 1, dtype=torch.int32,
+                                              device=device))
+        # Called with (record, positions, {place: values}) as chunks land, for records with ``streaming`` set.
+        self.on_chunk: Callable[[CaptureRecord, np.ndarray, dict[Place, np.ndarray]], None] | None = None
+        self.streams: Callable[[CaptureSpec], bool] = lambda spec: False
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def begin(self, req_id: str, tag: str | None, spec: CaptureSpec | None, prompt_len: int) -> None:
@@ -84,75 +122,88 @@ class CaptureCollector:
         if spec is None or not self.emit or req_id in self.records:
             return
         self.records[req_id] = CaptureRecord(tag=tag or req_id, req_id=req_id, spec=spec, prompt_len=prompt_len,
-                                             values={p: [] for p in spec.places()})
+                                             streaming=self.streams(spec))
 
-    def plan(self, req_id: str, batch_start: int, first_pos: int, count: int) -> None:
-        """Select this step's rows of one request (called while the runtime walks the batch)."""
-        rec = self.records.get(req_id)
-        if rec is None:
-            return
-        wanted = select_positions(rec.spec.positions, first_pos, count, rec.prompt_len)
-        fresh = rec.ledger.take(wanted)
-        if fresh.size:
-            self._step.append((req_id, batch_start + (fresh - first_pos), fresh))
+    def plan(self, req_ids: list[str] | tuple[str, ...], query_start: np.ndarray, num_computed: np.ndarray) -> None:
+        """Select this step's rows of every capturing request in the batch (request ``i`` owns batch rows
+        ``query_start[i]:query_start[i+1]``, its first at absolute position ``num_computed[i]``)."""
+        records = self.records
+        rows, pos, segments = self._rows, self._pos, self._segments
+        for i, req_id in enumerate(req_ids):
+            rec = records.get(req_id)
+            if rec is None:
+                continue
+            start, first = int(query_start[i]), int(num_computed[i])
+            count = int(query_start[i + 1]) - start
+            before = len(pos)
+            if count == 1 and first > rec.ledger.high and _decode_selects(rec, first):
+                rows.append(start)  # a decode step of a request that never saw this position: no numpy work
+                pos.append(first)
+                rec.ledger.mark(first)
+            elif count != 1 or first <= rec.ledger.high:
+                fresh = rec.ledger.take(select_positions(rec.selector, first, count, rec.prompt_len))
+                if fresh.size:
+                    rows.extend((start + (fresh - first)).tolist())
+                    pos.extend(fresh.tolist())
+            if len(pos) > before:
+                segments.append((rec, before, len(pos)))
 
     def after_forward(self) -> None:
         """Gather the selected rows (compute stream) and start their copy to host (side stream)."""
-        if not self._step:
+        if not self._segments:
             self.poll()
             return
-        step, self._step = self._step, []
-        rows = np.concatenate([r for _, r, _ in step])
-        places = {p for req_id, _, _ in step for p in self.records[req_id].spec.places()}
-        idx = torch.from_numpy(rows).to(next(iter(self.stages.values())).device, non_blocking=True)
-        gathered = {p: self.stages[p].index_select(0, idx) for p in places}
-        segments, start = [], 0
-        for req_id, r, pos in step:
-            segments.append((req_id, start, start + len(r), pos))
-            start += len(r)
+        rows, positions, segments = self._rows, np.array(self._pos, dtype=np.int64), self._segments
+        self._rows, self._pos, self._segments = [], [], []
+        n = len(rows)
+        self._index.next()[:n] = rows
+        self._index.copy_to(self._index.target, n)
+        idx = self._index.target[:n]
+        wanted = {(place, rec.spec.dtype) for rec, _, _ in segments for place in rec.places}
+        gathered: dict[tuple[Place, str], torch.Tensor] = {}
+        for place in {p for p, _ in wanted}:
+            rows_at = self.stages[place].index_select(0, idx)
+            for dtype in {d for p, d in wanted if p == place}:
+                t = rows_at
+                for cast in _DEVICE_DTYPES[dtype]:
+                    t = t.to(cast)
+                gathered[(place, dtype)] = t
         if self._cuda:
             done = torch.cuda.Event()
-            main = torch.cuda.current_stream()
-            self._side.wait_stream(main)
+            self._side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._side):
-                host = {p: torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=True).copy_(g, non_blocking=True)
-                        for p, g in gathered.items()}
+                host = {k: torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=True).copy_(g, non_blocking=True)
+                        for k, g in gathered.items()}
                 for g in gathered.values():
                     g.record_stream(self._side)
                 done.record(self._side)
-            self._pending.append(_Pending(done, host, segments))
-        else:
-            self._pending.append(_Pending(None, {p: g.clone() for p, g in gathered.items()}, segments))
+            self._pending.append(_Pending(done, host, positions, segments))
+        else:  # index_select made fresh tensors: the staging buffers may be overwritten by the next step
+            self._pending.append(_Pending(None, gathered, positions, segments))
         self.poll()
 
     def poll(self, block: bool = False) -> None:
         """Move completed copies into their records (``block``: wait for all)."""
-        keep = []
-        for pend in self._pending:
+        while self._pending:
+            pend = self._pending[0]
             if pend.event is not None and not pend.event.query():
                 if not block:
-                    keep.append(pend)
-                    continue
+                    return  # copies complete in order (one side stream): later ones are not done either
                 pend.event.synchronize()
-            converted: dict[tuple[Place, str], np.ndarray] = {}  # one conversion per place and dtype, then views
-            for req_id, s, e, pos in pend.segments:
-                rec = self.records.get(req_id)
-                if rec is None:
-                    continue
-                rec.positions.append(pos)
-                rec.chunks += 1
-                chunk = {}
-                for place in rec.spec.places():
-                    arr = converted.get((place, rec.spec.dtype))
-                    if arr is None:
-                        t = pend.host[place].to(_TORCH_DTYPES[rec.spec.dtype])
-                        arr = t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()  # numpy has no bf16
-                        converted[(place, rec.spec.dtype)] = arr
-                    chunk[place] = arr[s:e]
-                    rec.values[place].append(chunk[place])
-                if self.on_chunk is not None:
-                    self.on_chunk(rec, pos, chunk)
-        self._pending = keep
+            self._pending.pop(0)
+            # Copied out of pinned memory at once, so the caching host allocator recycles the pinned blocks
+            # instead of growing with everything captured until the requests finish.
+            by_dtype: dict[str, dict[Place, np.ndarray]] = {}
+            for (place, dtype), t in pend.host.items():
+                arr = t.numpy()
+                by_dtype.setdefault(dtype, {})[place] = arr.copy() if self._cuda else arr
+            for rec, s, e in pend.segments:
+                if self.records.get(rec.req_id) is not rec:
+                    continue  # finished or dropped meanwhile
+                arrays = by_dtype[rec.spec.dtype]
+                rec.add_chunk(pend.positions[s:e], arrays, s, e)
+                if rec.streaming and self.on_chunk is not None:
+                    self.on_chunk(rec, pend.positions[s:e], rec.chunk())
 
     def finish(self, req_id: str) -> CaptureRecord | None:
         """The request is done: complete its copies and hand the record out (None if it captured nothing)."""
@@ -163,3 +214,18 @@ class CaptureCollector:
 
     def has_work(self) -> bool:
         return bool(self.records)
+
+
+def _decode_selects(rec: CaptureRecord, pos: int) -> bool:
+    """Whether the record's selector keeps a decode token at ``pos`` (the one-token case of ``select_positions``,
+    spelled with scalars: it runs once per capturing request and step)."""
+    selector, prompt_len = rec.selector, rec.prompt_len
+    if selector == "all_generated":
+        return pos >= prompt_len
+    if selector == "all":
+        return True
+    if selector == "all_prompt":
+        return pos < prompt_len
+    if selector == "last_prompt":
+        return pos == prompt_len - 1
+    return pos in rec.explicit

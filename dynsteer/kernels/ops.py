@@ -20,9 +20,9 @@ from typing import Optional
 import torch
 
 from dynsteer.kernels.dynamic_reference import steer_site_dyn_reference
-from dynsteer.kernels.reference import steer_site_reference
+from dynsteer.kernels.reference import stash_residual, steer_site_reference
 
-__all__ = ["DYN_OP_NAME", "OP_NAME", "ENV_KERNEL", "select_impl", "steer_site", "steer_site_dyn"]
+__all__ = ["DYN_OP_NAME", "OP_NAME", "ENV_KERNEL", "no_stage", "select_impl", "steer_site", "steer_site_dyn"]
 
 OP_NAME = "dynsteer::steer_site"
 DYN_OP_NAME = "dynsteer::steer_site_dyn"
@@ -65,11 +65,12 @@ def _steer_site_impl(
     clamp_lo: torch.Tensor,
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
+    stage: torch.Tensor,
 ) -> torch.Tensor:
     # Looks select_impl up through module globals on each call, so importlib.reload of this
     # module updates the behaviour of the already-registered op.
     impl = select_impl(h)
-    return impl(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength)
+    return impl(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, stage)
 
 
 def _steer_site_fake(
@@ -81,6 +82,7 @@ def _steer_site_fake(
     clamp_lo: torch.Tensor,
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
+    stage: torch.Tensor,
 ) -> torch.Tensor:
     return torch.empty_like(h)
 
@@ -94,7 +96,9 @@ def _register() -> None:
     """Define the op once per process; a second import or a reload is a no-op."""
     if _op_registered():
         return
-    op = torch.library.custom_op(OP_NAME, mutates_args=())(_steer_site_impl)
+    # stage (the capture buffer) is a required tensor, empty when the place captures nothing: an optional mutable
+    # argument breaks both eager dispatch (None) and Dynamo tracing.
+    op = torch.library.custom_op(OP_NAME, mutates_args=("stage",))(_steer_site_impl)
     op.register_fake(_steer_site_fake)
 
 
@@ -110,12 +114,14 @@ def steer_site(
     clamp_lo: torch.Tensor,
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
+    stage: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Call ``torch.ops.dynsteer.steer_site`` (contract: ``dynsteer.kernels.reference``).
 
     Arguments and result: see ``steer_site_reference`` (the contract every implementation shares).
     """
-    return torch.ops.dynsteer.steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength)
+    return torch.ops.dynsteer.steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength,
+                                         no_stage(h) if stage is None else stage)
 
 
 # ---- dynamic steering (monitors + gated terms) -----------------------------------------------------------------
@@ -140,10 +146,12 @@ def _steer_site_dyn_impl(
     gate_add: torch.Tensor,
     gates: torch.Tensor,
     scores: torch.Tensor,
+    stage: torch.Tensor,
 ) -> torch.Tensor:
     impl = select_impl(h, dynamic=True)
     return impl(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, clamp_gate, mon_mask,
-                mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec, gate_mul, gate_add, gates, scores)
+                mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec, gate_mul, gate_add, gates, scores,
+                stage)
 
 
 def _steer_site_dyn_fake(
@@ -167,15 +175,16 @@ def _steer_site_dyn_fake(
     gate_add: torch.Tensor,
     gates: torch.Tensor,
     scores: torch.Tensor,
+    stage: torch.Tensor,
 ) -> torch.Tensor:
-    # gates / scores are mutated in place (declared in mutates_args): only the output needs a shape.
+    # gates / scores / stage are mutated in place (declared in mutates_args): only the output needs a shape.
     return torch.empty_like(h)
 
 
 def _register_dyn() -> None:
     if _op_registered("steer_site_dyn"):
         return
-    op = torch.library.custom_op(DYN_OP_NAME, mutates_args=("gates", "scores"))(_steer_site_dyn_impl)
+    op = torch.library.custom_op(DYN_OP_NAME, mutates_args=("gates", "scores", "stage"))(_steer_site_dyn_impl)
     op.register_fake(_steer_site_dyn_fake)
 
 
@@ -203,14 +212,21 @@ def steer_site_dyn(
     gate_add: torch.Tensor,
     gates: torch.Tensor,
     scores: torch.Tensor,
+    stage: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Call ``torch.ops.dynsteer.steer_site_dyn`` (contract: ``dynsteer.kernels.dynamic_reference``).
 
-    Arguments and result: see ``steer_site_dyn_reference``; ``gates`` and ``scores`` are updated in place.
+    Arguments and result: see ``steer_site_dyn_reference``; ``gates``, ``scores`` (and ``stage``) are updated in place.
     """
     return torch.ops.dynsteer.steer_site_dyn(
         h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, clamp_gate, mon_mask, mon_probe,
-        mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec, gate_mul, gate_add, gates, scores)
+        mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec, gate_mul, gate_add, gates, scores,
+        no_stage(h) if stage is None else stage)
+
+
+def no_stage(h: torch.Tensor) -> torch.Tensor:
+    """The empty capture buffer: the ops' ``stage`` argument when nothing is captured."""
+    return h.new_empty((0, h.shape[-1]))
 
 
 # ---- residual capture ------------------------------------------------------------------------------------------
@@ -219,12 +235,9 @@ STASH_OP_NAME = "dynsteer::stash_residual"
 
 def _stash_impl(h: torch.Tensor, r: Optional[torch.Tensor], out: torch.Tensor) -> None:
     # The unsteered residual stream h + r of every token (padding included) into a persistent buffer; the host
-    # picks the rows it wants after the forward, so the graph never depends on which requests capture.
-    n = h.shape[0]
-    if r is None:
-        out[:n].copy_(h)
-    else:
-        torch.add(h, r, out=out[:n]) if out.dtype == h.dtype else out[:n].copy_(h + r)
+    # picks the rows it wants after the forward, so the graph never depends on which requests capture. The "op"
+    # forward passes the buffer to the steering op instead (no extra kernel); "inline" forwards use this op.
+    stash_residual(h, r, out)
 
 
 def _register_stash() -> None:

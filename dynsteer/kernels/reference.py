@@ -2,7 +2,7 @@
 
 Contract (shared by every implementation of ``steer_site``)::
 
-    steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength) -> out
+    steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, stage=None) -> out
       h:              [T, H] float32 | bfloat16 | float16, the branch tensor we may modify
       r:              [T, H] same dtype, or None (carried residual; the residual stream is h + r, or h)
       row_index:      int32 [N >= T]; only the first T entries are used
@@ -10,6 +10,7 @@ Contract (shared by every implementation of ``steer_site``)::
       clamp_dir:      float32 [R, K, H]  unit directions (zeros where unused)
       clamp_lo/hi:    float32 [R, K]     bounds (-inf / +inf for an open side)
       clamp_strength: float32 [R, K]     0 = clamp slot off
+      stage:          [N >= T, H] or empty, optional: receives the unsteered residual (capture), see below
 
     for every token t:  i = row_index[t]
       x = float32(h[t]) + vec[i]
@@ -23,13 +24,17 @@ Contract (shared by every implementation of ``steer_site``)::
 full residual stream ``h + r + v`` but only ``h`` is modified; ablation is the clamp to ``[0, 0]``.
 A row whose vec is zero and whose strengths are all zero returns ``h`` bit-for-bit. ``out`` is
 always a new tensor.
+
+Capture rides the same op (no extra kernel per captured place): when ``stage`` is given and not empty,
+``stage[t] = cast(float32(h[t]) + float32(r[t]))`` (or ``h[t]``) for every token ``t < T``, read before any
+steering; rows past ``T`` are left untouched.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_clamps", "steer_site_reference"]
+__all__ = ["apply_clamps", "stash_residual", "steer_site_reference"]
 
 
 def steer_site_reference(
@@ -41,6 +46,7 @@ def steer_site_reference(
     clamp_lo: torch.Tensor,
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
+    stage: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Apply per-token steering (additive vector, then sequential projection clamps).
 
@@ -57,10 +63,12 @@ def steer_site_reference(
         clamp_lo: float32 [R, K] lower bounds.
         clamp_hi: float32 [R, K] upper bounds.
         clamp_strength: float32 [R, K] clamp strengths (0 = off).
+        stage: capture buffer [N >= T, H] written in place with the unsteered residual (None / empty: none).
 
     Returns:
         New [T, H] tensor in h's dtype.
     """
+    stash_residual(h, r, stage)
     num_tokens = h.shape[0]
     idx = row_index[:num_tokens].long()
     # h.float() + 0.0 is exact, so rows with vec == 0 stay bit-identical after the final cast.
@@ -68,6 +76,23 @@ def steer_site_reference(
     r32 = r.float() if r is not None else None
     x = apply_clamps(x, r32, idx, clamp_dir, clamp_lo, clamp_hi, clamp_strength.index_select(0, idx))
     return x.to(h.dtype)
+
+
+def stash_residual(h: torch.Tensor, r: torch.Tensor | None, stage: torch.Tensor | None) -> None:
+    """Write the residual stream ``h + r`` (or ``h``) of the T tokens into ``stage[:T]`` (None / empty: no-op).
+
+    The sum is taken in float32 and rounded once to the stage's dtype, as the kernels do (for equal dtypes this is
+    exactly ``torch.add(h, r)``).
+    """
+    if stage is None or stage.numel() == 0:
+        return
+    n = h.shape[0]
+    if r is None:
+        stage[:n].copy_(h)
+    elif stage.dtype == h.dtype:
+        torch.add(h, r, out=stage[:n])
+    else:
+        stage[:n].copy_(h.float() + r.float())
 
 
 def apply_clamps(

@@ -10,6 +10,10 @@ vectors; its clamps may be scaled by a gate. It is a second kernel rather than a
 the first, so the static launch keeps its short argument list (host launch cost grows with it);
 the clamp loop is one shared ``@triton.jit`` helper, inlined into both.
 
+Given a capture buffer (``stage``), either kernel also stores each token's unsteered residual stream
+before steering it: capture rides the steering launch instead of adding a kernel per captured place,
+so an engine with capture enabled runs as many kernels per step as one without.
+
 Both launchers are CUDA-graph safe: they never sync with the device, allocate nothing but the
 output (``torch.empty_like``), and their grids depend only on shapes.
 
@@ -82,6 +86,16 @@ def _clamp_slots(
 
 
 @triton.jit
+def _stash(x, res, dst_ptr, offs, mask, HAS_R: tl.constexpr):
+    """Capture: the token's unsteered residual stream, summed in fp32 and rounded once to the buffer's dtype."""
+    if HAS_R:
+        full = x + res
+    else:
+        full = x
+    tl.store(dst_ptr + offs, full.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _steer_site_kernel(
     h_ptr,
     r_ptr,
@@ -92,11 +106,13 @@ def _steer_site_kernel(
     hi_ptr,
     s_ptr,
     out_ptr,
+    stage_ptr,
     H,
     K,
     stride_h,
     stride_r,
     stride_out,
+    stride_stage,
     stride_vec,
     stride_dir_row,
     stride_dir_k,
@@ -107,6 +123,7 @@ def _steer_site_kernel(
     stride_s_row,
     stride_s_k,
     HAS_R: tl.constexpr,
+    STASH: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     # int64 offsets: T * H and R * K * H can exceed 2**31 for large batches / tables.
@@ -116,11 +133,13 @@ def _steer_site_kernel(
     row = tl.load(idx_ptr + t).to(tl.int64)
 
     x = tl.load(h_ptr + t * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
-    x = x + tl.load(vec_ptr + row * stride_vec + offs, mask=mask, other=0.0)
     if HAS_R:
         res = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     else:
         res = x  # unused placeholder: _clamp_slots reads res only when HAS_R
+    if STASH:
+        _stash(x, res, stage_ptr + t * stride_stage, offs, mask, HAS_R=HAS_R)
+    x = x + tl.load(vec_ptr + row * stride_vec + offs, mask=mask, other=0.0)
 
     # GATED=False: the gate arguments are dead placeholders (s_ptr, 0) and compile away.
     x = _clamp_slots(
@@ -156,12 +175,14 @@ def _steer_site_dyn_kernel(
     gates_ptr,
     scores_ptr,
     out_ptr,
+    stage_ptr,
     H,
     K,
     G,
     stride_h,
     stride_r,
     stride_out,
+    stride_stage,
     stride_vec,
     stride_dir_row,
     stride_dir_k,
@@ -194,6 +215,7 @@ def _steer_site_dyn_kernel(
     stride_scores_g,
     stride_scores_t,
     HAS_R: tl.constexpr,
+    STASH: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -206,6 +228,8 @@ def _steer_site_dyn_kernel(
         res = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     else:
         res = x
+    if STASH:
+        _stash(x, res, stage_ptr + t * stride_stage, offs, mask, HAS_R=HAS_R)
 
     # Monitors read the residual before this site's steering. The mask is uniform per program, so
     # tokens of rows without monitors skip every monitor load with one scalar branch.
@@ -253,6 +277,17 @@ def _steer_site_dyn_kernel(
     tl.store(out_ptr + t * stride_out + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _check_stage(stage: torch.Tensor | None, h: torch.Tensor, who: str) -> bool:
+    """Whether to capture into ``stage`` (metadata checks only: no device sync)."""
+    if stage is None or stage.numel() == 0:
+        return False
+    if stage.dim() != 2 or stage.shape[1] != h.shape[1] or stage.shape[0] < h.shape[0] or stage.stride(1) != 1:
+        raise ValueError(f"{who}: stage must be [N >= T, H] with contiguous rows, got {tuple(stage.shape)}")
+    if stage.device != h.device:
+        raise ValueError(f"{who}: stage is on {stage.device}, h on {h.device}")
+    return True
+
+
 def _num_warps(block_h: int) -> int:
     # One row per program: more warps for wide rows keeps the per-thread register footprint sane.
     if block_h >= 8192:
@@ -271,6 +306,7 @@ def steer_site_triton(
     clamp_lo: torch.Tensor,
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
+    stage: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the fused steering kernel (same contract as ``steer_site_reference``).
 
@@ -290,12 +326,14 @@ def steer_site_triton(
     if vec.shape[1] != hidden or clamp_dir.shape[2] != hidden:
         raise ValueError("steer_site_triton: vec / clamp_dir hidden size does not match h")
 
+    stash = _check_stage(stage, h, "steer_site_triton")
     out = torch.empty_like(h)
     if num_tokens == 0:
         return out
     block_h = triton.next_power_of_2(hidden)
-    # r_ptr must be a valid pointer even when unused; HAS_R=False compiles the load away.
+    # r_ptr / stage_ptr must be valid pointers even when unused; HAS_R / STASH=False compile their accesses away.
     r_arg = r if r is not None else h
+    stage_arg = stage if stash else h
     _steer_site_kernel[(num_tokens,)](
         h,
         r_arg,
@@ -306,11 +344,13 @@ def steer_site_triton(
         clamp_hi,
         clamp_strength,
         out,
+        stage_arg,
         hidden,
         num_k,
         h.stride(0),
         r_arg.stride(0),
         out.stride(0),
+        stage_arg.stride(0),
         vec.stride(0),
         clamp_dir.stride(0),
         clamp_dir.stride(1),
@@ -321,6 +361,7 @@ def steer_site_triton(
         clamp_strength.stride(0),
         clamp_strength.stride(1),
         HAS_R=r is not None,
+        STASH=stash,
         BLOCK_H=block_h,
         num_warps=_num_warps(block_h),
     )
@@ -348,6 +389,7 @@ def steer_site_dyn_triton(
     gate_add: torch.Tensor,
     gates: torch.Tensor,
     scores: torch.Tensor,
+    stage: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the fused dynamic steering kernel (same contract as ``steer_site_dyn_reference``).
 
@@ -374,11 +416,13 @@ def steer_site_dyn_triton(
         if buf.dtype != torch.float32 or buf.shape[0] != num_g or buf.shape[1] < num_tokens:
             raise ValueError("steer_site_dyn_triton: gate buffers must be float32 [G, N >= T]")
 
+    stash = _check_stage(stage, h, "steer_site_dyn_triton")
     out = torch.empty_like(h)
     if num_tokens == 0:
         return out
     block_h = triton.next_power_of_2(hidden)
     r_arg = r if r is not None else h
+    stage_arg = stage if stash else h
     _steer_site_dyn_kernel[(num_tokens,)](
         h,
         r_arg,
@@ -401,12 +445,14 @@ def steer_site_dyn_triton(
         gates,
         scores,
         out,
+        stage_arg,
         hidden,
         num_k,
         num_g,
         h.stride(0),
         r_arg.stride(0),
         out.stride(0),
+        stage_arg.stride(0),
         vec.stride(0),
         clamp_dir.stride(0),
         clamp_dir.stride(1),
@@ -439,6 +485,7 @@ def steer_site_dyn_triton(
         scores.stride(0),
         scores.stride(1),
         HAS_R=r is not None,
+        STASH=stash,
         BLOCK_H=block_h,
         num_warps=_num_warps(block_h),
     )

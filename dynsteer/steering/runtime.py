@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
-import torch
 
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.capture.store import CaptureCollector, CaptureRecord
+from dynsteer.steering.staging import StagingRing
 from dynsteer.payload import decode_payload, payload_body
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
 from dynsteer.steering.compile import EMPTY, RowContent, compile_phase
@@ -67,33 +67,6 @@ class RuntimeStats:
 
 PayloadLookup = Callable[[str], Any]
 _KEEP = object()
-
-
-class StagingRing:
-    """Host staging for a device int32 buffer: pinned slots, non-blocking copies, a slot reused only after its
-    copy's event completed (long done by then: the ring is deeper than the steps in flight)."""
-
-    def __init__(self, target: torch.Tensor, depth: int = 4) -> None:
-        self.cuda = target.is_cuda
-        n = target.shape[0]
-        # device="cpu" explicitly: this runs during model construction, under vLLM's default-device context.
-        self.slots = [torch.zeros(n, dtype=target.dtype, device="cpu", pin_memory=self.cuda)
-                      for _ in range(depth if self.cuda else 1)]
-        self.events: list[Any] = [None] * len(self.slots)
-        self.i = 0
-
-    def next(self) -> np.ndarray:
-        self.i = (self.i + 1) % len(self.slots)
-        if self.events[self.i] is not None:
-            self.events[self.i].synchronize()
-        return self.slots[self.i].numpy()
-
-    def copy_to(self, target: torch.Tensor, upto: int) -> None:
-        target[:upto].copy_(self.slots[self.i][:upto], non_blocking=self.cuda)
-        if self.cuda:
-            ev = torch.cuda.Event()
-            ev.record()
-            self.events[self.i] = ev
 
 
 class SteeringRuntime:
@@ -206,8 +179,8 @@ class SteeringRuntime:
             rows[i] = entry.rows
             prompt_lens[i] = entry.prompt_len
             dyn_req[i] = entry.dyn is not None
-            if self.capture is not None:
-                self.capture.plan(req_id, int(qsl[i]), int(view.num_computed[i]), int(qsl[i + 1] - qsl[i]))
+        if self.capture is not None and self.capture.records:
+            self.capture.plan(view.req_ids[:n_req], qsl, view.num_computed)
         n = view.num_tokens
         upto = max(n, self._high_water, view.num_tokens_padded)
         idx = self._staging.next()
@@ -290,6 +263,9 @@ class SteeringRuntime:
     def attach_capture(self, collector: CaptureCollector, consumers: dict[str, Any]) -> None:
         self.capture, self.consumers = collector, consumers
         collector.on_chunk = self._on_chunk
+        streaming = {name for name, c in consumers.items()
+                     if callable(getattr(c, "on_chunk", None)) and getattr(c, "streams", True)}
+        collector.streams = lambda spec: any(name in streaming for name in spec.consumers)
 
     def _on_chunk(self, record: CaptureRecord, positions: np.ndarray, values: dict) -> None:
         for name in record.spec.consumers:

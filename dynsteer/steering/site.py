@@ -17,7 +17,7 @@ from dynsteer.steering.tables import SteeringTables
 
 # vLLM's compile cache hashes the source files Dynamo traces (this one) but not tables.py; a cached graph built for
 # another buffer layout can read stale snapshots. Bump this when the tables' tensors change shape or ownership.
-TABLE_LAYOUT = 3
+TABLE_LAYOUT = 4
 
 
 class SiteHook(nn.Module):
@@ -32,22 +32,25 @@ class SiteHook(nn.Module):
         self.register_buffer("row_index", tables.row_index, persistent=False)
         for name, view in (tables.views(layer, site) | tables.gate_buffers).items():
             self.register_buffer(name, view, persistent=False)
-        if stage is not None:
-            self.register_buffer("stage", stage, persistent=False)
+        # The op writes the unsteered residual into the capture buffer in the same launch; a place without one
+        # passes an empty tensor (the op's optional buffer cannot be None under torch.compile).
+        if stage is None:
+            stage = tables.row_index.new_empty((0, tables.hidden_size), dtype=torch.get_default_dtype())
+        self.register_buffer("stage", stage, persistent=False)
 
     def forward(self, h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
-        if self.capturing:  # the unsteered residual, read before this site's steering
-            torch.ops.dynsteer.stash_residual(h, r, self.stage)
         static = (h, r, self.row_index, self.vec, self.clamp_dir, self.clamp_lo, self.clamp_hi, self.clamp_strength)
+        dyn = ()
         if self.dynamic:  # monitors write gates/scores in place; later sites of the same forward read them
             dyn = (self.clamp_gate, self.mon_mask, self.mon_probe, self.mon_sharp, self.mon_thresh, self.mon_floor,
                    self.dyn_mask, self.dyn_vec, self.gate_mul, self.gate_add, self.gates, self.scores)
-            if self.inline:
-                return steer_site_dyn_reference(*static, *dyn)
-            return torch.ops.dynsteer.steer_site_dyn(*static, *dyn)
         if self.inline:  # plain torch ops: traced into the graph, fusable by torch.compile
-            return steer_site_reference(*static)
-        return torch.ops.dynsteer.steer_site(*static)
+            if self.capturing:  # the unsteered residual, read before this site's steering
+                torch.ops.dynsteer.stash_residual(h, r, self.stage)
+            return steer_site_dyn_reference(*static, *dyn) if self.dynamic else steer_site_reference(*static)
+        if self.dynamic:
+            return torch.ops.dynsteer.steer_site_dyn(*static, *dyn, self.stage)
+        return torch.ops.dynsteer.steer_site(*static, self.stage)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer}, site={self.site}, inline={self.inline}, capturing={self.capturing}, "

@@ -1,0 +1,36 @@
+"""Pinned host staging for small per-step uploads (row indices): the host never waits on the device for them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class StagingRing:
+    """Host staging for a device int32 buffer: pinned slots, non-blocking copies, a slot reused only after its
+    copy's event completed (long done by then: the ring is deeper than the steps in flight)."""
+
+    def __init__(self, target: torch.Tensor, depth: int = 4) -> None:
+        self.target = target
+        self.cuda = target.is_cuda
+        n = target.shape[0]
+        # device="cpu" explicitly: this runs during model construction, under vLLM's default-device context.
+        self.slots = [torch.zeros(n, dtype=target.dtype, device="cpu", pin_memory=self.cuda)
+                      for _ in range(depth if self.cuda else 1)]
+        self.events: list[Any] = [None] * len(self.slots)
+        self.i = 0
+
+    def next(self) -> np.ndarray:
+        self.i = (self.i + 1) % len(self.slots)
+        if self.events[self.i] is not None:
+            self.events[self.i].synchronize()
+        return self.slots[self.i].numpy()
+
+    def copy_to(self, target: torch.Tensor, upto: int) -> None:
+        target[:upto].copy_(self.slots[self.i][:upto], non_blocking=self.cuda)
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            self.events[self.i] = ev
