@@ -160,16 +160,21 @@ class FilesystemConsumer:
         _atomic_write(idx_path, json.dumps(shard).encode())
 
 
-def build_consumer(name: str, options: dict[str, Any]) -> Any:
-    """A built-in consumer (``memory``, ``filesystem``) or one registered under :data:`ENTRY_POINT_GROUP`."""
-    if name == "memory":
-        return MemoryConsumer(**options)
-    if name == "filesystem":
-        return FilesystemConsumer(**options)
+def consumer_class(name: str) -> Any:
+    """The class a consumer name stands for: a built-in (``memory``, ``filesystem``) or the entry point of
+    :data:`ENTRY_POINT_GROUP` with that name."""
+    builtin = {"memory": MemoryConsumer, "filesystem": FilesystemConsumer}
+    if name in builtin:
+        return builtin[name]
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
-            return ep.load()(**options)
+            return ep.load()
     raise ValueError(f"unknown capture consumer {name!r} (built-in: memory, filesystem; "
                      f"or register one under the entry-point group {ENTRY_POINT_GROUP!r})")
+
+
+def build_consumer(name: str, options: dict[str, Any]) -> Any:
+    """A built-in consumer (``memory``, ``filesystem``) or one registered under :data:`ENTRY_POINT_GROUP`."""
+    return consumer_class(name)(**options)

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from dynsteer.config import DynsteerConfig
+from dynsteer.capture.consumers import consumer_class
+from dynsteer.config import CONFIG_KEY, DynsteerConfig
 from dynsteer.payload import PAYLOAD_KEY, decode_payload, payload_body
 from dynsteer.spec import ModelShape, SteeringSpec
 from dynsteer.steering.compile import compile_phase
@@ -128,8 +129,30 @@ def salted(cache_salt: str | None, fingerprint: str) -> str | None:
     return f"{cache_salt or ''}|{SALT_TAG}{fingerprint}"
 
 
+def check_engine_config(vllm_config: Any) -> None:
+    """Frontend, before the engine core starts: reject a bad dynsteer config with an error naming the field.
+
+    The workers check again when they build the model, but in a spawned engine core their message only reaches the
+    log; the user's process would merely see that the engine failed to start.
+    """
+    cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
+    for name in cfg.capture_consumers:
+        try:
+            consumer_class(name)
+        except ValueError as exc:
+            raise ValueError(f"{CONFIG_KEY}.capture_consumers[{name!r}]: {exc}") from None
+
+
 def patch_input_processor(cls: type) -> None:
     orig = cls.process_inputs
+    orig_init = cls.__init__
+
+    @functools.wraps(orig_init)
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        check_engine_config(vllm_config)
+        orig_init(self, vllm_config, *args, **kwargs)
+
+    cls.__init__ = __init__
 
     @functools.wraps(orig)
     def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
