@@ -4,7 +4,9 @@ Three engines of an 8B-shaped Llama (``load_format="dummy"``, bf16, CUDA graphs 
 GPU, each in its own process: vLLM without dynsteer (``absent``), dynsteer with its default configuration and no
 capture buffers (``base``), and the same plus capture buffers at ``post_block`` of every layer (``capture``). The
 parent interleaves them: each repeat measures every (engine, mode) once per batch size, in rotating order, so drift
-in clocks or host load hits all of them alike, and overheads are medians of per-repeat paired ratios.
+in clocks or host load hits all of them alike, and overheads are medians of per-repeat paired ratios. All idle runs
+come first; capturing traffic (whose data the host then holds and frees) is measured after them, against the median
+idle time of the same engine.
 
 Modes of the ``capture`` engine: ``idle`` (buffers present, no request captures), ``capture 1 place`` (every request
 captures ``all_generated`` at one layer) and ``capture 8 places`` (eight layers). Capturing requests are timed end to
@@ -139,7 +141,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=9, help="repeats of the idle phase")
+    ap.add_argument("--traffic-repeats", type=int, default=3, help="repeats of the capturing-traffic phase")
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gpu-util", type=float, default=0.25, help="per engine (three share the GPU)")
     ap.add_argument("--eager", action="store_true", help="CUDA graphs off (a CPU smoke run)")
@@ -154,44 +158,56 @@ def main() -> None:
     model_dir = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(prefix="llama8b-shape-"))
     if not args.model_dir:
         (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
+    names = [n for n in ENGINES if n in args.engines]
     engines = {}
-    for name in ENGINES:  # one at a time: vLLM sizes its KV cache from the memory free while it starts
+    for name in names:  # one at a time: vLLM sizes its KV cache from the memory free while it starts
         t0 = time.perf_counter()
         engines[name] = Engine(name, model_dir, args)
         print(f"{name}: engine up in {time.perf_counter() - t0:.0f} s", flush=True)
-    runs = [(name, mode) for name in ENGINES for mode in MODES[name]]
-    for name, mode in runs:  # warm-up: graphs for every batch size, first-call costs
-        for batch in args.batches:
-            engines[name].run(batch, mode)
+    # Idle runs first, all of them, then capturing traffic: captured data (host memory, pinned blocks) must not
+    # linger into an idle measurement.
+    phases = [[(n, "idle") for n in names], [(n, m) for n in names for m in MODES[n] if m != "idle"]]
+    runs = [r for phase in phases for r in phase]
     times: dict[str, dict[int, list[float]]] = {f"{n}/{m}": {b: [] for b in args.batches} for n, m in runs}
     deliver: dict[str, dict[int, list[float]]] = {f"{n}/{m}": {b: [] for b in args.batches} for n, m in runs}
-    for rep in range(args.repeats):
-        for batch in args.batches:
-            order = runs[rep % len(runs):] + runs[:rep % len(runs)]
-            for name, mode in order:
-                got = engines[name].run(batch, mode)
-                times[f"{name}/{mode}"][batch].append(got["s"])
-                deliver[f"{name}/{mode}"][batch].append(got["deliver_s"])
-        print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
+    for phase, repeats in zip(phases, (args.repeats, args.traffic_repeats)):
+        if not phase:
+            continue
+        for name, mode in phase:  # warm-up: graphs for every batch size, first-call costs
+            for batch in args.batches:
+                engines[name].run(batch, mode)
+        for rep in range(repeats):
+            for batch in args.batches:
+                order = phase[rep % len(phase):] + phase[:rep % len(phase)]
+                for name, mode in order:
+                    got = engines[name].run(batch, mode)
+                    times[f"{name}/{mode}"][batch].append(got["s"])
+                    deliver[f"{name}/{mode}"][batch].append(got["deliver_s"])
+            print(f"{phase[0][1]} phase: repeat {rep + 1}/{repeats} done", flush=True)
     for eng in engines.values():
         eng.close()
 
     def paired(a: str, b: str) -> dict[str, dict[str, float]]:
-        """Overhead of run a over run b in %, from the per-repeat ratios (median, min, max)."""
+        """Overhead of run a over run b in %, from the per-repeat ratios (median, min, max); traffic runs are
+        compared with the median idle time (they ran in another phase)."""
         out = {}
         for batch in args.batches:
-            pct = [(x / y - 1) * 100 for x, y in zip(times[a][batch], times[b][batch])]
+            xs, ys = times[a][batch], times[b][batch]
+            same_phase = a.endswith("/idle") == b.endswith("/idle")
+            pct = ([(x / y - 1) * 100 for x, y in zip(xs, ys)] if same_phase else
+                   [(x / statistics.median(ys) - 1) * 100 for x in xs])
             out[str(batch)] = {"median": round(statistics.median(pct), 3), "min": round(min(pct), 3),
                                "max": round(max(pct), 3)}
         return out
 
-    comparisons = {
-        "dynsteer loaded, idle (vs absent)": paired("base/idle", "absent/idle"),
-        "capture-enabled idle (vs base)": paired("capture/idle", "base/idle"),
-        "capture-enabled idle (vs absent)": paired("capture/idle", "absent/idle"),
-        "capture 1 place (vs capture-enabled idle)": paired("capture/capture 1 place", "capture/idle"),
-        "capture 8 places (vs capture-enabled idle)": paired("capture/capture 8 places", "capture/idle"),
-    }
+    comparisons = {}
+    for label, a, b in [("dynsteer loaded, idle (vs absent)", "base/idle", "absent/idle"),
+                        ("capture-enabled idle (vs base)", "capture/idle", "base/idle"),
+                        ("capture-enabled idle (vs absent)", "capture/idle", "absent/idle"),
+                        ("capture 1 place (vs capture-enabled idle)", "capture/capture 1 place", "capture/idle"),
+                        ("capture 8 places (vs capture-enabled idle)", "capture/capture 8 places", "capture/idle")]:
+        if a in times and b in times:
+            comparisons[label] = paired(a, b)
     tok_s = {k: {str(b): round(b * args.tokens / statistics.median(v), 1) for b, v in per.items()}
              for k, per in times.items()}
     deliver_ms = {k: {str(b): round(statistics.median(v) * 1e3, 2) for b, v in per.items()}
@@ -203,7 +219,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
         "vllm": vllm.__version__, "model": str(args.model_dir or "Llama-3-8B shape") + f", load_format=dummy, {args.dtype}",
         "cuda_graphs": not args.eager, "output_tokens": args.tokens, "prompt_tokens": args.prompt_len,
-        "repeats": args.repeats, "engines": ENGINES, "tokens_per_s": tok_s, "overhead_pct": comparisons,
+        "repeats": {"idle": args.repeats, "traffic": args.traffic_repeats},
+        "engines": {n: ENGINES[n] for n in names}, "tokens_per_s": tok_s, "overhead_pct": comparisons,
         "deliver_ms_median": deliver_ms, "target_pct": {"capture-enabled idle (vs base)": TARGET_IDLE_PCT},
     }
     out = Path(args.out)

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 
-from dynsteer.capture.result import Capture, unpack_record
+from dynsteer.capture.result import Capture, host_id, unpack_records
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.engine.apc import state_of
 from dynsteer.payload import PAYLOAD_KEY, encode_payload, with_tag
@@ -207,8 +207,8 @@ class Steerer:
 
     def take_captures(self, tags: Sequence[str]) -> dict[str, Capture]:
         """In-memory captures of finished requests, by payload tag (each can be taken once)."""
-        packed = [rec for rank in self.llm.collective_rpc("dynsteer_take_captures", args=(list(tags),)) for rec in rank]
-        return {c.tag: c for c in map(unpack_record, packed)}
+        replies = self.llm.collective_rpc("dynsteer_take_captures", args=(list(tags), host_id()))
+        return {c.tag: c for c in unpack_records([rec for rank in replies for rec in rank])}
 
     def take_traces(self, tags: Sequence[str], all_ranks: bool = False) -> Any:
         """Dynamic-steering traces of finished requests, by payload tag (each can be taken once).

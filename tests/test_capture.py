@@ -14,6 +14,7 @@ import torch
 
 import dynsteer
 from dynsteer import AddVector, CaptureReader, CaptureSpec, DynsteerConfig, SteeringSpec
+from dynsteer.capture import result as result_mod
 from dynsteer.capture.consumers import FilesystemConsumer, LAYOUTS
 from dynsteer.capture.store import CaptureRecord
 from tests.conftest import ON_GPU, make_llm, token_ids
@@ -125,7 +126,12 @@ def test_capture_reads_the_unsteered_residual_at_its_site(capture_engine):
     steered = st.generate(PROMPTS, greedy(), capture=spec, steering=steer)
     assert token_ids(steered) != token_ids(plain)
     for a, b in zip(plain, steered):
-        np.testing.assert_array_equal(a.capture[(1, "post_block")], b.capture[(1, "post_block")])
+        got, want = b.capture[(1, "post_block")], a.capture[(1, "post_block")]
+        if ON_GPU:  # float32 GPU kernels differ between the two forwards in the last bits (TF32 inside)
+            err = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
+            assert err.max() < 1e-3, err.max()  # the steered residual would be off by |v| / |row| ~ 1
+        else:
+            np.testing.assert_array_equal(got, want)
 
 
 def test_capturing_engine_serves_non_capturing_requests_byte_identically(capture_engine, plain_outputs):
@@ -201,6 +207,41 @@ def test_layouts_round_trip_through_the_reader(tmp_path, layout):
             np.testing.assert_array_equal(arrays[place], arr)
     if layout == "sharded":
         assert len(list(tmp_path.glob("shard-*.json"))) > 1
+
+
+def _shm_files() -> set[str]:
+    return {p.name for p in result_mod.SHM_DIR.glob("dynsteer-capture-*")} if result_mod.SHM_DIR.is_dir() else set()
+
+
+@pytest.mark.parametrize("route", ["shared", "inline", "no_room"])
+def test_records_cross_the_rpc_hop_intact(route, monkeypatch):
+    """Worker -> caller wire form: through one shared-memory file on the same host (unlinked as soon as the caller
+    maps it), inline bytes otherwise or when /dev/shm has no room; chunks out of order, an empty record."""
+    if route != "inline" and not result_mod.SHM_DIR.is_dir():
+        pytest.skip("no /dev/shm here")
+    records = [_record("a"), _record("b", n=9), CaptureRecord(tag="empty", req_id="empty", spec=_record("c").spec,
+                                                              prompt_len=3)]
+    late = _record("late")  # its second chunk landed first (a preempted request's recomputed rows)
+    late.positions.reverse()
+    late._parts.reverse()
+    records.append(late)
+    if route == "no_room":
+        def full(*_a):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(result_mod.os, "posix_fallocate", full)
+    before = _shm_files()
+    packed = result_mod.pack_records(records, None if route == "inline" else result_mod.host_id())
+    assert all(("shm" in p) == (route == "shared") for p in packed)
+    caps = result_mod.unpack_records(packed)
+    assert _shm_files() == before  # unlinked on arrival (and none left behind when there was no room)
+    for rec, cap in zip(records, caps):
+        want_pos, want = rec.arrays()
+        assert cap.tag == rec.tag and cap.positions.tolist() == want_pos.tolist() == sorted(want_pos.tolist())
+        assert set(cap.arrays) == set(want)
+        for place, arr in want.items():
+            np.testing.assert_array_equal(cap[place], arr)
+    caps[0][(0, "post_attn")][0, 0] = 123.0  # the caller owns writable arrays
 
 
 @pytest.mark.parametrize("layout", ["packed", "sharded"])

@@ -1,14 +1,27 @@
-"""Captures as the caller receives them, and their wire form (plain bytes + JSON-like fields: they cross vLLM's
-msgpack hop between the engine and the user's process)."""
+"""Captures as the caller receives them, and their wire form.
+
+Records cross vLLM's RPC hop from the worker to the user's process. When both run on one host (always so for
+``vllm.LLM``) the arrays travel through one file in ``/dev/shm``: the worker writes each array into it once, the
+caller maps it and unlinks it at once, and its arrays are views of that mapping (no copy, freed with them). Across
+hosts, or when ``/dev/shm`` lacks room, the arrays go inline as bytes in the RPC reply.
+"""
 
 from __future__ import annotations
 
+import mmap
+import os
+import socket
+import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dynsteer.capture.store import CaptureRecord, Place
+
+SHM_DIR = Path("/dev/shm")
+_ALIGN = 64
 
 
 @dataclass
@@ -33,24 +46,104 @@ class Capture:
         return self.arrays[place]
 
 
-def _pack(arr: np.ndarray) -> dict[str, Any]:
-    return {"dtype": str(arr.dtype), "shape": list(arr.shape), "data": np.ascontiguousarray(arr).tobytes()}
+def host_id() -> str:
+    """Identifies this host's shared memory: hostname plus boot id (containers sharing a hostname differ in it)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
-def _unpack(obj: dict[str, Any]) -> np.ndarray:
-    return np.frombuffer(obj["data"], dtype=obj["dtype"]).reshape(obj["shape"]).copy()
+def _key(place: Place) -> str:
+    return f"{place[0]}.{place[1]}"
 
 
-def pack_record(record: CaptureRecord) -> dict[str, Any]:
-    positions, arrays = record.arrays()
-    return {"tag": record.tag, "status": record.status, "errors": list(record.errors), "positions": _pack(positions),
-            "arrays": {f"{layer}.{site}": _pack(a) for (layer, site), a in arrays.items()}}
+def _place(key: str) -> Place:
+    layer, site = key.split(".", 1)
+    return int(layer), site  # type: ignore[return-value]
 
 
-def unpack_record(obj: dict[str, Any]) -> Capture:
-    arrays = {}
-    for key, packed in obj["arrays"].items():
-        layer, site = key.split(".", 1)
-        arrays[(int(layer), site)] = _unpack(packed)
-    return Capture(tag=obj["tag"], positions=_unpack(obj["positions"]), arrays=arrays, status=obj["status"],
-                   errors=list(obj["errors"]))
+def pack_records(records: list[CaptureRecord], host: str | None = None) -> list[dict[str, Any]]:
+    """Wire form of finished records; through one shared-memory file when the caller's ``host`` is this one."""
+    if not records:
+        return []
+    if host is not None and host == host_id() and SHM_DIR.is_dir():
+        try:
+            return _pack_shared(records)
+        except OSError:
+            pass  # no room in /dev/shm (a small container default): send the bytes inline
+    return [_pack_inline(rec) for rec in records]
+
+
+def _meta(rec: CaptureRecord) -> dict[str, Any]:
+    return {"tag": rec.tag, "status": rec.status, "errors": list(rec.errors)}
+
+
+def _pack_inline(rec: CaptureRecord) -> dict[str, Any]:
+    def pack(arr: np.ndarray) -> dict[str, Any]:
+        return {"dtype": str(arr.dtype), "shape": list(arr.shape), "data": arr.tobytes()}
+
+    positions, arrays = rec.arrays()
+    return {**_meta(rec), "positions": pack(positions), "arrays": {_key(p): pack(a) for p, a in arrays.items()}}
+
+
+def _pack_shared(records: list[CaptureRecord]) -> list[dict[str, Any]]:
+    specs, total = [], 0
+    for rec in records:  # offsets first, so the file is sized (and its space reserved) before any write
+        n, places = rec.layout()
+        entries = [("positions", (n,), np.dtype(np.int64))] + [(_key(p), sh, dt) for p, (sh, dt) in places.items()]
+        offsets = {}
+        for key, shape, dtype in entries:
+            offsets[key] = total
+            total += -(-int(np.prod(shape)) * dtype.itemsize // _ALIGN) * _ALIGN
+        specs.append(offsets)
+    path = SHM_DIR / f"dynsteer-capture-{os.getpid()}-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        # Reserve the space now: writing through a mapping past a full tmpfs would be a SIGBUS, not an error.
+        os.posix_fallocate(fd, 0, max(total, 1))
+        with mmap.mmap(fd, max(total, 1)) as mm:
+            out = []
+            for rec, offsets in zip(records, specs):
+                fields: dict[str, Any] = {}
+
+                def into(shape: tuple[int, ...], dtype: np.dtype, keys=iter(offsets), fields=fields) -> np.ndarray:
+                    key = next(keys)  # rec.arrays() asks for positions, then the places in layout order
+                    fields[key] = {"dtype": str(np.dtype(dtype)), "shape": list(shape), "offset": offsets[key]}
+                    return np.ndarray(shape, dtype=dtype, buffer=mm, offset=offsets[key])
+
+                rec.arrays(into)
+                positions = fields.pop("positions")
+                out.append({**_meta(rec), "shm": str(path), "positions": positions, "arrays": fields})
+        return out
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+def unpack_records(packed: list[dict[str, Any]]) -> list[Capture]:
+    """Captures from their wire form (shared-memory files are mapped once and unlinked at once)."""
+    maps: dict[str, mmap.mmap] = {}
+    for obj in packed:
+        path = obj.get("shm")
+        if path is not None and path not in maps:
+            with open(path, "rb") as f:
+                # Private copy-on-write mapping: the caller gets writable arrays that never touch the file.
+                maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            os.unlink(path)
+    out = []
+    for obj in packed:
+        mm = maps.get(obj.get("shm"))
+
+        def unpack(field_: dict[str, Any], mm=mm) -> np.ndarray:
+            if mm is None:
+                return np.frombuffer(field_["data"], dtype=field_["dtype"]).reshape(field_["shape"]).copy()
+            return np.ndarray(field_["shape"], dtype=field_["dtype"], buffer=mm, offset=field_["offset"])
+
+        out.append(Capture(tag=obj["tag"], positions=unpack(obj["positions"]),
+                           arrays={_place(k): unpack(v) for k, v in obj["arrays"].items()}, status=obj["status"],
+                           errors=list(obj["errors"])))
+    return out

@@ -67,15 +67,37 @@ class CaptureRecord:
         arrays, s, e = self._parts[i]
         return {place: arrays[place][s:e] for place in self.places}
 
-    def arrays(self) -> tuple[np.ndarray, dict[Place, np.ndarray]]:
-        """Positions (sorted) and one ``[n, hidden]`` array per place, rows in position order."""
-        pos = np.concatenate(self.positions) if self.positions else np.zeros(0, np.int64)
-        order = np.argsort(pos, kind="stable")
+    def layout(self) -> tuple[int, dict[Place, tuple[tuple[int, ...], np.dtype]]]:
+        """Rows captured so far, and the shape and dtype of each place's array (for callers that allocate)."""
+        n = sum(e - s for _, s, e in self._parts)
         out = {}
         for place in self.places:
+            first = next((arrays[place] for arrays, _, _ in self._parts), None)
+            out[place] = ((n, first.shape[1]), first.dtype) if first is not None else ((0, 0), np.dtype(np.float32))
+        return n, out
+
+    def arrays(self, into: Callable[[tuple[int, ...], np.dtype], np.ndarray] = np.empty
+               ) -> tuple[np.ndarray, dict[Place, np.ndarray]]:
+        """Positions (sorted) and one ``[n, hidden]`` array per place, rows in position order.
+
+        Args:
+            into: allocates each result (``(shape, dtype) -> array``), e.g. views of a shared-memory file; rows
+                that landed in order (the usual case) are copied straight into it, once.
+        """
+        pos = np.concatenate(self.positions) if self.positions else np.zeros(0, np.int64)
+        in_order = bool((np.diff(pos) > 0).all())
+        order = None if in_order else np.argsort(pos, kind="stable")
+        positions = into(pos.shape, pos.dtype)
+        positions[:] = pos if in_order else pos[order]
+        out = {}
+        for place, (shape, dtype) in self.layout()[1].items():
+            dst = out[place] = into(shape, dtype)
             parts = [arrays[place][s:e] for arrays, s, e in self._parts]
-            out[place] = np.concatenate(parts)[order] if parts else np.zeros((0, 0), np.float32)
-        return pos[order], out
+            if parts and in_order:
+                np.concatenate(parts, out=dst)
+            elif parts:
+                dst[:] = np.concatenate(parts)[order]
+        return positions, out
 
     def fail(self, message: str, status: str = "partial") -> None:
         self.status = status if self.status == "ok" else self.status

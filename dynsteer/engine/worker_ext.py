@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynsteer.capture.result import pack_record
+from dynsteer.capture.result import pack_records
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.engine.adapters import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
 from dynsteer.engine.runner import runtime_of
@@ -62,9 +62,12 @@ def dynsteer_set_capture(self: Any, spec: dict[str, Any] | None) -> None:
     rt.capture.global_spec = parsed
 
 
-def dynsteer_take_captures(self: Any, tags: list[str]) -> list[dict[str, Any]]:
-    """Finish and return the in-memory captures with these tags (rank 0 returns data; other ranks return [])."""
-    return [pack_record(rec) for rec in _runtime(self).take_captures(tags)]
+def dynsteer_take_captures(self: Any, tags: list[str], host: str | None = None) -> list[dict[str, Any]]:
+    """Finish and return the in-memory captures with these tags (rank 0 returns data; other ranks return []).
+
+    ``host``: the caller's host id; on the same host the arrays travel through shared memory.
+    """
+    return pack_records(_runtime(self).take_captures(tags), host)
 
 
 def dynsteer_take_traces(self: Any, tags: list[str]) -> list[dict[str, Any]]:
