@@ -134,6 +134,31 @@ def test_capture_reads_the_unsteered_residual_at_its_site(capture_engine):
             np.testing.assert_array_equal(got, want)
 
 
+def test_requests_of_one_batch_get_their_own_dtype(capture_engine):
+    """Three requests in one batch capture the same place as float32, bfloat16 (rounded on the device, returned as
+    float32: numpy has no bfloat16) and float16; each is the float32 capture rounded to its dtype."""
+    llm, st, _ = capture_engine
+    place = (2, "pre_attn")
+    specs = {dt: CaptureSpec(layers=(2,), sites=("pre_attn",), positions="all", dtype=dt)
+             for dt in ("float32", "bfloat16", "float16")}
+    params = [dynsteer.steer_params(greedy(), None, tag=f"dtype-{dt}", capture=spec) for dt, spec in specs.items()]
+    outs = llm.generate([PROMPTS[0]] * 3, params, use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    caps = st.take_captures([f"dtype-{dt}" for dt in specs])
+    full = caps["dtype-float32"][place]
+    assert full.dtype == np.float32 and full.shape[0] == len(outs[0].prompt_token_ids) + GEN - 1
+    # Three rows of one batch may differ from each other in the last float32 bits (CPU GEMM blocking): compare
+    # within one unit of the narrow type, and check that the narrow values really are narrow.
+    bf16 = caps["dtype-bfloat16"][place]
+    assert bf16.dtype == np.float32
+    np.testing.assert_array_equal(bf16, torch.from_numpy(bf16).bfloat16().float().numpy())  # representable
+    np.testing.assert_allclose(bf16, full, rtol=2 ** -7, atol=1e-4)
+    assert not np.array_equal(bf16, full)
+    half = caps["dtype-float16"][place]
+    assert half.dtype == np.float16
+    np.testing.assert_allclose(half.astype(np.float32), full, rtol=2 ** -10, atol=1e-4)
+
+
 def test_capturing_engine_serves_non_capturing_requests_byte_identically(capture_engine, plain_outputs):
     llm, st, _ = capture_engine
     assert token_ids(llm.generate(FRESH, greedy(12))) == plain_outputs

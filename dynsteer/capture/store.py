@@ -181,7 +181,8 @@ class CaptureCollector:
         self._index.next()[:n] = rows
         self._index.copy_to(self._index.target, n)
         idx = self._index.target[:n]
-        wanted = {(place, rec.spec.dtype) for rec, _, _ in segments for place in rec.places}
+        specs = {id(rec.spec): rec for rec, _, _ in segments}.values()  # requests sharing a payload share its spec
+        wanted = {(place, rec.spec.dtype) for rec in specs for place in rec.places}
         gathered: dict[tuple[Place, str], torch.Tensor] = {}
         for place in {p for p, _ in wanted}:
             rows_at = self.stages[place].index_select(0, idx)
