@@ -36,7 +36,8 @@ class DynsteerConfig(BaseModel):
             these places; none: capture off, zero cost).
         capture_layers: layers with capture buffers (``None``: every hooked layer).
         capture_consumers: ``{name: options}`` of consumers built in every worker (``memory``, ``filesystem``
-            with ``root``/``layout``, or an entry point of group ``dynsteer.capture_consumers``).
+            with ``root``/``layout``, ``zmq`` with ``endpoint``, or an entry point of group
+            ``dynsteer.capture_consumers``); ``options["kind"]`` picks the kind when the name is another one.
         forward: ``"op"`` runs each site as one opaque custom op (the fused Triton kernel on CUDA, the torch
             reference elsewhere); ``"inline"`` traces the reference's torch ops into the model graph so
             torch.compile can fuse them into neighbouring kernels (fewer launches per step).

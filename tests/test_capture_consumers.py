@@ -79,3 +79,72 @@ def test_unknown_consumer_name_fails_at_engine_start(tiny_llama_path):
     with pytest.raises(Exception, match="unknown capture consumer 'nope'"):
         with make_llm(tiny_llama_path, **cfg.engine_kwargs()):
             pass
+
+
+def test_zmq_consumer_sends_records_and_streamed_chunks_and_a_missing_receiver_only_marks_partial(tiny_llama_path):
+    import numpy as np
+    import zmq
+    from vllm import SamplingParams
+
+    from dynsteer.capture.zmq_consumer import receive_capture
+
+    ctx = zmq.Context.instance()
+    whole, live = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
+    whole_port = whole.bind_to_random_port("tcp://127.0.0.1")
+    live_port = live.bind_to_random_port("tcp://127.0.0.1")
+    probe = ctx.socket(zmq.PULL)  # a port nobody listens on: bound, then closed
+    dead_port = probe.bind_to_random_port("tcp://127.0.0.1")
+    probe.close(linger=0)
+    cfg = DynsteerConfig(capture_sites=("pre_attn", "post_block"), capture_consumers={
+        "memory": {},
+        "zmq": {"endpoint": f"tcp://127.0.0.1:{whole_port}"},
+        "live": {"kind": "zmq", "endpoint": f"tcp://127.0.0.1:{live_port}", "stream": True},
+        "nobody": {"kind": "zmq", "endpoint": f"tcp://127.0.0.1:{dead_port}"}})
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    prompts = ["the quick brown fox", "once upon a time"]
+    spec = CaptureSpec(layers=(1, 3), sites=("pre_attn", "post_block"), positions="all",
+                       consumers=("memory", "zmq", "live"))
+    try:
+        with make_llm(tiny_llama_path, **cfg.engine_kwargs()) as llm:
+            st = dynsteer.attach(llm)
+            base = token_ids(llm.generate(prompts, params))
+            outs = st.generate(prompts, params, capture=spec)
+            assert token_ids(outs) == base
+            got = {}
+            for _ in prompts:
+                assert whole.poll(10_000), "no record message"
+                kind, cap = receive_capture(whole)
+                assert kind == "record" and cap.status == "ok"
+                got[cap.tag] = cap
+            chunks: dict[str, list] = {}
+            ended = set()
+            while len(ended) < len(prompts):
+                assert live.poll(10_000), "no streamed message"
+                kind, cap = receive_capture(live)
+                if kind == "record":
+                    assert not cap.arrays and cap.positions.size == 0  # the chunks came first
+                    ended.add(cap.tag)
+                else:
+                    assert cap.tag not in ended
+                    chunks.setdefault(cap.tag, []).append(cap)
+            for out in outs:
+                want = out.capture
+                assert set(got[want.tag].arrays) == set(want.arrays) == set(spec.places())
+                np.testing.assert_array_equal(got[want.tag].positions, want.positions)
+                parts = chunks[want.tag]
+                assert len(parts) >= 2  # prefill, then decode steps
+                pos = np.concatenate([c.positions for c in parts])
+                order = np.argsort(pos)
+                np.testing.assert_array_equal(pos[order], want.positions)
+                for place, arr in want.arrays.items():
+                    np.testing.assert_array_equal(got[want.tag][place], arr)
+                    np.testing.assert_array_equal(np.concatenate([c[place] for c in parts])[order], arr)
+            # No receiver: the send fails at once, generation is untouched, the data stays with the caller.
+            lost = st.generate(prompts, params, capture=CaptureSpec(layers=(1,), consumers=("nobody",)))
+            assert token_ids(lost) == base
+            for out in lost:
+                assert out.capture.status == "partial" and "zmq consumer" in out.capture.errors[0]
+                assert out.capture[(1, "post_block")].shape == (1, st.hidden_size)  # last_prompt: one row
+    finally:
+        whole.close(linger=0)
+        live.close(linger=0)

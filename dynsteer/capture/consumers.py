@@ -1,4 +1,5 @@
-"""Where finished captures go: kept in memory for the caller, written to disk, or handed to third-party consumers.
+"""Where finished captures go: kept in memory for the caller, written to disk, sent over ZeroMQ
+(``dynsteer.capture.zmq_consumer``), or handed to third-party consumers.
 
 A consumer that raises marks the record ``partial`` and never aborts generation. Third-party consumers register
 under the entry-point group ``dynsteer.capture_consumers`` (a class taking ``**options``).
@@ -161,8 +162,12 @@ class FilesystemConsumer:
 
 
 def consumer_class(name: str) -> Any:
-    """The class a consumer name stands for: a built-in (``memory``, ``filesystem``) or the entry point of
+    """The class a consumer name stands for: a built-in (``memory``, ``filesystem``, ``zmq``) or the entry point of
     :data:`ENTRY_POINT_GROUP` with that name."""
+    if name == "zmq":
+        from dynsteer.capture.zmq_consumer import ZmqConsumer
+
+        return ZmqConsumer
     builtin = {"memory": MemoryConsumer, "filesystem": FilesystemConsumer}
     if name in builtin:
         return builtin[name]
@@ -171,10 +176,15 @@ def consumer_class(name: str) -> Any:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             return ep.load()
-    raise ValueError(f"unknown capture consumer {name!r} (built-in: memory, filesystem; "
+    raise ValueError(f"unknown capture consumer {name!r} (built-in: memory, filesystem, zmq; "
                      f"or register one under the entry-point group {ENTRY_POINT_GROUP!r})")
 
 
 def build_consumer(name: str, options: dict[str, Any]) -> Any:
-    """A built-in consumer (``memory``, ``filesystem``) or one registered under :data:`ENTRY_POINT_GROUP`."""
-    return consumer_class(name)(**options)
+    """A built-in consumer (``memory``, ``filesystem``, ``zmq``) or one registered under :data:`ENTRY_POINT_GROUP`.
+
+    ``name`` is also the kind unless the options say ``kind``: ``{"archive": {"kind": "filesystem", ...}}`` gives a
+    second filesystem consumer, named ``archive`` in capture specs.
+    """
+    options = dict(options)
+    return consumer_class(options.pop("kind", name))(**options)

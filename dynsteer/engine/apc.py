@@ -136,9 +136,9 @@ def check_engine_config(vllm_config: Any) -> None:
     log; the user's process would merely see that the engine failed to start.
     """
     cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
-    for name in cfg.capture_consumers:
+    for name, options in cfg.capture_consumers.items():
         try:
-            consumer_class(name)
+            consumer_class(options.get("kind", name))
         except ValueError as exc:
             raise ValueError(f"{CONFIG_KEY}.capture_consumers[{name!r}]: {exc}") from None
 
