@@ -90,12 +90,12 @@ class ZmqConsumer:
 
     def _send(self, kind: str, record: CaptureRecord, positions: np.ndarray | None,
               values: dict[Place, np.ndarray]) -> None:
-        arrays = ([] if positions is None else [positions]) + [np.ascontiguousarray(a) for a in values.values()]
+        arrays = [np.ascontiguousarray(a) for a in ([] if positions is None else [positions]) + list(values.values())]
         header = {"v": WIRE_VERSION, "kind": kind, "tag": record.tag, "status": record.status,
                   "errors": list(record.errors), "prompt_len": record.prompt_len, "chunk": record.chunks,
                   "positions": None if positions is None else _describe(positions),
                   "arrays": [{"place": _key(p), **_describe(a)} for p, a in values.items()]}
-        frames = [self._encode(header)] + [np.ascontiguousarray(a).data for a in arrays]
+        frames = [self._encode(header)] + [a.data for a in arrays]  # zero-copy: zmq holds the views until sent
         try:
             self._sock.send_multipart(frames, copy=False)
         except zmq.Again:
