@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dynsteer.capture.store import CaptureRecord, Place
+from dynsteer.capture.store import CaptureRecord, Place, place_key
 
 logger = logging.getLogger("dynsteer")
 ENTRY_POINT_GROUP = "dynsteer.capture_consumers"
@@ -38,10 +38,6 @@ class CaptureConsumer(Protocol):
     name: str
 
     def on_finish(self, record: CaptureRecord) -> None: ...
-
-
-def place_key(place: Place) -> str:
-    return f"{place[0]}.{place[1]}"
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -15,12 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dynsteer.capture.store import Place
-
-
-def _place(key: str) -> Place:
-    layer, site = key.split(".", 1)
-    return int(layer), site  # type: ignore[return-value]
+from dynsteer.capture.store import Place, place_from_key
 
 
 class CaptureReader:
@@ -76,4 +71,4 @@ class CaptureReader:
             chunk = raw[spec["offset"]: spec["offset"] + spec["nbytes"]]
             out[name] = np.frombuffer(chunk.tobytes(), dtype=spec["dtype"]).reshape(spec["shape"])
         positions = out.pop("positions")
-        return positions, {_place(k): v for k, v in out.items()}
+        return positions, {place_from_key(k): v for k, v in out.items()}

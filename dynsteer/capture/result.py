@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from dynsteer.capture.store import CaptureRecord, Place
+from dynsteer.capture.store import CaptureRecord, Place, place_from_key, place_key
 
 SHM_DIR = Path("/dev/shm")
 _ALIGN = 64
@@ -55,15 +55,6 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _key(place: Place) -> str:
-    return f"{place[0]}.{place[1]}"
-
-
-def _place(key: str) -> Place:
-    layer, site = key.split(".", 1)
-    return int(layer), site  # type: ignore[return-value]
-
-
 def pack_records(records: list[CaptureRecord], host: str | None = None) -> list[dict[str, Any]]:
     """Wire form of finished records; through one shared-memory file when the caller's ``host`` is this one."""
     if not records:
@@ -85,14 +76,14 @@ def _pack_inline(rec: CaptureRecord) -> dict[str, Any]:
         return {"dtype": str(arr.dtype), "shape": list(arr.shape), "data": arr.tobytes()}
 
     positions, arrays = rec.arrays()
-    return {**_meta(rec), "positions": pack(positions), "arrays": {_key(p): pack(a) for p, a in arrays.items()}}
+    return {**_meta(rec), "positions": pack(positions), "arrays": {place_key(p): pack(a) for p, a in arrays.items()}}
 
 
 def _pack_shared(records: list[CaptureRecord]) -> list[dict[str, Any]]:
     specs, total = [], 0
     for rec in records:  # offsets first, so the file is sized (and its space reserved) before any write
         n, places = rec.layout()
-        entries = [("positions", (n,), np.dtype(np.int64))] + [(_key(p), sh, dt) for p, (sh, dt) in places.items()]
+        entries = [("positions", (n,), np.dtype(np.int64))] + [(place_key(p), sh, dt) for p, (sh, dt) in places.items()]
         offsets = {}
         for key, shape, dtype in entries:
             offsets[key] = total
@@ -144,6 +135,6 @@ def unpack_records(packed: list[dict[str, Any]]) -> list[Capture]:
             return np.ndarray(field_["shape"], dtype=field_["dtype"], buffer=mm, offset=field_["offset"])
 
         out.append(Capture(tag=obj["tag"], positions=unpack(obj["positions"]),
-                           arrays={_place(k): unpack(v) for k, v in obj["arrays"].items()}, status=obj["status"],
+                           arrays={place_from_key(k): unpack(v) for k, v in obj["arrays"].items()}, status=obj["status"],
                            errors=list(obj["errors"])))
     return out

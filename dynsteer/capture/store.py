@@ -25,6 +25,18 @@ from dynsteer.steering.staging import StagingRing
 
 logger = logging.getLogger("dynsteer")
 Place = tuple[int, Site]
+
+
+def place_key(place: Place) -> str:
+    """``(3, "post_block")`` -> ``"3.post_block"``: how a place is named in files and wire formats."""
+    return f"{place[0]}.{place[1]}"
+
+
+def place_from_key(key: str) -> Place:
+    """The inverse of :func:`place_key`."""
+    layer, site = key.split(".", 1)
+    return int(layer), site  # type: ignore[return-value]
+
 # numpy has no bfloat16: bfloat16 captures are rounded to bfloat16 on the device and returned as float32 arrays.
 _DEVICE_DTYPES = {"float32": (torch.float32,), "bfloat16": (torch.bfloat16, torch.float32),
                   "float16": (torch.float16,)}
@@ -179,7 +191,7 @@ class CaptureCollector:
         self._rows, self._pos, self._segments = [], [], []
         n = len(rows)
         self._index.next()[:n] = rows
-        self._index.copy_to(self._index.target, n)
+        self._index.copy_to(n)
         idx = self._index.target[:n]
         specs = {id(rec.spec): rec for rec, _, _ in segments}.values()  # requests sharing a payload share its spec
         wanted = {(place, rec.spec.dtype) for rec in specs for place in rec.places}

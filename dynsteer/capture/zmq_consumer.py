@@ -29,13 +29,9 @@ import numpy as np
 import zmq
 
 from dynsteer.capture.result import Capture
-from dynsteer.capture.store import CaptureRecord, Place
+from dynsteer.capture.store import CaptureRecord, Place, place_from_key, place_key
 
 WIRE_VERSION = 1
-
-
-def _key(place: Place) -> str:
-    return f"{place[0]}.{place[1]}"
 
 
 class ZmqConsumer:
@@ -94,7 +90,7 @@ class ZmqConsumer:
         header = {"v": WIRE_VERSION, "kind": kind, "tag": record.tag, "status": record.status,
                   "errors": list(record.errors), "prompt_len": record.prompt_len, "chunk": record.chunks,
                   "positions": None if positions is None else _describe(positions),
-                  "arrays": [{"place": _key(p), **_describe(a)} for p, a in values.items()]}
+                  "arrays": [{"place": place_key(p), **_describe(a)} for p, a in values.items()]}
         frames = [self._encode(header)] + [a.data for a in arrays]  # zero-copy: zmq holds the views until sent
         try:
             self._sock.send_multipart(frames, copy=False)
@@ -124,7 +120,6 @@ def receive_capture(sock: Any, flags: int = 0) -> tuple[str, Capture]:
     positions = take(header["positions"]) if header["positions"] is not None else np.zeros(0, np.int64)
     arrays: dict[Place, np.ndarray] = {}
     for desc in header["arrays"]:
-        layer, site = desc["place"].split(".", 1)
-        arrays[(int(layer), site)] = take(desc)  # type: ignore[index]
+        arrays[place_from_key(desc["place"])] = take(desc)
     return header["kind"], Capture(tag=header["tag"], positions=positions, arrays=arrays, status=header["status"],
                                    errors=list(header["errors"]))

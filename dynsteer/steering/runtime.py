@@ -193,7 +193,7 @@ class SteeringRuntime:
             idx[:n] = rows[req_of_token, is_decode.astype(np.int64)]
         idx[n:upto] = 0
         self._high_water = n
-        self._staging.copy_to(self.tables.row_index, upto)
+        self._staging.copy_to(upto)
         if self.dynamic is not None and self._dyn:
             if n_req:
                 picked = np.flatnonzero(is_decode & dyn_req[req_of_token] & (rows[req_of_token, 1] != 0))

@@ -28,8 +28,9 @@ class StagingRing:
             self.events[self.i].synchronize()
         return self.slots[self.i].numpy()
 
-    def copy_to(self, target: torch.Tensor, upto: int) -> None:
-        target[:upto].copy_(self.slots[self.i][:upto], non_blocking=self.cuda)
+    def copy_to(self, upto: int) -> None:
+        """Send the current slot's first ``upto`` entries to the device buffer (non-blocking from pinned memory)."""
+        self.target[:upto].copy_(self.slots[self.i][:upto], non_blocking=self.cuda)
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record()
