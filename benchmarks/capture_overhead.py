@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from static_overhead import LLAMA3_8B  # noqa: E402
+from static_overhead import LLAMA3_8B, print_table_head, write_report  # noqa: E402
 
 TARGET_IDLE_PCT = 0.3
 ENGINES = {  # name -> DynsteerConfig fields (None: dynsteer disabled in that engine's processes)
@@ -223,12 +223,8 @@ def main() -> None:
         "engines": {n: ENGINES[n] for n in names}, "tokens_per_s": tok_s, "overhead_pct": comparisons,
         "deliver_ms_median": deliver_ms, "target_pct": {"capture-enabled idle (vs base)": TARGET_IDLE_PCT},
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"capture_overhead-{report['device'].replace(' ', '_')}-{report['date'][:10]}.json"
-    (out / name).write_text(json.dumps(report, indent=2))
-    print("| run | " + " | ".join(f"batch {b}" for b in args.batches) + " |")
-    print("|---" * (len(args.batches) + 1) + "|")
+    path = write_report(report, args.out)
+    print_table_head("run", args.batches)
     for k, per in tok_s.items():
         print(f"| {k} (tok/s) | " + " | ".join(f"{per[str(b)]:.0f}" for b in args.batches) + " |")
     for k, per in comparisons.items():
@@ -237,7 +233,7 @@ def main() -> None:
         print(f"| {k}, % median [min, max] | " + " | ".join(cells) + " |")
     for k, per in deliver_ms.items():
         print(f"| {k}: take_captures (ms) | " + " | ".join(f"{per[str(b)]:.1f}" for b in args.batches) + " |")
-    print(f"wrote {out / name}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from static_overhead import LLAMA3_8B, add_common_args, run_worker  # noqa: E402
+from static_overhead import LLAMA3_8B, add_common_args, print_table_head, run_worker, write_report  # noqa: E402
 
 TARGETS_PCT = {"idle (capture enabled)": 0.3, "global gate": 1.0, "per-request": 1.5}
 MODES = ["idle", "capture", "global gate", "per-request", "sync"]
@@ -167,12 +167,8 @@ def main() -> None:
         "tokens_per_s": results, "overhead_pct_vs_absent": overhead, "sync_counters": sync,
         "targets_pct": TARGETS_PCT,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"dynamic_overhead-{report['device'].replace(' ', '_')}-{report['date'][:10]}.json"
-    (out / name).write_text(json.dumps(report, indent=2))
-    print("| mode | " + " | ".join(f"batch {b}" for b in base) + " |")
-    print("|---" * (len(base) + 1) + "|")
+    path = write_report(report, args.out)
+    print_table_head("mode", list(base))
     print("| absent (tok/s) | " + " | ".join(f"{base[b]:.0f}" for b in base) + " |")
     for m, rs in overhead.items():
         print(f"| {m} (overhead %) | " + " | ".join(f"{v:+.2f}" for v in rs.values()) + " |")
@@ -180,7 +176,7 @@ def main() -> None:
         if c["steps"]:
             print(f"{key}: controllers {c['controller_ms_per_step']:.4f} ms/step, host {c['host_ms_per_step']:.4f} ms/step, wait {c['wait_ms_per_step']:.4f} ms/step, "
                   f"control copies {c['device_ms_per_step']:.4f} ms/step (device), sync steps {c['sync_steps']}")
-    print(f"wrote {out / name}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

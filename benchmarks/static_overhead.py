@@ -89,6 +89,21 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeats", type=int, default=3)
 
 
+def write_report(report: dict, out_dir: str) -> Path:
+    """Write ``report`` as ``<out_dir>/<benchmark>-<device>-<date>.json`` and return the path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{report['benchmark']}-{report['device'].replace(' ', '_')}-{report['date'][:10]}.json"
+    path.write_text(json.dumps(report, indent=2))
+    return path
+
+
+def print_table_head(first: str, batches: list) -> None:
+    """The first two lines of a markdown table with one column per decode batch size."""
+    print(f"| {first} | " + " | ".join(f"batch {b}" for b in batches) + " |")
+    print("|---" * (len(batches) + 1) + "|")
+
+
 def run_worker(script: str, mode: str, label: str, model_dir: Path, args: argparse.Namespace,
                extra: list[str]) -> dict:
     """Run ``script``'s worker for ``mode`` in a fresh interpreter (dynsteer disabled for ``absent``) and return
@@ -139,17 +154,13 @@ def main() -> None:
         "targets_pct": {m: t * 100 for m, t in TARGETS.items()},
         "variants": {k: VARIANTS[k] for k in args.forward},
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"static_overhead-{report['device'].replace(' ', '_')}-{report['date'][:10]}.json"
-    (out / name).write_text(json.dumps(report, indent=2))
-    print("| mode | " + " | ".join(f"batch {b}" for b in base) + " |")
-    print("|---" * (len(base) + 1) + "|")
+    path = write_report(report, args.out)
+    print_table_head("mode", list(base))
     print("| absent (tok/s) | " + " | ".join(f"{base[b]:.0f}" for b in base) + " |")
     for m, rs in report["overhead_pct"].items():
         target = TARGETS[m.split(": ")[-1]] * 100
         print(f"| {m} (overhead %, target ≤ {target:g}) | " + " | ".join(f"{v:+.2f}" for v in rs.values()) + " |")
-    print(f"wrote {out / name}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
