@@ -2,7 +2,9 @@
 
 Three engines of an 8B-shaped Llama (``load_format="dummy"``, bf16, CUDA graphs on) stay alive side by side on one
 GPU, each in its own process: vLLM without dynsteer (``absent``), dynsteer with its default configuration and no
-capture buffers (``base``), and the same plus capture buffers at ``post_block`` of every layer (``capture``). The
+capture buffers (``base``), a second such engine (``twin``: the A/A control, i.e. what two identical engines differ by
+in this set-up, the noise floor any other overhead must be read against), and ``base`` plus capture buffers at
+``post_block`` of every layer (``capture``). The
 parent interleaves them: each repeat measures every (engine, mode) once per batch size, in rotating order, so drift
 in clocks or host load hits all of them alike, and overheads are medians of per-repeat paired ratios. All idle runs
 come first; capturing traffic (whose data the host then holds and frees) is measured after them, against the median
@@ -13,7 +15,10 @@ captures ``all_generated`` at one layer) and ``capture 8 places`` (eight layers)
 end as a user sees them (``Steerer.generate``: generation plus returning every captured row to the caller, float32);
 the delivery part (``take_captures``) is also reported on its own.
 
-    PYTHONPATH=/opt/vllm-site python3 benchmarks/capture_overhead.py --out benchmarks/results
+    PYTHONPATH=/opt/vllm-site python3 benchmarks/capture_overhead.py --out benchmarks/results \
+        --engines base twin capture --repeats 15
+
+The report keeps every run's seconds (``seconds``), so other statistics can be computed from it later.
 
 Results: ``benchmarks/results/capture_overhead-<device>-<date>.json`` and a markdown table on stdout. Target (issue
 #3): capture-enabled idle ≤ +0.3% (against the same engine without capture buffers).
@@ -39,9 +44,11 @@ TARGET_IDLE_PCT = 0.3
 ENGINES = {  # name -> DynsteerConfig fields (None: dynsteer disabled in that engine's processes)
     "absent": None,
     "base": {},
+    "twin": {},  # base again, in its own process: the A/A control (what two identical engines differ by)
     "capture": {"capture_sites": ["post_block"]},
 }
-MODES = {"absent": ["idle"], "base": ["idle"], "capture": ["idle", "capture 1 place", "capture 8 places"]}
+MODES = {"absent": ["idle"], "base": ["idle"], "twin": ["idle"],
+         "capture": ["idle", "capture 1 place", "capture 8 places"]}
 
 
 def capture_layers(mode: str, num_layers: int) -> list[int]:
@@ -143,9 +150,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=9, help="repeats of the idle phase")
     ap.add_argument("--traffic-repeats", type=int, default=3, help="repeats of the capturing-traffic phase")
+    ap.add_argument("--max-minutes", type=float, default=0,
+                    help="start no further repeat after this long (0: no limit); each phase still runs two")
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--gpu-util", type=float, default=0.25, help="per engine (three share the GPU)")
+    ap.add_argument("--gpu-util", type=float, default=0.2, help="per engine (up to four share the GPU)")
     ap.add_argument("--eager", action="store_true", help="CUDA graphs off (a CPU smoke run)")
     ap.add_argument("--model-dir", help="a model directory (default: a fresh Llama-3-8B-shaped config.json)")
     ap.add_argument("--worker", choices=list(ENGINES), dest="engine")
@@ -158,6 +167,7 @@ def main() -> None:
     model_dir = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(prefix="llama8b-shape-"))
     if not args.model_dir:
         (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
+    started = time.perf_counter()
     names = [n for n in ENGINES if n in args.engines]
     engines = {}
     for name in names:  # one at a time: vLLM sizes its KV cache from the memory free while it starts
@@ -171,12 +181,15 @@ def main() -> None:
     times: dict[str, dict[int, list[float]]] = {f"{n}/{m}": {b: [] for b in args.batches} for n, m in runs}
     deliver: dict[str, dict[int, list[float]]] = {f"{n}/{m}": {b: [] for b in args.batches} for n, m in runs}
     for phase, repeats in zip(phases, (args.repeats, args.traffic_repeats)):
-        if not phase:
+        if not phase or not repeats:
             continue
         for name, mode in phase:  # warm-up: graphs for every batch size, first-call costs
             for batch in args.batches:
                 engines[name].run(batch, mode)
         for rep in range(repeats):
+            if args.max_minutes and time.perf_counter() - started > args.max_minutes * 60 and rep >= 2:
+                print(f"{phase[0][1]} phase: stopped after {rep} repeats (--max-minutes)", flush=True)
+                break
             for batch in args.batches:
                 order = phase[rep % len(phase):] + phase[:rep % len(phase)]
                 for name, mode in order:
@@ -200,8 +213,10 @@ def main() -> None:
                                "max": round(max(pct), 3)}
         return out
 
+    times = {k: per for k, per in times.items() if all(per.values())}  # modes of a phase that did not run: none
     comparisons = {}
-    for label, a, b in [("dynsteer loaded, idle (vs absent)", "base/idle", "absent/idle"),
+    for label, a, b in [("A/A control: twin idle (vs base)", "twin/idle", "base/idle"),
+                        ("dynsteer loaded, idle (vs absent)", "base/idle", "absent/idle"),
                         ("capture-enabled idle (vs base)", "capture/idle", "base/idle"),
                         ("capture-enabled idle (vs absent)", "capture/idle", "absent/idle"),
                         ("capture 1 place (vs capture-enabled idle)", "capture/capture 1 place", "capture/idle"),
@@ -211,7 +226,7 @@ def main() -> None:
     tok_s = {k: {str(b): round(b * args.tokens / statistics.median(v), 1) for b, v in per.items()}
              for k, per in times.items()}
     deliver_ms = {k: {str(b): round(statistics.median(v) * 1e3, 2) for b, v in per.items()}
-                  for k, per in deliver.items() if "place" in k}
+                  for k, per in deliver.items() if "place" in k and k in times}
     import vllm
 
     report = {
@@ -219,9 +234,11 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
         "vllm": vllm.__version__, "model": str(args.model_dir or "Llama-3-8B shape") + f", load_format=dummy, {args.dtype}",
         "cuda_graphs": not args.eager, "output_tokens": args.tokens, "prompt_tokens": args.prompt_len,
-        "repeats": {"idle": args.repeats, "traffic": args.traffic_repeats},
+        "repeats": {"idle": len(next(iter(times[f"{names[0]}/idle"].values()))),
+                    "traffic": len(next(iter(times["capture/capture 1 place"].values())))
+                    if "capture/capture 1 place" in times else 0},
         "engines": {n: ENGINES[n] for n in names}, "tokens_per_s": tok_s, "overhead_pct": comparisons,
-        "deliver_ms_median": deliver_ms, "target_pct": {"capture-enabled idle (vs base)": TARGET_IDLE_PCT},
+        "deliver_ms_median": deliver_ms, "seconds": times, "target_pct": {"capture-enabled idle (vs base)": TARGET_IDLE_PCT},
     }
     path = write_report(report, args.out)
     print_table_head("run", args.batches)
