@@ -1,11 +1,15 @@
-"""The device side of capture-enabled idle: the steering launches of one forward, with and without capture buffers.
+"""The device side of capture: the steering launches of one forward, without capture buffers, with them and nobody
+capturing, and with every token captured.
 
 An engine with capture buffers runs the same kernels per step as one without; the steering op at each captured place
-also stores every token's unsteered residual into that place's buffer. This measures what that store costs, apart
-from everything else in an engine step (host work, scheduling, other processes): the 96 steering launches of a
-32-layer, 4096-wide model (three sites per layer, dynsteer's default tables, nothing steered) are captured in a CUDA
-graph, once with capture buffers at ``post_block`` of every layer (as in ``capture_overhead.py``'s ``capture``
-engine) and once without, and the two graphs are replayed alternately.
+also stores the unsteered residual of the tokens the host gave a capture row this step (``stage_slot``; -1 for the
+rest). This measures what that costs, apart from everything else in an engine step (host work, scheduling, other
+processes): the 96 steering launches of a 32-layer, 4096-wide model (three sites per layer, dynsteer's default
+tables, nothing steered) are captured in CUDA graphs and replayed alternately:
+
+* ``base``: no capture buffers (as ``capture_overhead.py``'s ``base`` engine);
+* ``idle``: capture buffers at ``post_block`` of every layer, every slot -1 (its ``capture`` engine, idle);
+* ``all``: the same with every token given a row (every request capturing every position at 32 places).
 
     python3 benchmarks/capture_kernel.py --out benchmarks/results \\
         --step-from benchmarks/results/capture_overhead-NVIDIA_H200-<date>.json
@@ -34,15 +38,18 @@ from dynsteer.steering.tables import SteeringTables  # noqa: E402
 
 
 def build_hooks(layers: int, hidden: int, max_tokens: int, capture: bool, dtype: torch.dtype,
-                device: str = "cuda") -> list[SiteHook]:
-    """The site hooks of a model (dynsteer's default tables; capture buffers at every ``post_block`` if asked)."""
+                device: str = "cuda") -> tuple[list[SiteHook], torch.Tensor | None]:
+    """The site hooks of a model (dynsteer's default tables; capture buffers at every ``post_block`` if asked) and
+    the capture slots they share (all -1: nobody captures)."""
     cfg = DynsteerConfig()
     tables = SteeringTables([(l, s) for l in range(layers) for s in SITES], hidden, cfg.max_rows, cfg.max_clamps,
                             max_tokens, device=device, max_gates=cfg.max_gates)
-    return [SiteHook(tables, layer, site,
-                     stage=torch.zeros(max_tokens, hidden, dtype=dtype, device=device)
-                     if capture and site == "post_block" else None)
-            for layer in range(layers) for site in SITES]
+    slot = torch.full((max_tokens,), -1, dtype=torch.int32, device=device) if capture else None
+    hooks = [SiteHook(tables, layer, site,
+                      stage=torch.zeros(max_tokens, hidden, dtype=dtype, device=device)
+                      if capture and site == "post_block" else None, stage_slot=slot)
+             for layer in range(layers) for site in SITES]
+    return hooks, slot
 
 
 def graph_of(hooks: list[SiteHook], h: torch.Tensor, r: torch.Tensor) -> torch.cuda.CUDAGraph:
@@ -97,46 +104,54 @@ def main() -> None:
     ap.add_argument("--step-from", type=Path, help="a capture_overhead report, for the share of a decode step")
     args = ap.parse_args()
     dtype = torch.bfloat16
-    variants = {name: build_hooks(args.layers, args.hidden, args.max_tokens, name == "capture", dtype)
-                for name in ("base", "capture")}
+    built = {name: build_hooks(args.layers, args.hidden, args.max_tokens, name == "capture", dtype)
+             for name in ("base", "capture")}
+    slot = built["capture"][1]
     steps = step_ms(args.step_from)
     rows = {}
     for T in args.tokens:
         gen = torch.Generator(device="cuda").manual_seed(T)
         h = torch.randn(T, args.hidden, device="cuda", dtype=dtype, generator=gen)
         r = torch.randn(T, args.hidden, device="cuda", dtype=dtype, generator=gen)
-        graphs = {name: graph_of(hooks, h, r) for name, hooks in variants.items()}
+        graphs = {"base": graph_of(built["base"][0], h, r), "idle": graph_of(built["capture"][0], h, r)}
+        graphs["all"] = graphs["idle"]  # the same graph, run with every slot set
         us: dict[str, list[float]] = {name: [] for name in graphs}
         for rnd in range(args.rounds):
             for name in (list(graphs) if rnd % 2 == 0 else list(graphs)[::-1]):
+                slot[:T] = torch.arange(T, dtype=torch.int32, device="cuda") if name == "all" else -1
                 us[name].append(time_replays(graphs[name], args.replays))
-        base, cap = statistics.median(us["base"]), statistics.median(us["capture"])
-        diffs = [c - b for b, c in zip(us["base"], us["capture"])]
-        row = {"base_us": round(base, 2), "capture_us": round(cap, 2),
-               "delta_us_median": round(statistics.median(diffs), 3),
-               "delta_us_min": round(min(diffs), 3), "delta_us_max": round(max(diffs), 3),
-               "stash_mb_per_forward": round(T * args.hidden * dtype.itemsize * args.layers / 2**20, 2)}
+        slot.fill_(-1)
+        row = {f"{name}_us": round(statistics.median(v), 2) for name, v in us.items()}
+        for name in ("idle", "all"):
+            diffs = [c - b for b, c in zip(us["base"], us[name])]
+            row[f"{name}_delta_us"] = round(statistics.median(diffs), 3)
+            row[f"{name}_delta_us_range"] = [round(min(diffs), 3), round(max(diffs), 3)]
+            if T in steps:
+                row[f"{name}_pct_of_step"] = round(row[f"{name}_delta_us"] / (steps[T] * 1e3) * 100, 4)
+        row["stored_mb_all"] = round(T * args.hidden * dtype.itemsize * args.layers / 2**20, 2)
         if T in steps:
             row["step_ms"] = round(steps[T], 3)
-            row["pct_of_step"] = round(row["delta_us_median"] / (steps[T] * 1e3) * 100, 4)
         rows[str(T)] = row
         print(f"T={T}: {row}", flush=True)
     report = {
         "benchmark": "capture_kernel", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bfloat16",
         "layers": args.layers, "hidden": args.hidden, "sites": list(SITES), "capture_places": "post_block x all layers",
+        "variants": {"base": "no capture buffers", "idle": "capture buffers, every slot -1",
+                     "all": "capture buffers, every token captured"},
         "replays": args.replays, "rounds": args.rounds, "step_from": str(args.step_from or ""), "tokens": rows,
     }
     path = write_report(report, args.out)
     print_table_head("tokens per forward", args.tokens)
     for key, label in [("base_us", "96 steering launches, no capture buffers (µs)"),
-                       ("capture_us", "same, capture buffers at 32 places (µs)"),
-                       ("delta_us_median", "difference (µs, median)")]:
-        print(f"| {label} | " + " | ".join(f"{rows[str(T)][key]:.2f}" for T in args.tokens) + " |")
-    if steps:
-        print("| share of a measured decode step (%) | " +
-              " | ".join(f"{rows[str(T)]['pct_of_step']:+.3f}" if "pct_of_step" in rows[str(T)] else "—"
-                         for T in args.tokens) + " |")
+                       ("idle_delta_us", "capture buffers at 32 places, nobody capturing: difference (µs)"),
+                       ("all_delta_us", "every token captured at 32 places: difference (µs)")]:
+        print(f"| {label} | " + " | ".join(f"{rows[str(T)][key]:+.2f}" for T in args.tokens) + " |")
+    for name in ("idle", "all"):
+        if steps:
+            print(f"| {name}: share of a measured decode step (%) | " +
+                  " | ".join(f"{rows[str(T)][f'{name}_pct_of_step']:+.3f}" if f"{name}_pct_of_step" in rows[str(T)]
+                             else "—" for T in args.tokens) + " |")
     print(f"wrote {path}")
 
 

@@ -147,16 +147,24 @@ def test_requests_of_one_batch_get_their_own_dtype(capture_engine):
     caps = st.take_captures([f"dtype-{dt}" for dt in specs])
     full = caps["dtype-float32"][place]
     assert full.dtype == np.float32 and full.shape[0] == len(outs[0].prompt_token_ids) + GEN - 1
-    # Three rows of one batch may differ from each other in the last float32 bits (CPU GEMM blocking): compare
-    # within one unit of the narrow type, and check that the narrow values really are narrow.
+    # Three rows of one batch may differ from each other in the last float32 bits (CPU GEMM blocking; on a GPU,
+    # TF32 and per-row kernel choices, compounding over layers): compare within one unit of the narrow type (per
+    # element on CPU, per row on GPU), and check that the narrow values really are narrow.
+    def close(narrow: np.ndarray, unit: float) -> None:
+        if ON_GPU:
+            err = np.linalg.norm(narrow.astype(np.float32) - full, axis=1) / np.linalg.norm(full, axis=1)
+            assert err.max() < 2 * unit, err.max()
+        else:
+            np.testing.assert_allclose(narrow.astype(np.float32), full, rtol=unit, atol=1e-4)
+
     bf16 = caps["dtype-bfloat16"][place]
     assert bf16.dtype == np.float32
     np.testing.assert_array_equal(bf16, torch.from_numpy(bf16).bfloat16().float().numpy())  # representable
-    np.testing.assert_allclose(bf16, full, rtol=2 ** -7, atol=1e-4)
+    close(bf16, 2 ** -7)
     assert not np.array_equal(bf16, full)
     half = caps["dtype-float16"][place]
     assert half.dtype == np.float16
-    np.testing.assert_allclose(half.astype(np.float32), full, rtol=2 ** -10, atol=1e-4)
+    close(half, 2 ** -10)
 
 
 def test_capturing_engine_serves_non_capturing_requests_byte_identically(capture_engine, plain_outputs):

@@ -85,12 +85,42 @@ def make_inputs(
     order = torch.randperm(max(num_tokens, NUM_ROWS), generator=gen)[:num_tokens] % NUM_ROWS
     row_index = torch.full((num_tokens + 5,), TAIL_SENTINEL, dtype=torch.int32)
     row_index[:num_tokens] = order.to(torch.int32)
-    # The capture buffer has spare rows past T holding a sentinel the op must leave there.
+    # The capture buffer has spare rows holding a sentinel the op must leave where no token is sent.
     stage = torch.full((num_tokens + 3, hidden), STAGE_SENTINEL, dtype=dtype)
     return dict(
         h=h, r=r, row_index=row_index, vec=vec, clamp_dir=dirs, clamp_lo=lo, clamp_hi=hi, clamp_strength=strength,
-        stage=stage,
+        stage=stage, stage_slot=capture_slots(num_tokens, num_tokens + 5, gen),
     )
+
+
+def capture_slots(num_tokens: int, capacity: int, gen: torch.Generator) -> torch.Tensor:
+    """int32 [capacity]: about two thirds of the T tokens, in random order, get consecutive stage rows 0..m-1
+    (as the collector compacts a step's captured tokens); the rest -1; entries past T hold row 0, never read."""
+    slot = torch.zeros(capacity, dtype=torch.int32)
+    slot[:num_tokens] = -1
+    chosen = torch.randperm(num_tokens, generator=gen)[: (2 * num_tokens + 2) // 3]
+    slot[chosen] = torch.arange(len(chosen), dtype=torch.int32)
+    return slot
+
+
+def expected_stage(before: torch.Tensor, h: torch.Tensor, r: torch.Tensor | None,
+                   slot: torch.Tensor | None) -> torch.Tensor:
+    """The contract, token by token: row ``slot[t]`` (``t`` without slots) gets float32(h + r) rounded once."""
+    want = before.clone()
+    full = h if r is None else (h.float() + r.float()).to(before.dtype)
+    for t in range(h.shape[0]):
+        j = t if slot is None else int(slot[t])
+        if 0 <= j < want.shape[0]:
+            want[j] = full[t]
+    return want
+
+
+def untargeted_kept(stage: torch.Tensor, slot: torch.Tensor | None, num_tokens: int) -> bool:
+    """Whether every stage row no token was sent to still holds the sentinel."""
+    keep = torch.ones(stage.shape[0], dtype=torch.bool, device=stage.device)
+    targets = torch.arange(num_tokens) if slot is None else slot[:num_tokens].long().cpu()
+    keep[targets[(targets >= 0) & (targets < stage.shape[0])].to(stage.device)] = False
+    return bool((stage[keep] == STAGE_SENTINEL).all())
 
 
 def _tolerances(dtype: torch.dtype) -> tuple[float, float]:
@@ -110,7 +140,7 @@ def _tolerances(dtype: torch.dtype) -> tuple[float, float]:
 def _interp_worker() -> int:
     """Subprocess body: run the Triton kernel (interpreted) on every case; print JSON metrics."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    from dynsteer.kernels.triton_steer import steer_site_triton
+    from dynsteer.kernels.triton_steer import stash_triton, steer_site_triton
 
     results: dict[str, Any] = {}
     for seed, case in enumerate(TRITON_CASES):
@@ -120,7 +150,16 @@ def _interp_worker() -> int:
         got_stage, want_stage = kw["stage"].clone(), kw["stage"].clone()
         got = steer_site_triton(**dict(kw, stage=got_stage))
         want = steer_site_reference(**dict(kw, stage=want_stage))
-        unstaged = steer_site_triton(**dict(kw, stage=None))
+        unstaged = steer_site_triton(**dict(kw, stage=None, stage_slot=None))
+        # Without slots every token t goes to row t; with all slots -1 (an idle step) nothing is stored.
+        ident_got, ident_want = kw["stage"].clone(), kw["stage"].clone()
+        steer_site_triton(**dict(kw, stage=ident_got, stage_slot=None))
+        steer_site_reference(**dict(kw, stage=ident_want, stage_slot=None))
+        idle_stage = kw["stage"].clone()
+        steer_site_triton(**dict(kw, stage=idle_stage, stage_slot=torch.full_like(kw["stage_slot"], -1)))
+        # The inline mode's separate capture kernel: the same rows.
+        alone = kw["stage"].clone()
+        stash_triton(kw["h"], kw["r"], alone, kw["stage_slot"])
         atol, rtol = _tolerances(dtype)
         rows = kw["row_index"][:num_tokens].long()
         diff = (got.float() - want.float()).abs()
@@ -136,8 +175,11 @@ def _interp_worker() -> int:
             # fp32/fp16 casts round identically in both; the interpreter's bf16 cast truncates.
             "vec_only_exact": torch.equal(got[vec_only], want[vec_only]),
             "same_without_stage": torch.equal(got, unstaged),
-            "stage_max_err": (got_stage.float() - want_stage.float()).abs().max().item(),
-            "stage_tail_kept": bool((got_stage[num_tokens:] == STAGE_SENTINEL).all()),
+            "stage_max_err": max((a.float() - b.float()).abs().max().item()
+                                 for a, b in ((got_stage, want_stage), (ident_got, ident_want), (alone, want_stage))),
+            "stage_tail_kept": untargeted_kept(got_stage, kw["stage_slot"], num_tokens)
+            and untargeted_kept(ident_got, None, num_tokens),
+            "idle_stores_nothing": bool((idle_stage == STAGE_SENTINEL).all()),
         }
 
     # Dispatch through the custom op with the kernel forced (only meaningful when interpreted).
@@ -184,7 +226,7 @@ def test_triton_matches_reference(interp_results: dict[str, Any], case: tuple[in
     assert res["shape_ok"] and res["new_tensor"] and res["finite"], res
     assert res["tol_excess"] <= 0.0, res
     assert res["zero_row_exact"], res
-    assert res["same_without_stage"] and res["stage_tail_kept"], res
+    assert res["same_without_stage"] and res["stage_tail_kept"] and res["idle_stores_nothing"], res
     if case[-1] != "bfloat16":
         assert res["vec_only_exact"], res
         assert res["stage_max_err"] == 0.0, res
@@ -354,15 +396,35 @@ def test_op_matches_reference_on_cpu(has_r: bool, monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("has_r", [False, True])
 def test_stage_receives_unsteered_residual(dtype: torch.dtype, has_r: bool) -> None:
-    """Capture rides the op: rows [:T] of the buffer get h + r as it was before steering, the rest is untouched,
-    and the steered output is the same as without a buffer."""
+    """Capture rides the op: the tokens given a slot land, as h + r before steering, in their rows (compacted, in
+    the slots' order); every other row is untouched; the steered output is the same as without a buffer."""
     kw = make_inputs(12, 80, 2, has_r, dtype, seed=16)
+    before = kw["stage"].clone()
     out = steer_site(**kw)
-    want = kw["h"] + kw["r"] if has_r else kw["h"]
-    assert torch.equal(kw["stage"][:12], want)
-    assert bool((kw["stage"][12:] == STAGE_SENTINEL).all())
-    assert torch.equal(out, steer_site(**dict(kw, stage=None)))
+    assert torch.equal(kw["stage"], expected_stage(before, kw["h"], kw["r"], kw["stage_slot"]))
+    assert 0 < int((kw["stage_slot"][:12] >= 0).sum()) < 12  # some tokens captured, some not
+    assert untargeted_kept(kw["stage"], kw["stage_slot"], 12)
+    assert torch.equal(out, steer_site(**dict(kw, stage=None, stage_slot=None)))
     assert not torch.equal(out, kw["h"])  # the table steers these tokens: the buffer saw the input, not the output
+    # No slots: token t to row t.
+    ident = dict(kw, stage=before.clone(), stage_slot=None)
+    steer_site(**ident)
+    assert torch.equal(ident["stage"], expected_stage(before, kw["h"], kw["r"], None))
+    # An idle step (every slot -1) stores nothing; a slot past the buffer is ignored.
+    idle = dict(kw, stage=before.clone(), stage_slot=torch.full_like(kw["stage_slot"], -1))
+    idle["stage_slot"][3] = before.shape[0]
+    steer_site(**idle)
+    assert torch.equal(idle["stage"], before)
+
+
+@pytest.mark.parametrize("has_r", [False, True])
+def test_stash_op_matches_the_steering_ops_capture(has_r: bool) -> None:
+    """The inline forward's separate capture op writes the same rows as the steering op's capture."""
+    kw = make_inputs(12, 80, 2, has_r, torch.bfloat16, seed=17)
+    alone = kw["stage"].clone()
+    torch.ops.dynsteer.stash_residual(kw["h"], kw["r"], alone, kw["stage_slot"])
+    steer_site(**kw)
+    assert torch.equal(alone, kw["stage"])
 
 
 def test_registration_is_idempotent() -> None:
@@ -402,10 +464,11 @@ def test_op_traces_under_compile(backend: str, has_r: bool, monkeypatch: pytest.
 
 
 def test_reference_traces_fullgraph() -> None:
-    """The reference itself has no value-dependent branching: it compiles with fullgraph=True."""
+    """The reference's steering has no value-dependent branching: it compiles with fullgraph=True (inline forwards
+    trace it; their capture is the separate, opaque stash op)."""
     torch._dynamo.reset()
     compiled = torch.compile(steer_site_reference, backend="aot_eager", fullgraph=True)
-    kw = make_inputs(10, 64, 2, True, torch.bfloat16, seed=13)
+    kw = dict(make_inputs(10, 64, 2, True, torch.bfloat16, seed=13), stage=None, stage_slot=None)
     torch.testing.assert_close(compiled(**kw), steer_site_reference(**kw), rtol=0, atol=0)
 
 

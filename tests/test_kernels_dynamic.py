@@ -22,6 +22,7 @@ import torch
 from dynsteer.kernels import (ENV_KERNEL, select_impl, steer_site_dyn, steer_site_dyn_reference,
                               steer_site_reference)
 from dynsteer.kernels.monitor_reference import monitor_gate_reference
+from tests.test_kernels import capture_slots, expected_stage, untargeted_kept
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_ROWS = 8
@@ -128,7 +129,8 @@ def make_dyn_inputs(num_tokens: int, hidden: int, num_k: int, num_g: int, has_r:
     return dict(h=h, r=r, row_index=row_index, vec=vec, clamp_dir=dirs, clamp_lo=lo, clamp_hi=hi,
                 clamp_strength=strength, clamp_gate=gate_of, mon_mask=mon_mask, mon_probe=probe, mon_sharp=sharp,
                 mon_thresh=thresh, mon_floor=floor, dyn_mask=dyn_mask, dyn_vec=dyn_vec, gate_mul=gate_mul,
-                gate_add=gate_add, gates=gates, scores=scores, stage=stage_buffer(h))
+                gate_add=gate_add, gates=gates, scores=scores, stage=stage_buffer(h),
+                stage_slot=capture_slots(num_tokens, n_cap, gen))
 
 
 def stage_buffer(h: torch.Tensor) -> torch.Tensor:
@@ -145,7 +147,9 @@ def later_site(kw: dict[str, Any], seed: int) -> dict[str, Any]:
 
 
 def clone_buffers(kw: dict[str, Any]) -> dict[str, Any]:
-    return dict(kw, gates=kw["gates"].clone(), scores=kw["scores"].clone(), stage=kw["stage"].clone())
+    stage = kw["stage"]
+    return dict(kw, gates=kw["gates"].clone(), scores=kw["scores"].clone(),
+                stage=None if stage is None else stage.clone())
 
 
 def monitored(kw: dict[str, Any]) -> torch.Tensor:
@@ -206,16 +210,18 @@ def compare_impls(impl: Any, kw: dict[str, Any], static_impl: Any) -> dict[str, 
         static_out = static_impl(**{name: got_kw[name] for name in STATIC_ARGS})
         metrics[f"static_exact{step}"] = torch.equal(got[static], static_out[static])
         static_stage = stage_buffer(got_kw["h"])
-        static_impl(**{name: got_kw[name] for name in STATIC_ARGS}, stage=static_stage)
+        static_impl(**{name: got_kw[name] for name in STATIC_ARGS}, stage=static_stage,
+                    stage_slot=got_kw["stage_slot"])
         metrics[f"static_stage_exact{step}"] = torch.equal(static_stage, want_kw["stage"])
-        # Capture: the unsteered residual of the first T rows, the rows past T untouched.
+        # Capture: the unsteered residual of the tokens given a slot, compacted into the first rows; the rest
+        # untouched.
         got_stage, want_stage = got_kw["stage"], want_kw["stage"]
         if num_tokens:
             stage_diff = (got_stage[:num_tokens].float() - want_stage[:num_tokens].float()).abs()
             excess = (stage_diff - (atol + rtol * want_stage[:num_tokens].float().abs())).max().item()
             metrics["stage_excess"] = max(metrics["stage_excess"], excess)
         metrics[f"stage_exact{step}"] = torch.equal(got_stage, want_stage)
-        metrics[f"stage_tail{step}"] = bool((got_stage[num_tokens:] == STAGE_SENTINEL).all())
+        metrics[f"stage_tail{step}"] = untargeted_kept(got_stage, got_kw["stage_slot"], num_tokens)
     return metrics
 
 
@@ -326,7 +332,8 @@ def _to_cuda(kw: dict[str, Any]) -> dict[str, Any]:
 @needs_cuda
 @pytest.mark.parametrize("case", TRITON_CASES, ids=_case_id)
 def test_cuda_triton_matches_reference(case: Case) -> None:
-    from dynsteer.kernels.triton_steer import steer_site_dyn_triton, steer_site_triton
+    from dynsteer.kernels.reference import stash_residual
+    from dynsteer.kernels.triton_steer import stash_triton, steer_site_dyn_triton, steer_site_triton
 
     num_tokens, hidden, num_k, num_g, has_r, dt = case
     kw = _to_cuda(make_dyn_inputs(num_tokens, hidden, num_k, num_g, has_r, DTYPES[dt], seed=TRITON_CASES.index(case)))
@@ -335,6 +342,14 @@ def test_cuda_triton_matches_reference(case: Case) -> None:
     # One fp32 add, one rounding: exact on a GPU, for the dynamic and the static kernel.
     assert res["stage_exact0"] and res["stage_exact1"], res
     assert res["static_stage_exact0"] and res["static_stage_exact1"], res
+    # The inline mode's capture kernel, and an idle step (every slot -1: nothing stored).
+    alone, want = stage_buffer(kw["h"]), stage_buffer(kw["h"])
+    stash_triton(kw["h"], kw["r"], alone, kw["stage_slot"])
+    stash_residual(kw["h"], kw["r"], want, kw["stage_slot"])
+    assert torch.equal(alone, want)
+    idle = stage_buffer(kw["h"])
+    steer_site_dyn_triton(**dict(clone_buffers(kw), stage=idle, stage_slot=torch.full_like(kw["stage_slot"], -1)))
+    assert bool((idle == STAGE_SENTINEL).all())
 
 
 @pytest.mark.gpu
@@ -364,10 +379,15 @@ def test_cuda_graph_replay(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(kw["gates"], want_kw["gates"], atol=1e-5, rtol=0)
-        # Both places' capture buffers hold this replay's unsteered residuals (the second reads the first's output).
-        assert torch.equal(kw["stage"][:16], kw["h"] + kw["r"])
+        # Both places' capture buffers hold this replay's unsteered residuals of the tokens with a slot (the second
+        # reads the first's output); then the slots change in place and the next replay follows them.
+        slot = kw["stage_slot"]
+        assert torch.equal(kw["stage"], expected_stage(stage_buffer(kw["h"]), kw["h"], kw["r"], slot))
         mid = steer_site_dyn(**dict(clone_buffers(kw), stage=stage_buffer(kw["h"])))
-        assert torch.equal(later["stage"][:16], mid + kw["r"])
+        assert torch.equal(later["stage"], expected_stage(stage_buffer(kw["h"]), mid, kw["r"], slot))
+        for buf in (kw["stage"], later["stage"]):
+            buf.fill_(STAGE_SENTINEL)
+        slot.copy_(capture_slots(16, slot.shape[0], gen).to(slot.device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -644,10 +664,11 @@ def test_op_traces_under_compile(backend: str, has_r: bool, monkeypatch: pytest.
 
 
 def test_reference_traces_fullgraph() -> None:
-    """The reference itself compiles with fullgraph=True, its in-place buffer writes included."""
+    """The reference compiles with fullgraph=True, its in-place gate writes included (inline forwards trace it;
+    their capture is the separate, opaque stash op)."""
     torch._dynamo.reset()
     compiled = torch.compile(steer_site_dyn_reference, backend="aot_eager", fullgraph=True)
-    kw = make_dyn_inputs(10, 64, 2, 3, True, torch.bfloat16, seed=13)
+    kw = dict(make_dyn_inputs(10, 64, 2, 3, True, torch.bfloat16, seed=13), stage=None, stage_slot=None)
     want_kw = clone_buffers(kw)
     torch.testing.assert_close(compiled(**kw), steer_site_dyn_reference(**want_kw), rtol=0, atol=0)
     torch.testing.assert_close(kw["gates"], want_kw["gates"], rtol=0, atol=0)

@@ -1,11 +1,14 @@
 """Per-request capture records, and the collector that fills them from the forward pass's staging buffers.
 
-The forward writes the unsteered residual of every token at each captured place into a persistent staging buffer
-(inside CUDA graphs too, as part of the steering op's launch). After the forward, the collector gathers just the
-selected rows on the compute stream, converts them to the requested dtype there, copies them to pinned host memory
-on a side stream (GPU) and moves them into the requests' records once the copy's event has completed, so the hot path
-never waits on the device. Per step the host does one gather, one copy and one host copy-out per place and dtype;
-per capturing request it does a few integer comparisons (decode) and one list append when its rows land.
+Before each forward that captures, the collector gives the step's selected tokens consecutive rows of the capture
+buffers (``slot``, one int32 per token, -1 for the rest, staged through pinned memory); the steering op at each
+captured place then writes those tokens' unsteered residuals to their rows (inside CUDA graphs too, as part of the
+steering launch), so ``stage[:n]`` holds exactly the step's capture and a step that captures nothing stores nothing.
+After the forward, the collector converts those rows to the requested dtype on the compute stream, copies them to
+pinned host memory on a side stream (GPU) and moves them into the requests' records once the copy's event has
+completed, so the hot path never waits on the device. Per step the host does one conversion, one copy and one host
+copy-out per place and dtype; per capturing request it does a few integer comparisons (decode) and one list append
+when its rows land.
 """
 
 from __future__ import annotations
@@ -142,10 +145,12 @@ class CaptureCollector:
         device = first.device if first is not None else torch.device("cpu")
         self._cuda = device.type == "cuda"
         self._side = torch.cuda.Stream(device=device) if self._cuda else None
-        # Row indices reach the device through pinned slots (a pageable host-to-device copy would block the host
-        # until the forward already queued has finished, serialising vLLM's asynchronous scheduling).
-        self._index = StagingRing(torch.zeros(first.shape[0] if first is not None else 1, dtype=torch.int32,
-                                              device=device))
+        # Each token's capture row (-1: none), read by the steering ops of every captured place. It reaches the
+        # device through pinned slots (a pageable host-to-device copy would block the host until the forward
+        # already queued has finished, serialising vLLM's asynchronous scheduling).
+        self.slot = torch.full((first.shape[0] if first is not None else 1,), -1, dtype=torch.int32, device=device)
+        self._slots = StagingRing(self.slot)
+        self._dirty = 0  # slot entries [0, _dirty) may hold rows from the last capturing step
         # Called with (record, positions, {place: values}) as chunks land, for records with ``streaming`` set.
         self.on_chunk: Callable[[CaptureRecord, np.ndarray, dict[Place, np.ndarray]], None] | None = None
         self.streams: Callable[[CaptureSpec], bool] = lambda spec: False
@@ -181,28 +186,41 @@ class CaptureCollector:
                     pos.extend(fresh.tolist())
             if len(pos) > before:
                 segments.append((rec, before, len(pos)))
+        self._stage_slots(rows)
+
+    @property
+    def needs_plan(self) -> bool:
+        """Whether this step must be planned: a request captures, or the last step's slots must be cleared."""
+        return bool(self.records) or self._dirty > 0
+
+    def _stage_slots(self, rows: list[int]) -> None:
+        """Give batch row ``rows[j]`` capture row ``j`` (every other token: -1), before the forward reads it."""
+        high = max(rows) + 1 if rows else 0
+        upto = max(high, self._dirty)
+        if upto:
+            buf = self._slots.next()
+            buf[:upto] = -1
+            buf[rows] = np.arange(len(rows), dtype=np.int32)
+            self._slots.copy_to(upto)
+        self._dirty = high
 
     def after_forward(self) -> None:
-        """Gather the selected rows (compute stream) and start their copy to host (side stream)."""
+        """Convert the step's captured rows (compute stream) and start their copy to host (side stream)."""
         if not self._segments:
             self.poll()
             return
-        rows, positions, segments = self._rows, np.array(self._pos, dtype=np.int64), self._segments
+        n, positions, segments = len(self._rows), np.array(self._pos, dtype=np.int64), self._segments
         self._rows, self._pos, self._segments = [], [], []
-        n = len(rows)
-        self._index.next()[:n] = rows
-        self._index.copy_to(n)
-        idx = self._index.target[:n]
         specs = {id(rec.spec): rec for rec, _, _ in segments}.values()  # requests sharing a payload share its spec
         wanted = {(place, rec.spec.dtype) for rec in specs for place in rec.places}
         gathered: dict[tuple[Place, str], torch.Tensor] = {}
-        for place in {p for p, _ in wanted}:
-            rows_at = self.stages[place].index_select(0, idx)
-            for dtype in {d for p, d in wanted if p == place}:
-                t = rows_at
-                for cast in _DEVICE_DTYPES[dtype]:
-                    t = t.to(cast)
-                gathered[(place, dtype)] = t
+        for place, dtype in wanted:
+            rows_at = self.stages[place][:n]
+            t = rows_at
+            for cast in _DEVICE_DTYPES[dtype]:
+                t = t.to(cast)
+            # A fresh tensor on the compute stream: the next forward overwrites the buffer's rows.
+            gathered[(place, dtype)] = rows_at.clone() if t is rows_at else t
         if self._cuda:
             done = torch.cuda.Event()
             self._side.wait_stream(torch.cuda.current_stream())
@@ -213,7 +231,7 @@ class CaptureCollector:
                     g.record_stream(self._side)
                 done.record(self._side)
             self._pending.append(_Pending(done, host, positions, segments))
-        else:  # index_select made fresh tensors: the staging buffers may be overwritten by the next step
+        else:  # fresh tensors already: the staging buffers may be overwritten by the next step
             self._pending.append(_Pending(None, gathered, positions, segments))
         self.poll()
 

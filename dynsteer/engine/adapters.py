@@ -145,7 +145,8 @@ def _attach(layer: nn.Module, prefix: str, adapter: Adapter) -> None:
         if (idx, site) not in rt.tables.slot:
             continue
         stage = rt.capture.stages.get((idx, site)) if rt.capture is not None else None
-        hook = SiteHook(rt.tables, idx, site, inline=rt.inline_forward, stage=stage)
+        hook = SiteHook(rt.tables, idx, site, inline=rt.inline_forward, stage=stage,
+                        stage_slot=rt.capture.slot if stage is not None else None)
         hook.runtime = rt
         if site == "post_attn":
             norm = getattr(layer, adapter.mid_norm)

@@ -4,8 +4,9 @@ Contract (shared by every implementation of ``steer_site_dyn``)::
 
     steer_site_dyn(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, clamp_gate,
                    mon_mask, mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec,
-                   gate_mul, gate_add, gates, scores, stage=None) -> out   (mutates gates, scores, stage)
-      h, r, row_index, vec, clamp_*, stage: exactly as steer_site (dynsteer.kernels.reference)
+                   gate_mul, gate_add, gates, scores, stage=None, stage_slot=None) -> out
+                                                              (mutates gates, scores, stage)
+      h, r, row_index, vec, clamp_*, stage, stage_slot: exactly as steer_site (dynsteer.kernels.reference)
       R rows, K clamp slots, G gate slots (G >= 1, small), N >= T tokens of capacity
       clamp_gate:  int32 [R, K]     gate slot scaling that clamp's strength; -1 = static (ungated)
       mon_mask:    int32 [R]        bit s set => this site computes gate slot s for tokens of that row
@@ -70,6 +71,7 @@ def steer_site_dyn_reference(
     gates: torch.Tensor,
     scores: torch.Tensor,
     stage: torch.Tensor | None = None,
+    stage_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Monitor gates, then gated steering (additive vector, gated dyn vectors, gated clamps), per token.
 
@@ -98,7 +100,7 @@ def steer_site_dyn_reference(
         gate_add: float32 [G, N] per-token gate offsets.
         gates: float32 [G, N] gate buffer, updated in place.
         scores: float32 [G, N] raw probe scores, updated in place.
-        stage: capture buffer [N >= T, H] written in place with the unsteered residual (None / empty: none).
+        stage, stage_slot: capture, as in ``steer_site_reference``.
 
     Returns:
         New [T, H] tensor in h's dtype.
@@ -119,7 +121,7 @@ def steer_site_dyn_reference(
         >>> scores[0, 0].item(), gates[0, 0].item(), out.tolist()
         (5.0, 0.5, [[8.0, 4.0]])
     """
-    stash_residual(h, r, stage)
+    stash_residual(h, r, stage, stage_slot)
     num_tokens, num_slots = h.shape[0], gates.shape[0]
     idx = row_index[:num_tokens].long()
     h32 = h.float()

@@ -66,11 +66,12 @@ def _steer_site_impl(
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
     stage: torch.Tensor,
+    stage_slot: Optional[torch.Tensor],
 ) -> torch.Tensor:
     # Looks select_impl up through module globals on each call, so importlib.reload of this
     # module updates the behaviour of the already-registered op.
     impl = select_impl(h)
-    return impl(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, stage)
+    return impl(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, stage, stage_slot)
 
 
 def _steer_site_fake(
@@ -83,6 +84,7 @@ def _steer_site_fake(
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
     stage: torch.Tensor,
+    stage_slot: Optional[torch.Tensor],
 ) -> torch.Tensor:
     return torch.empty_like(h)
 
@@ -115,13 +117,14 @@ def steer_site(
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
     stage: Optional[torch.Tensor] = None,
+    stage_slot: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Call ``torch.ops.dynsteer.steer_site`` (contract: ``dynsteer.kernels.reference``).
 
     Arguments and result: see ``steer_site_reference`` (the contract every implementation shares).
     """
     return torch.ops.dynsteer.steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength,
-                                         no_stage(h) if stage is None else stage)
+                                         no_stage(h) if stage is None else stage, stage_slot)
 
 
 # ---- dynamic steering (monitors + gated terms) -----------------------------------------------------------------
@@ -147,11 +150,12 @@ def _steer_site_dyn_impl(
     gates: torch.Tensor,
     scores: torch.Tensor,
     stage: torch.Tensor,
+    stage_slot: Optional[torch.Tensor],
 ) -> torch.Tensor:
     impl = select_impl(h, dynamic=True)
     return impl(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, clamp_gate, mon_mask,
                 mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec, gate_mul, gate_add, gates, scores,
-                stage)
+                stage, stage_slot)
 
 
 def _steer_site_dyn_fake(
@@ -176,6 +180,7 @@ def _steer_site_dyn_fake(
     gates: torch.Tensor,
     scores: torch.Tensor,
     stage: torch.Tensor,
+    stage_slot: Optional[torch.Tensor],
 ) -> torch.Tensor:
     # gates / scores / stage are mutated in place (declared in mutates_args): only the output needs a shape.
     return torch.empty_like(h)
@@ -213,6 +218,7 @@ def steer_site_dyn(
     gates: torch.Tensor,
     scores: torch.Tensor,
     stage: Optional[torch.Tensor] = None,
+    stage_slot: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Call ``torch.ops.dynsteer.steer_site_dyn`` (contract: ``dynsteer.kernels.dynamic_reference``).
 
@@ -221,7 +227,7 @@ def steer_site_dyn(
     return torch.ops.dynsteer.steer_site_dyn(
         h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, clamp_gate, mon_mask, mon_probe,
         mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec, gate_mul, gate_add, gates, scores,
-        no_stage(h) if stage is None else stage)
+        no_stage(h) if stage is None else stage, stage_slot)
 
 
 def no_stage(h: torch.Tensor) -> torch.Tensor:
@@ -233,18 +239,23 @@ def no_stage(h: torch.Tensor) -> torch.Tensor:
 STASH_OP_NAME = "dynsteer::stash_residual"
 
 
-def _stash_impl(h: torch.Tensor, r: Optional[torch.Tensor], out: torch.Tensor) -> None:
-    # The unsteered residual stream h + r of every token (padding included) into a persistent buffer; the host
-    # picks the rows it wants after the forward, so the graph never depends on which requests capture. The "op"
-    # forward passes the buffer to the steering op instead (no extra kernel); "inline" forwards use this op.
-    stash_residual(h, r, out)
+def _stash_impl(h: torch.Tensor, r: Optional[torch.Tensor], out: torch.Tensor,
+               slot: Optional[torch.Tensor] = None) -> None:
+    # The unsteered residual stream h + r of the tokens the host gave a slot this step, into a persistent buffer.
+    # The "op" forward passes the buffer to the steering op instead (no extra kernel); "inline" forwards use this.
+    if out.is_cuda and os.environ.get(ENV_KERNEL, "").strip().lower() != "reference":
+        from dynsteer.kernels.triton_steer import stash_triton
+
+        stash_triton(h, r, out, slot)  # the reference selects rows with nonzero: a device sync, not graph safe
+    else:
+        stash_residual(h, r, out, slot)
 
 
 def _register_stash() -> None:
     if hasattr(torch.ops.dynsteer, "stash_residual"):
         return
     op = torch.library.custom_op(STASH_OP_NAME, mutates_args=("out",))(_stash_impl)
-    op.register_fake(lambda h, r, out: None)
+    op.register_fake(lambda h, r, out, slot=None: None)
 
 
 _register_stash()

@@ -2,7 +2,8 @@
 
 Contract (shared by every implementation of ``steer_site``)::
 
-    steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, stage=None) -> out
+    steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, stage=None,
+               stage_slot=None) -> out
       h:              [T, H] float32 | bfloat16 | float16, the branch tensor we may modify
       r:              [T, H] same dtype, or None (carried residual; the residual stream is h + r, or h)
       row_index:      int32 [N >= T]; only the first T entries are used
@@ -10,7 +11,8 @@ Contract (shared by every implementation of ``steer_site``)::
       clamp_dir:      float32 [R, K, H]  unit directions (zeros where unused)
       clamp_lo/hi:    float32 [R, K]     bounds (-inf / +inf for an open side)
       clamp_strength: float32 [R, K]     0 = clamp slot off
-      stage:          [N >= T, H] or empty, optional: receives the unsteered residual (capture), see below
+      stage:          [N, H] or empty, optional: receives the unsteered residual (capture), see below
+      stage_slot:     int32 [M >= T], optional: the stage row of each token (-1: none); None: row t
 
     for every token t:  i = row_index[t]
       x = float32(h[t]) + vec[i]
@@ -26,8 +28,10 @@ A row whose vec is zero and whose strengths are all zero returns ``h`` bit-for-b
 always a new tensor.
 
 Capture rides the same op (no extra kernel per captured place): when ``stage`` is given and not empty,
-``stage[t] = cast(float32(h[t]) + float32(r[t]))`` (or ``h[t]``) for every token ``t < T``, read before any
-steering; rows past ``T`` are left untouched.
+``stage[j] = cast(float32(h[t]) + float32(r[t]))`` (or ``h[t]``), read before any steering, for every token
+``t < T`` with ``j = stage_slot[t]`` in ``[0, N)`` (``j = t`` without ``stage_slot``, which then needs
+``N >= T``); every other row is left untouched. The host gives slots only to the tokens it captures this step, in
+the order it wants them: a step that captures nothing stores nothing, and ``stage[:n]`` is the step's capture.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def steer_site_reference(
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
     stage: torch.Tensor | None = None,
+    stage_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Apply per-token steering (additive vector, then sequential projection clamps).
 
@@ -63,12 +68,13 @@ def steer_site_reference(
         clamp_lo: float32 [R, K] lower bounds.
         clamp_hi: float32 [R, K] upper bounds.
         clamp_strength: float32 [R, K] clamp strengths (0 = off).
-        stage: capture buffer [N >= T, H] written in place with the unsteered residual (None / empty: none).
+        stage: capture buffer [N, H] written in place with the unsteered residual (None / empty: none).
+        stage_slot: int32 [M >= T] stage row per token (-1: not captured); None: token t to row t.
 
     Returns:
         New [T, H] tensor in h's dtype.
     """
-    stash_residual(h, r, stage)
+    stash_residual(h, r, stage, stage_slot)
     num_tokens = h.shape[0]
     idx = row_index[:num_tokens].long()
     # h.float() + 0.0 is exact, so rows with vec == 0 stay bit-identical after the final cast.
@@ -78,21 +84,37 @@ def steer_site_reference(
     return x.to(h.dtype)
 
 
-def stash_residual(h: torch.Tensor, r: torch.Tensor | None, stage: torch.Tensor | None) -> None:
-    """Write the residual stream ``h + r`` (or ``h``) of the T tokens into ``stage[:T]`` (None / empty: no-op).
+def stash_residual(h: torch.Tensor, r: torch.Tensor | None, stage: torch.Tensor | None,
+                   stage_slot: torch.Tensor | None = None) -> None:
+    """Write the residual stream ``h + r`` (or ``h``) of token ``t`` into ``stage[stage_slot[t]]`` for the tokens
+    with a slot in range (None: ``stage[:T]``; empty / None stage: no-op).
 
     The sum is taken in float32 and rounded once to the stage's dtype, as the kernels do (for equal dtypes this is
-    exactly ``torch.add(h, r)``).
+    exactly ``torch.add(h, r)``). With slots this selects rows on the host's view of the data (``nonzero``): it is
+    the reference, not a graph-safe path on GPU (there ``stash_triton`` runs).
     """
     if stage is None or stage.numel() == 0:
         return
     n = h.shape[0]
-    if r is None:
-        stage[:n].copy_(h)
-    elif stage.dtype == h.dtype:
-        torch.add(h, r, out=stage[:n])
+    if stage_slot is None:
+        if stage.shape[0] < n:
+            raise ValueError(f"stash_residual: stage has {stage.shape[0]} rows for {n} tokens and no stage_slot")
+        dst, src_rows = stage[:n], None
     else:
-        stage[:n].copy_(h.float() + r.float())
+        slot = stage_slot[:n].long()
+        src_rows = torch.nonzero((slot >= 0) & (slot < stage.shape[0])).flatten()
+        if not src_rows.numel():
+            return
+        dst = torch.empty((src_rows.numel(), stage.shape[1]), dtype=stage.dtype, device=stage.device)
+        h, r = h.index_select(0, src_rows), None if r is None else r.index_select(0, src_rows)
+    if r is None:
+        dst.copy_(h)
+    elif stage.dtype == h.dtype:
+        torch.add(h, r, out=dst)
+    else:
+        dst.copy_(h.float() + r.float())
+    if src_rows is not None:
+        stage.index_copy_(0, slot.index_select(0, src_rows), dst)
 
 
 def apply_clamps(

@@ -10,9 +10,11 @@ vectors; its clamps may be scaled by a gate. It is a second kernel rather than a
 the first, so the static launch keeps its short argument list (host launch cost grows with it);
 the clamp loop is one shared ``@triton.jit`` helper, inlined into both.
 
-Given a capture buffer (``stage``), either kernel also stores each token's unsteered residual stream
-before steering it: capture rides the steering launch instead of adding a kernel per captured place,
-so an engine with capture enabled runs as many kernels per step as one without.
+Given a capture buffer (``stage``), either kernel also stores the unsteered residual stream of each token
+that ``stage_slot`` gives a row (``stage[stage_slot[t]]``; -1: not captured) before steering it: capture
+rides the steering launch instead of adding a kernel per captured place, so an engine with capture
+enabled runs as many kernels per step as one without, and a step that captures nothing stores nothing.
+``stash_triton`` is the same store on its own (the ``inline`` forward mode's capture op).
 
 Both launchers are CUDA-graph safe: they never sync with the device, allocate nothing but the
 output (``torch.empty_like``), and their grids depend only on shapes.
@@ -28,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["steer_site_dyn_triton", "steer_site_triton"]
+__all__ = ["stash_triton", "steer_site_dyn_triton", "steer_site_triton"]
 
 
 @triton.jit
@@ -86,13 +88,34 @@ def _clamp_slots(
 
 
 @triton.jit
-def _stash(x, res, dst_ptr, offs, mask, HAS_R: tl.constexpr):
-    """Capture: the token's unsteered residual stream, summed in fp32 and rounded once to the buffer's dtype."""
-    if HAS_R:
-        full = x + res
+def _stash(x, res, t, stage_ptr, slot_ptr, stride_stage, n_stage, offs, mask, HAS_R: tl.constexpr,
+           SLOTTED: tl.constexpr):
+    """Capture: token t's unsteered residual stream, summed in fp32 and rounded once to the buffer's dtype, into
+    row ``slot[t]`` of the buffer (row t when not SLOTTED); tokens without a row (slot < 0) store nothing."""
+    if SLOTTED:
+        dst = tl.load(slot_ptr + t).to(tl.int64)
     else:
-        full = x
-    tl.store(dst_ptr + offs, full.to(dst_ptr.dtype.element_ty), mask=mask)
+        dst = t
+    if (dst >= 0) & (dst < n_stage):  # uniform per program: one scalar branch
+        if HAS_R:
+            full = x + res
+        else:
+            full = x
+        tl.store(stage_ptr + dst * stride_stage + offs, full.to(stage_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _stash_kernel(h_ptr, r_ptr, stage_ptr, slot_ptr, H, n_stage, stride_h, stride_r, stride_stage,
+                  HAS_R: tl.constexpr, SLOTTED: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    x = tl.load(h_ptr + t * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_R:
+        res = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        res = x
+    _stash(x, res, t, stage_ptr, slot_ptr, stride_stage, n_stage, offs, mask, HAS_R=HAS_R, SLOTTED=SLOTTED)
 
 
 @triton.jit
@@ -107,8 +130,10 @@ def _steer_site_kernel(
     s_ptr,
     out_ptr,
     stage_ptr,
+    slot_ptr,
     H,
     K,
+    n_stage,
     stride_h,
     stride_r,
     stride_out,
@@ -124,6 +149,7 @@ def _steer_site_kernel(
     stride_s_k,
     HAS_R: tl.constexpr,
     STASH: tl.constexpr,
+    SLOTTED: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     # int64 offsets: T * H and R * K * H can exceed 2**31 for large batches / tables.
@@ -138,7 +164,7 @@ def _steer_site_kernel(
     else:
         res = x  # unused placeholder: _clamp_slots reads res only when HAS_R
     if STASH:
-        _stash(x, res, stage_ptr + t * stride_stage, offs, mask, HAS_R=HAS_R)
+        _stash(x, res, t, stage_ptr, slot_ptr, stride_stage, n_stage, offs, mask, HAS_R=HAS_R, SLOTTED=SLOTTED)
     x = x + tl.load(vec_ptr + row * stride_vec + offs, mask=mask, other=0.0)
 
     # GATED=False: the gate arguments are dead placeholders (s_ptr, 0) and compile away.
@@ -176,9 +202,11 @@ def _steer_site_dyn_kernel(
     scores_ptr,
     out_ptr,
     stage_ptr,
+    slot_ptr,
     H,
     K,
     G,
+    n_stage,
     stride_h,
     stride_r,
     stride_out,
@@ -216,6 +244,7 @@ def _steer_site_dyn_kernel(
     stride_scores_t,
     HAS_R: tl.constexpr,
     STASH: tl.constexpr,
+    SLOTTED: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -229,7 +258,7 @@ def _steer_site_dyn_kernel(
     else:
         res = x
     if STASH:
-        _stash(x, res, stage_ptr + t * stride_stage, offs, mask, HAS_R=HAS_R)
+        _stash(x, res, t, stage_ptr, slot_ptr, stride_stage, n_stage, offs, mask, HAS_R=HAS_R, SLOTTED=SLOTTED)
 
     # Monitors read the residual before this site's steering. The mask is uniform per program, so
     # tokens of rows without monitors skip every monitor load with one scalar branch.
@@ -277,15 +306,38 @@ def _steer_site_dyn_kernel(
     tl.store(out_ptr + t * stride_out + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_stage(stage: torch.Tensor | None, h: torch.Tensor, who: str) -> bool:
+def _check_stage(stage: torch.Tensor | None, slot: torch.Tensor | None, h: torch.Tensor, who: str) -> bool:
     """Whether to capture into ``stage`` (metadata checks only: no device sync)."""
     if stage is None or stage.numel() == 0:
         return False
-    if stage.dim() != 2 or stage.shape[1] != h.shape[1] or stage.shape[0] < h.shape[0] or stage.stride(1) != 1:
-        raise ValueError(f"{who}: stage must be [N >= T, H] with contiguous rows, got {tuple(stage.shape)}")
-    if stage.device != h.device:
-        raise ValueError(f"{who}: stage is on {stage.device}, h on {h.device}")
+    if stage.dim() != 2 or stage.shape[1] != h.shape[1] or stage.stride(1) != 1:
+        raise ValueError(f"{who}: stage must be [N, H] with contiguous rows, got {tuple(stage.shape)}")
+    if slot is None and stage.shape[0] < h.shape[0]:
+        raise ValueError(f"{who}: stage has {stage.shape[0]} rows for {h.shape[0]} tokens and no stage_slot")
+    if slot is not None and (slot.dtype != torch.int32 or slot.dim() != 1 or slot.shape[0] < h.shape[0]
+                             or slot.stride(0) != 1):
+        raise ValueError(f"{who}: stage_slot must be a contiguous int32 [N >= T], got {slot.dtype} "
+                         f"{tuple(slot.shape)}")
+    if stage.device != h.device or (slot is not None and slot.device != h.device):
+        raise ValueError(f"{who}: stage / stage_slot must be on h's device {h.device}")
     return True
+
+
+def stash_triton(h: torch.Tensor, r: torch.Tensor | None, stage: torch.Tensor,
+                 stage_slot: torch.Tensor | None = None) -> None:
+    """Store the residual stream of the tokens ``stage_slot`` gives a row into ``stage`` (contract:
+    ``dynsteer.kernels.reference.stash_residual``); graph safe, no device sync."""
+    if not _check_stage(stage, stage_slot, h, "stash_triton") or h.shape[0] == 0:
+        return
+    if h.stride(1) != 1 or (r is not None and (r.shape != h.shape or r.stride(1) != 1)):
+        raise ValueError("stash_triton: h / r need matching shapes with contiguous rows")
+    block_h = triton.next_power_of_2(h.shape[1])
+    r_arg = r if r is not None else h
+    slot_arg = stage_slot if stage_slot is not None else stage
+    _stash_kernel[(h.shape[0],)](
+        h, r_arg, stage, slot_arg, h.shape[1], stage.shape[0], h.stride(0), r_arg.stride(0), stage.stride(0),
+        HAS_R=r is not None, SLOTTED=stage_slot is not None, BLOCK_H=block_h, num_warps=_num_warps(block_h),
+    )
 
 
 def _num_warps(block_h: int) -> int:
@@ -307,6 +359,7 @@ def steer_site_triton(
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
     stage: torch.Tensor | None = None,
+    stage_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the fused steering kernel (same contract as ``steer_site_reference``).
 
@@ -326,7 +379,7 @@ def steer_site_triton(
     if vec.shape[1] != hidden or clamp_dir.shape[2] != hidden:
         raise ValueError("steer_site_triton: vec / clamp_dir hidden size does not match h")
 
-    stash = _check_stage(stage, h, "steer_site_triton")
+    stash = _check_stage(stage, stage_slot, h, "steer_site_triton")
     out = torch.empty_like(h)
     if num_tokens == 0:
         return out
@@ -334,6 +387,7 @@ def steer_site_triton(
     # r_ptr / stage_ptr must be valid pointers even when unused; HAS_R / STASH=False compile their accesses away.
     r_arg = r if r is not None else h
     stage_arg = stage if stash else h
+    slot_arg = stage_slot if stash and stage_slot is not None else row_index  # a valid pointer when unused
     _steer_site_kernel[(num_tokens,)](
         h,
         r_arg,
@@ -345,8 +399,10 @@ def steer_site_triton(
         clamp_strength,
         out,
         stage_arg,
+        slot_arg,
         hidden,
         num_k,
+        stage_arg.shape[0] if stash else 0,  # a constant when unused: no extra specialisations by T
         h.stride(0),
         r_arg.stride(0),
         out.stride(0),
@@ -362,6 +418,7 @@ def steer_site_triton(
         clamp_strength.stride(1),
         HAS_R=r is not None,
         STASH=stash,
+        SLOTTED=stage_slot is not None,
         BLOCK_H=block_h,
         num_warps=_num_warps(block_h),
     )
@@ -390,6 +447,7 @@ def steer_site_dyn_triton(
     gates: torch.Tensor,
     scores: torch.Tensor,
     stage: torch.Tensor | None = None,
+    stage_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the fused dynamic steering kernel (same contract as ``steer_site_dyn_reference``).
 
@@ -416,13 +474,14 @@ def steer_site_dyn_triton(
         if buf.dtype != torch.float32 or buf.shape[0] != num_g or buf.shape[1] < num_tokens:
             raise ValueError("steer_site_dyn_triton: gate buffers must be float32 [G, N >= T]")
 
-    stash = _check_stage(stage, h, "steer_site_dyn_triton")
+    stash = _check_stage(stage, stage_slot, h, "steer_site_dyn_triton")
     out = torch.empty_like(h)
     if num_tokens == 0:
         return out
     block_h = triton.next_power_of_2(hidden)
     r_arg = r if r is not None else h
     stage_arg = stage if stash else h
+    slot_arg = stage_slot if stash and stage_slot is not None else row_index  # a valid pointer when unused
     _steer_site_dyn_kernel[(num_tokens,)](
         h,
         r_arg,
@@ -446,9 +505,11 @@ def steer_site_dyn_triton(
         scores,
         out,
         stage_arg,
+        slot_arg,
         hidden,
         num_k,
         num_g,
+        stage_arg.shape[0] if stash else 0,  # a constant when unused: no extra specialisations by T
         h.stride(0),
         r_arg.stride(0),
         out.stride(0),
@@ -486,6 +547,7 @@ def steer_site_dyn_triton(
         scores.stride(1),
         HAS_R=r is not None,
         STASH=stash,
+        SLOTTED=stage_slot is not None,
         BLOCK_H=block_h,
         num_warps=_num_warps(block_h),
     )

@@ -179,7 +179,7 @@ class SteeringRuntime:
             rows[i] = entry.rows
             prompt_lens[i] = entry.prompt_len
             dyn_req[i] = entry.dyn is not None
-        if self.capture is not None and self.capture.records:
+        if self.capture is not None and self.capture.needs_plan:
             self.capture.plan(view.req_ids[:n_req], qsl, view.num_computed)
         n = view.num_tokens
         upto = max(n, self._high_water, view.num_tokens_padded)

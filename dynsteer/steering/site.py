@@ -17,14 +17,14 @@ from dynsteer.steering.tables import SteeringTables
 
 # vLLM's compile cache hashes the source files Dynamo traces (this one) but not tables.py; a cached graph built for
 # another buffer layout can read stale snapshots. Bump this when the tables' tensors change shape or ownership.
-TABLE_LAYOUT = 4
+TABLE_LAYOUT = 5
 
 
 class SiteHook(nn.Module):
     """Applies the row-selected additive vector and clamps to the branch tensor ``h`` given the residual ``r``."""
 
     def __init__(self, tables: SteeringTables, layer: int, site: Site, inline: bool = False,
-                 stage: torch.Tensor | None = None) -> None:
+                 stage: torch.Tensor | None = None, stage_slot: torch.Tensor | None = None) -> None:
         super().__init__()
         self.layer, self.site, self.inline = layer, site, inline
         self.capturing = stage is not None
@@ -32,11 +32,14 @@ class SiteHook(nn.Module):
         self.register_buffer("row_index", tables.row_index, persistent=False)
         for name, view in (tables.views(layer, site) | tables.gate_buffers).items():
             self.register_buffer(name, view, persistent=False)
-        # The op writes the unsteered residual into the capture buffer in the same launch; a place without one
-        # passes an empty tensor (the op's optional buffer cannot be None under torch.compile).
+        # The op writes the unsteered residual into the capture buffer in the same launch, at the rows the host
+        # gave this step's captured tokens in ``stage_slot`` (shared by every place; -1 everywhere when nothing is
+        # captured, so an idle step stores nothing). A place without a buffer passes an empty tensor (the op's
+        # mutable buffer argument cannot be None under torch.compile).
         if stage is None:
             stage = tables.row_index.new_empty((0, tables.hidden_size), dtype=torch.get_default_dtype())
         self.register_buffer("stage", stage, persistent=False)
+        self.register_buffer("stage_slot", stage_slot if self.capturing else None, persistent=False)
 
     def forward(self, h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
         static = (h, r, self.row_index, self.vec, self.clamp_dir, self.clamp_lo, self.clamp_hi, self.clamp_strength)
@@ -46,11 +49,11 @@ class SiteHook(nn.Module):
                    self.dyn_mask, self.dyn_vec, self.gate_mul, self.gate_add, self.gates, self.scores)
         if self.inline:  # plain torch ops: traced into the graph, fusable by torch.compile
             if self.capturing:  # the unsteered residual, read before this site's steering
-                torch.ops.dynsteer.stash_residual(h, r, self.stage)
+                torch.ops.dynsteer.stash_residual(h, r, self.stage, self.stage_slot)
             return steer_site_dyn_reference(*static, *dyn) if self.dynamic else steer_site_reference(*static)
         if self.dynamic:
-            return torch.ops.dynsteer.steer_site_dyn(*static, *dyn, self.stage)
-        return torch.ops.dynsteer.steer_site(*static, self.stage)
+            return torch.ops.dynsteer.steer_site_dyn(*static, *dyn, self.stage, self.stage_slot)
+        return torch.ops.dynsteer.steer_site(*static, self.stage, self.stage_slot)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer}, site={self.site}, inline={self.inline}, capturing={self.capturing}, "
