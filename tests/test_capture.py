@@ -333,8 +333,10 @@ def test_preempted_and_resumed_requests_capture_each_position_once(tiny_llama_pa
         assert tight.capture.positions.tolist() == list(range(n))
         for place in spec.places():
             ref, got = roomy.capture[place], tight.capture[place]
-            if ON_GPU:  # other batch shapes pick other kernels (split-KV attention): compare rows at fp32 noise level
+            if ON_GPU:  # other batch shapes pick other kernels (split-KV attention): rows drift apart at fp32 noise
+                # level over 120 steps (measured on an H200: up to 1.2e-3 at the last layer); a row of another token
+                # or step would be off by ~1
                 err = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
-                assert err.max() < 1e-3, (place, err.max())  # a row of another token or step would be off by ~1
+                assert err.max() < 1e-2, (place, err.max())
             else:  # other batch shapes round differently: compare at float32 noise level
                 np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-4 * float(np.abs(ref).max()))
