@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 
-from dynsteer.capture.result import Capture, host_id, unpack_records
+from dynsteer.capture.result import Capture, host_id, merge_captures, unpack_records
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.engine.apc import state_of
 from dynsteer.payload import PAYLOAD_KEY, encode_payload, with_tag
@@ -208,7 +208,7 @@ class Steerer:
     def take_captures(self, tags: Sequence[str]) -> dict[str, Capture]:
         """In-memory captures of finished requests, by payload tag (each can be taken once)."""
         replies = self.llm.collective_rpc("dynsteer_take_captures", args=(list(tags), host_id()))
-        return {c.tag: c for c in unpack_records([rec for rank in replies for rec in rank])}
+        return merge_captures(unpack_records([rec for rank in replies for rec in rank]))
 
     def take_traces(self, tags: Sequence[str], all_ranks: bool = False) -> Any:
         """Dynamic-steering traces of finished requests, by payload tag (each can be taken once).

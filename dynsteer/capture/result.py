@@ -138,3 +138,26 @@ def unpack_records(packed: list[dict[str, Any]]) -> list[Capture]:
                            arrays={place_from_key(k): unpack(v) for k, v in obj["arrays"].items()}, status=obj["status"],
                            errors=list(obj["errors"])))
     return out
+
+
+_STATUS_RANK = {"ok": 0, "partial": 1, "error": 2}
+
+
+def merge_captures(captures: list[Capture]) -> dict[str, Capture]:
+    """One capture per tag: under pipeline parallelism each stage returns the places of its own layers, for the same
+    positions; their arrays are joined (positions that disagree make the capture ``error``)."""
+    out: dict[str, Capture] = {}
+    for cap in captures:
+        seen = out.get(cap.tag)
+        if seen is None:
+            out[cap.tag] = cap
+            continue
+        seen.arrays.update(cap.arrays)
+        seen.errors.extend(cap.errors)
+        if _STATUS_RANK.get(cap.status, 2) > _STATUS_RANK.get(seen.status, 2):
+            seen.status = cap.status
+        if not np.array_equal(seen.positions, cap.positions):
+            seen.status = "error"
+            seen.errors.append(f"pipeline stages captured different positions ({len(seen.positions)} vs "
+                               f"{len(cap.positions)})")
+    return out

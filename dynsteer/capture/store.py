@@ -131,9 +131,11 @@ class _Pending:
 class CaptureCollector:
     """Owns staging buffers for the engine's captured places and the live records of one worker."""
 
-    def __init__(self, stages: dict[Place, torch.Tensor], emit: bool = True) -> None:
+    def __init__(self, stages: dict[Place, torch.Tensor], emit: bool = True,
+                 engine_places: set[Place] | None = None) -> None:
         self.stages = stages
-        self.places = set(stages)
+        self.places = set(stages)  # this worker's places (a pipeline stage holds only its own layers)
+        self.engine_places = set(stages) if engine_places is None else engine_places  # what requests may ask for
         self.emit = emit
         self.records: dict[str, CaptureRecord] = {}
         self.global_spec: CaptureSpec | None = None
@@ -160,8 +162,11 @@ class CaptureCollector:
         spec = spec or self.global_spec
         if spec is None or not self.emit or req_id in self.records:
             return
-        self.records[req_id] = CaptureRecord(tag=tag or req_id, req_id=req_id, spec=spec, prompt_len=prompt_len,
-                                             streaming=self.streams(spec))
+        rec = CaptureRecord(tag=tag or req_id, req_id=req_id, spec=spec, prompt_len=prompt_len,
+                            streaming=self.streams(spec))
+        rec.places = tuple(p for p in rec.places if p in self.places)
+        if rec.places:  # another pipeline stage holds every place this request asks for
+            self.records[req_id] = rec
 
     def plan(self, req_ids: list[str] | tuple[str, ...], query_start: np.ndarray, num_computed: np.ndarray) -> None:
         """Select this step's rows of every capturing request in the batch (request ``i`` owns batch rows

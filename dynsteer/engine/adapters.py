@@ -18,12 +18,13 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from dynsteer.capture.consumers import build_consumer
+from dynsteer.capture.consumers import FilesystemConsumer, build_consumer, consumer_class
 from dynsteer.capture.store import CaptureCollector
 from dynsteer.config import DynsteerConfig
 from dynsteer.engine.apc import shape_from_vllm_config
@@ -89,14 +90,46 @@ def _runtime_for_current_model() -> SteeringRuntime:
         places = cfg.capture_places(num_layers)
         if places:
             emit = _tp_rank() == 0  # residuals are identical on every TP rank: one rank publishes
-            stages = {p: torch.zeros(max_tokens, shape.hidden_size, dtype=torch.get_default_dtype()) for p in places}
-            consumers = ({name: build_consumer(name, opts) for name, opts in cfg.capture_consumers.items()}
-                         if emit else {})
-            rt.attach_capture(CaptureCollector(stages, emit=emit), consumers)
+            pp_rank, pp_size = _pp_rank_size()
+            start, end = _pp_layers(num_layers, pp_rank, pp_size)
+            # Under pipeline parallelism each stage holds (and captures) its own layers; records of one request
+            # from several stages are merged by the caller (Steerer.take_captures, CaptureReader).
+            stages = {p: torch.zeros(max_tokens, shape.hidden_size, dtype=torch.get_default_dtype())
+                      for p in places if start <= p[0] < end}
+            consumers = ({name: build_consumer(name, _stage_options(opts, name, pp_rank, pp_size))
+                          for name, opts in cfg.capture_consumers.items()} if emit else {})
+            rt.attach_capture(CaptureCollector(stages, emit=emit, engine_places=set(places)), consumers)
         for name, ref in cfg.vectors.items():
             rt.register_vector(name, load_named_vector(ref, shape.hidden_size))
         _building[key] = rt
     return rt
+
+
+def _pp_rank_size() -> tuple[int, int]:
+    try:
+        from vllm.distributed import get_pp_group
+
+        group = get_pp_group()
+        return group.rank_in_group, group.world_size
+    except (AssertionError, ImportError, RuntimeError, AttributeError):
+        return 0, 1
+
+
+def _pp_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """The layers ``[start, end)`` this pipeline stage builds (vLLM's own split)."""
+    if pp_size == 1:
+        return 0, num_layers
+    from vllm.distributed.utils import get_pp_indices
+
+    return get_pp_indices(num_layers, pp_rank, pp_size)
+
+
+def _stage_options(opts: dict[str, Any], name: str, pp_rank: int, pp_size: int) -> dict[str, Any]:
+    """Under pipeline parallelism a filesystem consumer writes under ``<root>/pp<rank>`` (stages publish the same
+    tags concurrently; ``CaptureReader`` merges the stage directories)."""
+    if pp_size == 1 or consumer_class(opts.get("kind", name)) is not FilesystemConsumer or "root" not in opts:
+        return opts
+    return {**opts, "root": str(Path(opts["root"]) / f"pp{pp_rank}")}
 
 
 def _tp_rank() -> int:
