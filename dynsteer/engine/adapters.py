@@ -89,8 +89,8 @@ def _runtime_for_current_model() -> SteeringRuntime:
         rt.inline_forward = cfg.forward == "inline"
         places = cfg.capture_places(num_layers)
         if places:
-            emit = _tp_rank() == 0  # residuals are identical on every TP rank: one rank publishes
-            pp_rank, pp_size = _pp_rank_size()
+            emit = _rank_and_size("tp")[0] == 0  # residuals are identical on every TP rank: one rank publishes
+            pp_rank, pp_size = _rank_and_size("pp")
             start, end = _pp_layers(num_layers, pp_rank, pp_size)
             # Under pipeline parallelism each stage holds (and captures) its own layers; records of one request
             # from several stages are merged by the caller (Steerer.take_captures, CaptureReader).
@@ -105,11 +105,13 @@ def _runtime_for_current_model() -> SteeringRuntime:
     return rt
 
 
-def _pp_rank_size() -> tuple[int, int]:
+def _rank_and_size(kind: str) -> tuple[int, int]:
+    """This worker's (rank, world size) in vLLM's tensor- (``"tp"``) or pipeline-parallel (``"pp"``) group; (0, 1)
+    where no distributed state exists (a model built outside an engine)."""
     try:
-        from vllm.distributed import get_pp_group
+        from vllm.distributed import get_pp_group, get_tp_group
 
-        group = get_pp_group()
+        group = get_tp_group() if kind == "tp" else get_pp_group()
         return group.rank_in_group, group.world_size
     except (AssertionError, ImportError, RuntimeError, AttributeError):
         return 0, 1
@@ -130,15 +132,6 @@ def _stage_options(opts: dict[str, Any], name: str, pp_rank: int, pp_size: int) 
     if pp_size == 1 or consumer_class(opts.get("kind", name)) is not FilesystemConsumer or "root" not in opts:
         return opts
     return {**opts, "root": str(Path(opts["root"]) / f"pp{pp_rank}")}
-
-
-def _tp_rank() -> int:
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        return get_tensor_model_parallel_rank()
-    except (AssertionError, ImportError, RuntimeError):
-        return 0
 
 
 def load_named_vector(ref: str, hidden_size: int):
