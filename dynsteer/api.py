@@ -113,11 +113,9 @@ class Steerer:
             self.set_policy(previous)
 
     def _set_global(self, spec: SteeringSpec, policy: DynamicSteeringPolicy | None) -> None:
-        pol = None if policy is None else ("global_policy.", policy)
-        for phase in ("prefill", "decode"):
-            compile_phase([("global.", spec)], phase, self.shape, self._front.named, pol)
+        admitted = self._front.check_global(spec, policy)  # raises naming the field; nothing changes then
         self.llm.collective_rpc("dynsteer_set_global", args=(encode_payload(spec, policy=policy),))
-        self._front.set_global(spec, policy)
+        self._front.set_global(spec, admitted)
 
     @contextlib.contextmanager
     def steering(self, spec: SteeringSpec) -> Iterator["Steerer"]:
@@ -252,12 +250,13 @@ class Steerer:
         policies = self._per_prompt("policy", policy, DynamicSteeringPolicy, n)
         bases = base if isinstance(base, list) else [base] * n
         tags = [f"ds-{uuid.uuid4().hex}" for _ in range(n)] if tagged else None
+        trace = policy is not None or self._front.global_policy is not None  # traces are collected after generate
         bodies: dict[tuple[int, int], str] = {}  # one encoding per distinct (spec, policy) object in this call
         params = []
         for i, (b, s, p) in enumerate(zip(bases, specs, policies)):
             body = bodies.get((id(s), id(p)))
             if body is None:
-                body = bodies[(id(s), id(p))] = encode_payload(s, None, capture, p)
+                body = bodies[(id(s), id(p))] = encode_payload(s, None, capture, p, trace=trace)
             params.append(steer_params(b, None, tags[i] if tags else None, payload=body))
         return params, tags
 

@@ -12,11 +12,48 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
-from dynsteer.spec import SITES, Site
+from dynsteer.spec import NAME_PATTERN, SITES, Site
 
 CONFIG_KEY = "dynsteer"
+
+
+class Limits(BaseModel):
+    """Bounds on what one request may send and on what the engine keeps for callers (DESIGN §10).
+
+    Every limit is enforced where requests are admitted (the frontend, so an oversize request never reaches the
+    engine core) and again in the workers. A request over a limit is rejected with an error naming the field.
+
+    Args:
+        max_payload_bytes: size of one request's packed payload string.
+        max_entries: steering entries, monitors, rules, actions and capture layers of one payload, together.
+        max_depth: nesting depth of a payload's decoded body (a budget controller's ``inner`` adds one level).
+        max_capture_positions: explicit capture positions of one request.
+        max_abs_value: the largest value one configuration may add to any element of the residual, summed over
+            its sites (static vectors at their scale, gated vectors at the largest scale their controller can
+            output); also bounds clamp ``lo``/``hi``. Keeps steering finite in every dtype and away from overflow.
+        max_dyn_scale: the largest ``|dyn_scale|`` a sync controller may output (built-in controllers are checked
+            at admission; a custom controller returning more, or a non-finite value, stops its request).
+        max_clamp_strength: clamp/ablation strengths above 2 expand the projection instead of moving it toward
+            the bound (``p' = (1 − s)·p + s·c``); the default keeps clamps non-expanding.
+        cache_bytes: memory the admission and compile memos may hold, each (least recently used dropped first).
+        trace_ttl_s: dynamic-steering traces not taken within this time are dropped (and counted).
+        max_traces: traces kept at most (oldest dropped first, counted).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_payload_bytes: StrictInt = Field(default=4 << 20, ge=1024)
+    max_entries: StrictInt = Field(default=256, ge=1)
+    max_depth: StrictInt = Field(default=16, ge=4, le=64)
+    max_capture_positions: StrictInt = Field(default=1 << 16, ge=1)
+    max_abs_value: StrictFloat = Field(default=1e4, gt=0.0, le=1e30)
+    max_dyn_scale: StrictFloat = Field(default=100.0, gt=0.0, le=1e30)
+    max_clamp_strength: StrictFloat = Field(default=2.0, gt=0.0, le=1e3)
+    cache_bytes: StrictInt = Field(default=256 << 20, ge=0)
+    trace_ttl_s: StrictFloat = Field(default=600.0, gt=0.0)
+    max_traces: StrictInt = Field(default=4096, ge=1)
 
 
 class DynsteerConfig(BaseModel):
@@ -41,21 +78,39 @@ class DynsteerConfig(BaseModel):
         forward: ``"op"`` runs each site as one opaque custom op (the fused Triton kernel on CUDA, the torch
             reference elsewhere); ``"inline"`` traces the reference's torch ops into the model graph so
             torch.compile can fuse them into neighbouring kernels (fewer launches per step).
+        controllers: custom sync controllers requests may use, ``{name: "package.module:Factory"}``; a policy
+            names one with ``SyncControllerSpec(kind="custom", name=...)``. Entry points of the group
+            ``dynsteer.controllers`` are registered too. Requests never carry import paths.
+        probes: probe files requests may use as monitors, ``{name: path}``, loaded at start-up in every process;
+            a monitor names one with ``Monitor(probe=name, ...)``. Requests never carry file paths.
+        limits: bounds on request payloads and on what the engine keeps (:class:`Limits`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_rows: int = Field(default=64, ge=2, le=4096)
-    max_clamps: int = Field(default=2, ge=0, le=16)
-    max_gates: int = Field(default=2, ge=0, le=8)
+    max_rows: StrictInt = Field(default=64, ge=2, le=4096)
+    max_clamps: StrictInt = Field(default=2, ge=0, le=16)
+    max_gates: StrictInt = Field(default=2, ge=0, le=8)
     sites: tuple[Site, ...] = SITES
     layers: tuple[int, ...] | None = None
     vectors: dict[str, str] = Field(default_factory=dict)
-    require: bool = True
+    require: StrictBool = True
     forward: Literal["op", "inline"] = "op"
     capture_sites: tuple[Site, ...] = ()
     capture_layers: tuple[int, ...] | None = None
     capture_consumers: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"memory": {}})
+    controllers: dict[str, str] = Field(default_factory=dict)
+    probes: dict[str, str] = Field(default_factory=dict)
+    limits: Limits = Field(default_factory=Limits)
+
+    @field_validator("controllers", "probes", "vectors")
+    @classmethod
+    def _names(cls, v: dict[str, str], info: Any) -> dict[str, str]:
+        for name in v:
+            if not NAME_PATTERN.fullmatch(name):
+                raise ValueError(f"{info.field_name}[{name!r}]: names are letters, digits, '.', '_' and '-' "
+                                 f"(at most 128, starting with a letter or digit)")
+        return v
 
     def capture_places(self, num_layers: int) -> list[tuple[int, Site]]:
         """The (layer, site) places with capture buffers, for a model of ``num_layers`` layers."""

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
+import re
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
+from cachetools import LRUCache
 from pydantic import ValidationError
 
 from dynsteer.capture.spec import CaptureSpec
+from dynsteer.config import Limits
 from dynsteer.policy import DynamicSteeringPolicy
-from dynsteer.spec import SteeringSpec, SteeringValidationError
+from dynsteer.spec import SteeringSpec, SteeringValidationError, check_name
 
 PAYLOAD_KEY = "dynsteer"
 _PREFIX = "ds1:"
@@ -36,6 +39,7 @@ class RequestPayload:
     tag: str | None = None
     capture: CaptureSpec | None = None
     policy: DynamicSteeringPolicy | None = None
+    trace: bool = False  # keep the dynamic-steering trace for the caller to take (Steerer does; HTTP clients need not)
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -45,16 +49,21 @@ def _enc_hook(obj: Any) -> Any:
 
 
 def encode_payload(spec: SteeringSpec | None = None, tag: str | None = None,
-                   capture: CaptureSpec | None = None, policy: DynamicSteeringPolicy | None = None) -> str:
+                   capture: CaptureSpec | None = None, policy: DynamicSteeringPolicy | None = None,
+                   trace: bool = False) -> str:
     """Pack a spec, optional capture spec and policy, and a tag into the string stored under ``extra_args["dynsteer"]``.
 
-    A policy's probe-file monitors are loaded here (the workers may not see the file).
+    A policy's probe-file monitors are loaded here (an engine never reads a file a request names); monitors naming
+    a registered probe stay names. ``trace``: ask the engine to keep the request's dynamic-steering trace until it
+    is taken (:meth:`dynsteer.Steerer.take_traces`).
     """
     body: dict[str, Any] = {"spec": (spec or SteeringSpec()).model_dump(mode="python")}
     if capture is not None:
         body["capture"] = capture.model_dump(mode="python")
     if policy is not None:
         body["policy"] = policy.resolved().model_dump(mode="python", exclude_none=True)
+    if trace:
+        body["trace"] = True
     packed = _PREFIX + base64.b64encode(msgspec.msgpack.encode(body, enc_hook=_enc_hook)).decode("ascii")
     return with_tag(packed, tag)
 
@@ -70,33 +79,100 @@ def payload_body(payload: Any) -> Any:
     return payload.split(_TAG_SEP, 1)[0] if isinstance(payload, str) else payload
 
 
-def decode_payload(obj: Any, field: str = f"extra_args.{PAYLOAD_KEY}") -> RequestPayload:
-    """Decode and schema-validate a payload; raises :class:`SteeringValidationError` naming the bad field."""
+DEFAULT_LIMITS = Limits()
+
+
+def decode_payload(obj: Any, field: str = f"extra_args.{PAYLOAD_KEY}",
+                   limits: Limits = DEFAULT_LIMITS) -> RequestPayload:
+    """Decode and schema-validate a payload within ``limits``; raises :class:`SteeringValidationError` naming the
+    bad field (the payload itself when it is oversize, too deep or has too many entries)."""
     if isinstance(obj, str):
         packed, _, tag = obj.partition(_TAG_SEP)
-        decoded = _decode_packed(packed, field)
-        return decoded if not tag else RequestPayload(decoded.spec, tag, decoded.capture, decoded.policy)
+        if len(obj) > limits.max_payload_bytes:
+            raise SteeringValidationError(f"{field}: payload of {len(obj)} bytes exceeds the engine's limit "
+                                          f"max_payload_bytes = {limits.max_payload_bytes}")
+        decoded = _decode_packed(packed, field, limits)
+        if not tag:
+            return decoded
+        return RequestPayload(decoded.spec, _check_tag(tag, field), decoded.capture, decoded.policy, decoded.trace)
     if not isinstance(obj, dict):
         raise SteeringValidationError(f"{field}: expected a packed string or an object, got {type(obj).__name__}")
-    return _decode_body(obj, field)
+    try:
+        size = len(msgspec.msgpack.encode(obj, enc_hook=_enc_hook))
+    except (TypeError, NotImplementedError, RecursionError, OverflowError, ValueError) as exc:
+        raise SteeringValidationError(f"{field}: the payload object cannot be encoded ({exc!r})") from None
+    if size > limits.max_payload_bytes:
+        raise SteeringValidationError(f"{field}: payload of {size} bytes exceeds the engine's limit "
+                                      f"max_payload_bytes = {limits.max_payload_bytes}")
+    return _decode_body(obj, field, limits)
 
 
-@functools.lru_cache(maxsize=512)
-def _decode_packed(packed: str, field: str) -> RequestPayload:
-    # Memoised: a batch usually repeats a few configurations, and validating vectors is the costly part.
+_memo_lock = threading.Lock()
+_memo: LRUCache = LRUCache(maxsize=DEFAULT_LIMITS.cache_bytes, getsizeof=lambda entry: entry[0])
+
+
+def _decode_packed(packed: str, field: str, limits: Limits) -> RequestPayload:
+    # Memoised per body (a batch usually repeats a few configurations, and validating vectors is the costly part),
+    # bounded by bytes: the key holds the whole payload string.
+    key = (packed, field, limits)
+    with _memo_lock:
+        hit = _memo.get(key)
+    if hit is not None:
+        return hit[1]
     if not packed.startswith(_PREFIX):
         raise SteeringValidationError(f"{field}: packed payload must start with {_PREFIX!r}")
     try:
         body = msgspec.msgpack.decode(base64.b64decode(packed[len(_PREFIX):], validate=True))
-    except (binascii.Error, msgspec.DecodeError, ValueError) as exc:
-        raise SteeringValidationError(f"{field}: malformed packed payload ({exc})") from None
-    return _decode_body(body, field)
+    except (binascii.Error, msgspec.DecodeError, ValueError, RecursionError) as exc:
+        raise SteeringValidationError(f"{field}: malformed packed payload ({type(exc).__name__}: {exc})") from None
+    decoded = _decode_body(body, field, limits)
+    size = 2 * len(packed) + 256  # the key string and, about as much again, the decoded vectors
+    if size <= limits.cache_bytes:
+        with _memo_lock:
+            if _memo.maxsize != limits.cache_bytes:
+                _memo.maxsize = limits.cache_bytes  # type: ignore[misc]  # one engine config per process
+            _memo[key] = (size, decoded)
+    return decoded
 
 
-def _decode_body(body: Any, field: str) -> RequestPayload:
-    if not isinstance(body, dict) or set(body) - {"spec", "tag", "capture", "policy"}:
+def _check_tag(tag: Any, field: str) -> str:
+    try:
+        return check_name(tag, "tag")
+    except ValueError as exc:
+        raise SteeringValidationError(f"{field}.tag: {exc}") from None
+
+
+def check_shape(body: Any, field: str, limits: Limits) -> None:
+    """Reject a decoded body that nests deeper than ``limits.max_depth`` or holds more than ``limits.max_entries``
+    objects, before any schema validation runs (iterative: no recursion for an attacker to exhaust)."""
+    objects = 0
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limits.max_depth:
+            raise SteeringValidationError(f"{field}: payload nests deeper than the engine's limit max_depth = "
+                                          f"{limits.max_depth}")
+        if isinstance(node, dict):
+            objects += 1
+            if objects > limits.max_entries:
+                raise SteeringValidationError(f"{field}: payload holds more than the engine's limit max_entries = "
+                                              f"{limits.max_entries} objects (entries, monitors, rules, actions, "
+                                              f"inline vectors)")
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, (list, tuple)):
+            if len(node) > limits.max_capture_positions:
+                raise SteeringValidationError(f"{field}: payload holds a list of {len(node)} items, over the "
+                                              f"engine's limit max_capture_positions = "
+                                              f"{limits.max_capture_positions}")
+            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list, tuple)))
+
+
+def _decode_body(body: Any, field: str, limits: Limits = DEFAULT_LIMITS) -> RequestPayload:
+    if not isinstance(body, dict) or set(body) - {"spec", "tag", "capture", "policy", "trace"}:
         raise SteeringValidationError(
-            f"{field}: payload must be an object with keys 'spec', 'capture', 'policy' and 'tag' (all optional)")
+            f"{field}: payload must be an object with keys 'spec', 'capture', 'policy', 'trace' and 'tag' (all "
+            f"optional)")
+    check_shape(body, field, limits)
     parsed: dict[str, Any] = {}
     for key, model in (("spec", SteeringSpec), ("capture", CaptureSpec), ("policy", DynamicSteeringPolicy)):
         if body.get(key) is None:
@@ -105,10 +181,30 @@ def _decode_body(body: Any, field: str) -> RequestPayload:
             parsed[key] = model.model_validate(body[key])
         except ValidationError as exc:
             err = exc.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"])
-            raise SteeringValidationError(f"{field}.{key}.{loc}: {err['msg']}") from None
-    tag = body.get("tag")
-    if tag is not None and not isinstance(tag, str):
-        raise SteeringValidationError(f"{field}.tag: must be a string")
-    return RequestPayload(spec=parsed.get("spec", SteeringSpec()), tag=tag, capture=parsed.get("capture"),
-                          policy=parsed.get("policy"))
+            parts = list(err["loc"])
+            if err["type"] == "extra_forbidden" and parts:  # the client's own key: shown, made harmless
+                parts[-1] = re.sub(r"[^A-Za-z0-9_-]", "?", str(parts[-1]))[:40] or "?"
+                loc = ".".join(str(p) for p in parts[:-1] if _is_field(p)) + f".{parts[-1]}"
+                loc = loc.lstrip(".")
+            else:
+                loc = ".".join(str(p) for p in parts if _is_field(p))
+            raise SteeringValidationError(f"{field}.{key}{'.' if loc else ''}{loc}: {_message(err)}") from None
+        except RecursionError:
+            raise SteeringValidationError(f"{field}.{key}: nested too deeply") from None
+    tag, trace = body.get("tag"), body.get("trace", False)
+    if not isinstance(trace, bool):
+        raise SteeringValidationError(f"{field}.trace: must be true or false")
+    return RequestPayload(spec=parsed.get("spec", SteeringSpec()),
+                          tag=None if tag is None else _check_tag(tag, field), capture=parsed.get("capture"),
+                          policy=parsed.get("policy"), trace=trace)
+
+
+def _is_field(part: Any) -> bool:
+    # pydantic names union branches in an error's location ("literal['a','b']", "tuple[int, ...]"): not fields.
+    return isinstance(part, int) or (isinstance(part, str) and part.isidentifier())
+
+
+def _message(err: Any) -> str:
+    # pydantic prefixes validator errors with "Value error, "; the field is already named before the colon.
+    msg = str(err["msg"])
+    return msg[len("Value error, "):] if msg.startswith("Value error, ") else msg

@@ -40,12 +40,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-from dynsteer.spec import SITES, ModelShape, Site, SteeringValidationError, resolve_vector
+from dynsteer.spec import (SITES, Layer, ModelShape, Real, Site, SteeringValidationError, VectorSource,
+                           check_clamp_bounds, check_name, resolve_vector)
 from dynsteer.vectors import Vector
 
 POLICY_VERSION = 1
@@ -84,9 +86,12 @@ class _Model(BaseModel):
 class Monitor(_Model):
     """An in-graph probe gate on the residual at ``(layer, site)``.
 
-    Exactly one of two forms:
+    Exactly one of three forms:
 
-    * ``probe_file``: a dynsteer probe file (DESIGN §7), loaded when the policy is resolved or checked; or
+    * ``probe``: the name of a probe file the operator registered (``DynsteerConfig(probes={name: path})``); the
+      only probe form a request sent to an engine may use;
+    * ``probe_file``: a dynsteer probe file (DESIGN §7) read in the caller's process: :func:`dynsteer.encode_payload`
+      and :meth:`dynsteer.Steerer.set_policy` load it and send the inline form (an engine rejects file paths);
     * inline ``direction`` + ``sharpness`` + ``threshold``: ``gate = σ(sharpness · (x·direction − threshold))``.
 
     :meth:`from_probe_file` builds the inline form from a probe file (exact logistic-probe identity, DESIGN §4).
@@ -95,7 +100,11 @@ class Monitor(_Model):
         name: unique name that rules refer to.
         layer: decoder layer whose residual is read (0-based).
         site: residual site read.
-        probe_file: path of a probe file (file form).
+        probe: name of a registered probe file (registered form).
+        probe_file: path of a probe file (file form; resolved in the caller's process).
+        target_class: with ``probe``/``probe_file``: the class whose probability is the gate (1: the probe's
+            positive class, 0: the other one).
+        calibrated: with ``probe``/``probe_file``: centre the gate on the probe's calibration threshold.
         direction: probe direction ``[hidden]`` (inline form; usually unit norm, any non-zero norm is accepted).
         sharpness: slope of the gate's logit per unit of projection, ``> 0`` (inline form).
         threshold: projection at which the gate is 0.5, finite (inline form).
@@ -106,13 +115,21 @@ class Monitor(_Model):
         0.999877
     """
 
-    name: str = Field(min_length=1)
-    layer: int = Field(ge=0)
+    name: str = Field(min_length=1, max_length=128)
+    layer: Layer
     site: Site = "post_block"
+    probe: Optional[str] = None
     probe_file: Optional[str] = None
+    target_class: Literal[0, 1] = 1
+    calibrated: StrictBool = False
     direction: Optional[Vector] = None
-    sharpness: Optional[float] = Field(default=None, gt=0.0)
-    threshold: Optional[float] = None
+    sharpness: Optional[Real] = Field(default=None, gt=0.0)
+    threshold: Optional[Real] = None
+
+    @field_validator("probe")
+    @classmethod
+    def _probe_name(cls, v: str | None) -> str | None:
+        return None if v is None else check_name(v, "probe name")
 
     @field_validator("sharpness", "threshold")
     @classmethod
@@ -134,19 +151,24 @@ class Monitor(_Model):
     def _one_form(self) -> "Monitor":
         inline = {"direction": self.direction, "sharpness": self.sharpness, "threshold": self.threshold}
         given = [k for k, v in inline.items() if v is not None]
-        if self.probe_file is not None:
+        files = [k for k in ("probe", "probe_file") if getattr(self, k) is not None]
+        if len(files) > 1:
+            raise ValueError(f"monitor {self.name!r}: give probe or probe_file, not both")
+        if files:
             if given:
-                raise ValueError(f"monitor {self.name!r}: give either probe_file or the inline form "
-                                 f"(direction, sharpness, threshold), not both (got probe_file and {', '.join(given)})")
+                raise ValueError(f"monitor {self.name!r}: give either {files[0]} or the inline form "
+                                 f"(direction, sharpness, threshold), not both (got {files[0]} and {', '.join(given)})")
         elif len(given) != 3:
             missing = [k for k in inline if inline[k] is None]
-            raise ValueError(f"monitor {self.name!r}: needs either probe_file or all of direction, sharpness, "
+            raise ValueError(f"monitor {self.name!r}: needs probe, probe_file or all of direction, sharpness, "
                              f"threshold (missing: {', '.join(missing)})")
+        elif self.target_class != 1 or self.calibrated:
+            raise ValueError(f"monitor {self.name!r}: target_class and calibrated apply to probe files only")
         return self
 
     @property
     def is_inline(self) -> bool:
-        return self.probe_file is None
+        return self.probe_file is None and self.probe is None
 
     @classmethod
     def from_probe_file(cls, path: str | Path, *, name: str, calibrated: bool = False,
@@ -164,20 +186,48 @@ class Monitor(_Model):
 
         if target_class not in (0, 1):
             raise ValueError(f"target_class must be 0 or 1, got {target_class!r}")
-        probe = load_probe(path)
+        return cls.from_probe(load_probe(path), name=name, calibrated=calibrated, target_class=target_class)
+
+    @classmethod
+    def from_probe(cls, probe: Any, *, name: str, calibrated: bool = False, target_class: int = 1) -> "Monitor":
+        """An inline monitor equal to a loaded :class:`dynsteer.probes.fileformat.Probe` (see :meth:`from_probe_file`)."""
         p = probe.gate_params(calibrated=calibrated)
         sign = 1.0 if target_class == 1 else -1.0  # σ(−z) = 1 − σ(z)
         return cls(name=name, layer=probe.layer, site=probe.site, direction=sign * p.probe, sharpness=p.sharpness,
                    threshold=sign * p.threshold)
 
-    def resolve(self) -> "Monitor":
-        """The inline form (loads ``probe_file``; checks that the file's layer and site match this monitor)."""
+    def resolve(self, probes: Mapping[str, Any] | None = None, *, allow_files: bool = True) -> "Monitor":
+        """The inline form; checks that the probe's layer and site match this monitor.
+
+        Args:
+            probes: registered probes (``{name: Probe}``) that ``probe`` may name.
+            allow_files: whether ``probe_file`` may be read (the caller's own process; never for a request).
+
+        Raises:
+            ValueError: an unknown probe name, a file path where files are not allowed, a mismatching place.
+        """
         if self.is_inline:
             return self
-        m = Monitor.from_probe_file(self.probe_file, name=self.name)  # type: ignore[arg-type]
+        if self.probe is not None:
+            if probes is None:
+                return self  # the caller's process: the engine resolves registered names against its own registry
+            if self.probe not in probes:
+                known = ", ".join(sorted(probes or {})) or "none registered"
+                raise ValueError(f"unknown probe {self.probe!r} (registered: {known}; the operator registers probe "
+                                 f"files with DynsteerConfig(probes={{name: path}}))")
+            m = Monitor.from_probe(probes[self.probe], name=self.name, calibrated=self.calibrated,
+                                   target_class=self.target_class)
+            source = f"probe {self.probe!r}"
+        else:
+            if not allow_files:
+                raise ValueError("file paths are not accepted in requests; register the probe file with "
+                                 "DynsteerConfig(probes={name: path}) and reference it as probe=name")
+            m = Monitor.from_probe_file(self.probe_file, name=self.name, calibrated=self.calibrated,  # type: ignore
+                                        target_class=self.target_class)
+            source = f"probe file {self.probe_file!r}"
         if (m.layer, m.site) != (self.layer, self.site):
-            raise ValueError(f"monitor {self.name!r}: probe file {self.probe_file!r} reads layer {m.layer} site "
-                             f"{m.site!r}, but the monitor says layer {self.layer} site {self.site!r}")
+            raise ValueError(f"monitor {self.name!r}: {source} reads layer {m.layer} site {m.site!r}, but the "
+                             f"monitor says layer {self.layer} site {self.site!r}")
         return m
 
     def gate_params(self) -> Any:
@@ -220,13 +270,13 @@ class Action(_Model):
     """
 
     kind: Literal["add", "clamp", "ablate"]
-    layer: int = Field(ge=0)
+    layer: Layer
     site: Site = "post_block"
-    vector: str | Vector
-    scale: float = 1.0
-    lo: Optional[float] = None
-    hi: Optional[float] = None
-    strength: float = Field(default=1.0, gt=0.0)
+    vector: VectorSource
+    scale: Real = 1.0
+    lo: Optional[Real] = None
+    hi: Optional[Real] = None
+    strength: Real = Field(default=1.0, gt=0.0)
 
     @field_validator("scale", "lo", "hi", "strength")
     @classmethod
@@ -271,18 +321,18 @@ class Rule(_Model):
         'this_token'
     """
 
-    monitor: str = Field(min_length=1)
+    monitor: str = Field(min_length=1, max_length=128)
     actions: tuple[Action, ...] = Field(min_length=1)
     scope: Scope = "this_token"
-    gate_floor: float = Field(default=0.0, ge=0.0, le=1.0)
+    gate_floor: Real = Field(default=0.0, ge=0.0, le=1.0)
 
 
 _CONTROLLER_REQUIRED = {"latch": ("on", "off", "scale"), "ema_latch": ("alpha", "on", "off", "scale"),
                         "pid": ("target", "kp", "ki", "kd"), "budget": ("inner", "max_steered_tokens"),
-                        "custom": ("factory",)}
+                        "custom": ("name",)}
 _CONTROLLER_OPTIONAL = {"pid": ("min_scale", "max_scale"), "custom": ("options",)}
 _CONTROLLER_PARAMS = ("on", "off", "scale", "alpha", "target", "kp", "ki", "kd", "min_scale", "max_scale", "inner",
-                      "max_steered_tokens", "factory", "options")
+                      "max_steered_tokens", "name", "options")
 
 
 class SyncControllerSpec(_Model):
@@ -294,9 +344,11 @@ class SyncControllerSpec(_Model):
     * ``ema_latch``: ``alpha`` in ``(0, 1]``, ``on``, ``off``, ``scale`` — the latch on an EMA of the score.
     * ``pid``: ``target``, ``kp``, ``ki``, ``kd`` (``min_scale`` = 0, ``max_scale`` = 1 by default).
     * ``budget``: ``inner`` (another spec), ``max_steered_tokens`` ≥ 0.
-    * ``custom``: ``factory`` = ``"package.module:Name"``, a class or function importable in every worker, called
-      with ``options`` (a JSON-like dict) as keyword arguments; it returns a controller following the
-      :class:`dynsteer.controllers.sync.SyncController` contract (pure ``initial_state`` / ``on_step``).
+    * ``custom``: ``name`` of a controller the operator registered (``DynsteerConfig(controllers={name:
+      "package.module:Factory"})`` or the entry-point group ``dynsteer.controllers``); the factory is called with
+      ``options`` (a JSON-like dict) as keyword arguments and returns a controller following the
+      :class:`dynsteer.controllers.sync.SyncController` contract (pure ``initial_state`` / ``on_step``). Requests
+      never carry import paths.
 
     Args:
         kind: the controller.
@@ -309,21 +361,35 @@ class SyncControllerSpec(_Model):
     """
 
     kind: ControllerKind
-    monitor: Optional[str] = None
-    on: Optional[float] = None
-    off: Optional[float] = None
-    scale: Optional[float] = None
-    alpha: Optional[float] = Field(default=None, gt=0.0, le=1.0)
-    target: Optional[float] = None
-    kp: Optional[float] = None
-    ki: Optional[float] = None
-    kd: Optional[float] = None
-    min_scale: Optional[float] = None
-    max_scale: Optional[float] = None
+    monitor: Optional[str] = Field(default=None, max_length=128)
+    on: Optional[Real] = None
+    off: Optional[Real] = None
+    scale: Optional[Real] = None
+    alpha: Optional[Real] = Field(default=None, gt=0.0, le=1.0)
+    target: Optional[Real] = None
+    kp: Optional[Real] = None
+    ki: Optional[Real] = None
+    kd: Optional[Real] = None
+    min_scale: Optional[Real] = None
+    max_scale: Optional[Real] = None
     inner: Optional["SyncControllerSpec"] = None
-    max_steered_tokens: Optional[int] = Field(default=None, ge=0)
-    factory: Optional[str] = Field(default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    max_steered_tokens: Optional[StrictInt] = Field(default=None, ge=0)
+    name: Optional[str] = None
     options: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_import_paths(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "factory" in data:
+            raise ValueError("factory: import paths are not accepted; register the controller with "
+                             "DynsteerConfig(controllers={name: 'package.module:Factory'}) and use kind='custom', "
+                             "name=name")
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _controller_name(cls, v: str | None) -> str | None:
+        return None if v is None else check_name(v, "controller name")
 
     @field_validator("on", "off", "scale", "target", "kp", "ki", "kd", "min_scale", "max_scale")
     @classmethod
@@ -425,24 +491,51 @@ class DynamicSteeringPolicy(_Model):
             return None
         return self.monitor(self.controller.monitor) if self.controller.monitor else self.monitors[0]
 
-    def resolved(self) -> "DynamicSteeringPolicy":
-        """A copy whose monitors are all inline (probe files loaded)."""
-        return self.model_copy(update={"monitors": tuple(m.resolve() for m in self.monitors)})
+    def resolved(self, probes: Mapping[str, Any] | None = None, *, allow_files: bool = True,
+                 prefix: str = "") -> "DynamicSteeringPolicy":
+        """A copy whose monitors are all inline.
+
+        Args:
+            probes: registered probes that monitors' ``probe`` may name.
+            allow_files: read ``probe_file`` monitors (the caller's own process; engines pass ``False``).
+            prefix: prepended to field names in messages.
+
+        Raises:
+            SteeringValidationError: naming the monitor field that cannot be resolved.
+        """
+        monitors = []
+        for i, m in enumerate(self.monitors):
+            try:
+                monitors.append(m.resolve(probes, allow_files=allow_files))
+            except (OSError, ValueError) as exc:
+                field = "probe" if m.probe is not None else "probe_file"
+                raise SteeringValidationError(f"{prefix}monitors[{i}].{field}: {exc}") from None
+        return self.model_copy(update={"monitors": tuple(monitors)})
+
+    def max_output(self) -> float:
+        """The largest ``|dyn_scale|`` the controller can output (1 without one; custom: unbounded, clipped by
+        the engine's ``max_dyn_scale`` at run time)."""
+        return 1.0 if self.controller is None else controller_bound(self.controller)
 
     def layers(self) -> list[int]:
         """Every layer a monitor reads or an action steers."""
         return sorted({m.layer for m in self.monitors} | {a.layer for r in self.rules for a in r.actions})
 
-    def check(self, shape: ModelShape, named: dict[str, np.ndarray] | None = None, prefix: str = "") -> None:
+    def check(self, shape: ModelShape, named: dict[str, np.ndarray] | None = None, prefix: str = "",
+              probes: Mapping[str, Any] | None = None, controllers: Any = None, allow_files: bool = True) -> None:
         """Validate against a model like :func:`dynsteer.spec.check_spec`.
 
         Checks layer ranges and hooked layers/sites of monitors and actions, vector hidden sizes, finite values and
-        non-zero directions; loads probe-file monitors and checks them too.
+        non-zero directions, clamp bounds and strengths, the controller's output bound; resolves probe monitors
+        and checks them too.
 
         Args:
-            shape: the engine's model shape.
+            shape: the engine's model shape (and its magnitude limits).
             named: registered vectors for actions that refer to a vector by name.
             prefix: prepended to field names in messages (e.g. ``"policy."``).
+            probes: registered probes that monitors' ``probe`` may name.
+            controllers: names of registered custom controllers (``None``: not checked, e.g. offline).
+            allow_files: whether ``probe_file`` monitors may be read (never for requests).
 
         Raises:
             SteeringValidationError: naming the first bad field (e.g. ``monitors[0].direction``).
@@ -462,11 +555,14 @@ class DynamicSteeringPolicy(_Model):
         for i, m in enumerate(self.monitors):
             where = f"{prefix}monitors[{i}]"
             place(where, m.layer, m.site)
-            if m.probe_file is not None:
+            if not m.is_inline:
                 try:
-                    m = m.resolve()
+                    m = m.resolve(probes, allow_files=allow_files)
                 except (OSError, ValueError) as exc:
-                    raise SteeringValidationError(f"{where}.probe_file: {exc}") from None
+                    field = "probe" if m.probe is not None else "probe_file"
+                    raise SteeringValidationError(f"{where}.{field}: {exc}") from None
+                if not m.is_inline:
+                    continue  # a registered name, checked where the registry is (the engine)
             arr = resolve_vector(m.direction, f"{where}.direction", shape, None)
             if not np.linalg.norm(arr.astype(np.float64)) > 0:
                 raise SteeringValidationError(f"{where}.direction: direction has zero norm")
@@ -478,8 +574,12 @@ class DynamicSteeringPolicy(_Model):
                 where = f"{prefix}rules[{i}].actions[{j}]"
                 place(where, a.layer, a.site)
                 arr = resolve_vector(a.vector, f"{where}.vector", shape, named)
-                if a.kind != "add" and not np.linalg.norm(arr.astype(np.float64)) > 0:
-                    raise SteeringValidationError(f"{where}.vector: direction has zero norm")
+                if a.kind != "add":
+                    if not np.linalg.norm(arr.astype(np.float64)) > 0:
+                        raise SteeringValidationError(f"{where}.vector: direction has zero norm")
+                    check_clamp_bounds(a, shape, where)
+        if self.controller is not None:
+            check_controller(self.controller, shape, controllers, f"{prefix}controller")
 
     def to_json(self) -> str:
         """JSON with vectors in the packed ``{"b64": ...}`` form (bit-exact round trip)."""
@@ -500,3 +600,59 @@ class DynamicSteeringPolicy(_Model):
         import yaml
 
         return cls.model_validate(yaml.safe_load(text))
+
+
+def controller_bound(spec: SyncControllerSpec) -> float:
+    """The largest ``|scale|`` a built-in controller can output (``inf`` for custom controllers)."""
+    if spec.kind in ("latch", "ema_latch"):
+        return abs(float(spec.scale))  # type: ignore[arg-type]
+    if spec.kind == "pid":
+        lo = 0.0 if spec.min_scale is None else spec.min_scale
+        hi = 1.0 if spec.max_scale is None else spec.max_scale
+        return max(abs(lo), abs(hi))
+    if spec.kind == "budget":
+        return controller_bound(spec.inner)  # type: ignore[arg-type]
+    return math.inf
+
+
+def check_controller(spec: SyncControllerSpec, shape: ModelShape, controllers: Any, where: str) -> None:
+    """A registered custom controller, and built-in outputs within the engine's ``max_dyn_scale``."""
+    if spec.kind == "custom":
+        if controllers is not None and spec.name not in controllers:
+            known = ", ".join(sorted(controllers)) or "none registered"
+            raise SteeringValidationError(
+                f"{where}.name: unknown controller {spec.name!r} (registered: {known}; the operator registers "
+                f"controllers with DynsteerConfig(controllers={{name: 'package.module:Factory'}}))")
+        return
+    if spec.kind == "budget":
+        check_controller(spec.inner, shape, controllers, f"{where}.inner")  # type: ignore[arg-type]
+        return
+    bound = controller_bound(spec)
+    if bound > shape.max_dyn_scale:
+        field = "scale" if spec.kind in ("latch", "ema_latch") else "max_scale"
+        if spec.kind == "pid" and abs(spec.min_scale or 0.0) > abs(spec.max_scale if spec.max_scale is not None
+                                                                    else 1.0):
+            field = "min_scale"
+        raise SteeringValidationError(f"{where}.{field}: the controller can output |scale| = {bound:.4g}, over the "
+                                      f"engine's limit max_dyn_scale = {shape.max_dyn_scale:g}")
+
+
+def admit_policy(policy: DynamicSteeringPolicy, probes: Mapping[str, Any], controllers: Any,
+                 prefix: str = "policy.") -> DynamicSteeringPolicy:
+    """What an engine does with a policy from a request (or set globally): resolve registered probe names against
+    ``probes`` (file paths are refused), and check that a custom controller names a registered one.
+
+    Raises:
+        SteeringValidationError: naming the field (``policy.monitors[0].probe_file``, ``policy.controller.name``).
+    """
+    resolved = policy.resolved(probes, allow_files=False, prefix=prefix)
+    spec = policy.controller
+    where = f"{prefix}controller"
+    while spec is not None:
+        if spec.kind == "custom" and spec.name not in controllers:
+            known = ", ".join(sorted(controllers)) or "none registered"
+            raise SteeringValidationError(
+                f"{where}.name: unknown controller {spec.name!r} (registered: {known}; the operator registers "
+                f"controllers with DynsteerConfig(controllers={{name: 'package.module:Factory'}}))")
+        spec, where = spec.inner, f"{where}.inner"
+    return resolved

@@ -14,12 +14,14 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Union
+import re
+from typing import Annotated, Any, Literal, Union
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, StrictFloat, StrictInt,
+                      WithJsonSchema, field_validator, model_validator)
 
-from dynsteer.vectors import Vector, as_vector
+from dynsteer.vectors import as_vector, pack_vector
 
 Site = Literal["pre_attn", "post_attn", "post_block"]
 """Residual-stream hook sites, in forward order within a decoder layer."""
@@ -30,8 +32,49 @@ Tier = Literal["base", "prefill", "decode"]
 TIERS: tuple[Tier, ...] = ("base", "prefill", "decode")
 Phase = Literal["prefill", "decode"]
 
-VectorSource = Union[str, Vector]
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""What a registered name (vector, probe, controller, consumer) and a request tag look like: no path separators."""
+
+
+def check_name(value: Any, what: str = "name") -> str:
+    """``value`` if it is a well-formed name; otherwise ``ValueError`` saying what a name may hold."""
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a string, got {type(value).__name__}")
+    if not NAME_PATTERN.fullmatch(value):
+        shown = value if len(value) <= 40 else value[:37] + "..."
+        raise ValueError(f"{what} {shown!r} is not a valid name (letters, digits, '.', '_', '-'; at most 128; "
+                         f"starting with a letter or digit)")
+    return value
+
+
+def _vector_source(value: Any) -> str | np.ndarray:
+    # One validator for the name-or-vector union: pydantic's own union would report every branch's error
+    # (``vector.str: Input should be a valid string`` for a malformed inline vector).
+    if isinstance(value, str):
+        return check_name(value, "vector name")
+    try:
+        return as_vector(value)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"expected a registered vector name or an inline vector: {exc}") from None
+
+
+def _serialize_source(value: str | np.ndarray) -> Any:
+    return value if isinstance(value, str) else pack_vector(value)
+
+
+VectorSource = Annotated[
+    Union[str, np.ndarray],
+    BeforeValidator(_vector_source),
+    PlainSerializer(_serialize_source, when_used="json"),
+    WithJsonSchema({"anyOf": [{"type": "string"},
+                              {"type": "object", "properties": {"b64": {"type": "string"}}, "required": ["b64"]}]}),
+]
 """A registered vector's name, or an inline vector (list, numpy array, torch tensor or ``{"b64": ...}``)."""
+
+Layer = Annotated[StrictInt, Field(ge=0)]
+"""A decoder layer index: an int (``"1"``, ``1.0`` and ``True`` are rejected, not coerced)."""
+Real = StrictFloat
+"""A number (int or float; strings and booleans are rejected, not coerced)."""
 
 SPEC_VERSION = 1
 
@@ -69,10 +112,10 @@ class AddVector(_Frozen):
     """
 
     kind: Literal["add"] = "add"
-    layer: int = Field(ge=0)
+    layer: Layer
     site: Site = "post_block"
     vector: VectorSource
-    scale: float = 1.0
+    scale: Real = 1.0
     tier: Tier = "base"
 
     @field_validator("scale")
@@ -95,12 +138,12 @@ class ProjectionClamp(_Frozen):
     """
 
     kind: Literal["clamp"] = "clamp"
-    layer: int = Field(ge=0)
+    layer: Layer
     site: Site = "post_block"
     direction: VectorSource
-    lo: float | None = None
-    hi: float | None = None
-    strength: float = Field(default=1.0, gt=0.0)
+    lo: Real | None = None
+    hi: Real | None = None
+    strength: Real = Field(default=1.0, gt=0.0)
     tier: Tier = "base"
 
     @model_validator(mode="after")
@@ -128,10 +171,10 @@ class Ablation(_Frozen):
     """
 
     kind: Literal["ablate"] = "ablate"
-    layer: int = Field(ge=0)
+    layer: Layer
     site: Site = "post_block"
     direction: VectorSource
-    strength: float = Field(default=1.0, gt=0.0)
+    strength: Real = Field(default=1.0, gt=0.0)
     tier: Tier = "base"
 
     def as_clamp(self) -> ProjectionClamp:
@@ -209,6 +252,11 @@ class ModelShape(_Frozen):
     layers: tuple[int, ...] | None = None  # None: every layer is hooked
     max_clamps: int = 2
     max_gates: int = 0  # gate slots per row (dynamic policies' rules); 0: the engine has no dynamic tier
+    # Magnitude bounds (DynsteerConfig.limits): what one configuration may add to the residual, controller output,
+    # clamp strength. Checked when a configuration is compiled, in the frontend and in the workers.
+    max_abs_value: float = 1e4
+    max_dyn_scale: float = 100.0
+    max_clamp_strength: float = 2.0
 
 
 def check_vector(arr: np.ndarray, hidden_size: int, field: str) -> np.ndarray:
@@ -254,5 +302,20 @@ def check_spec(spec: SteeringSpec, shape: ModelShape, named: dict[str, np.ndarra
                 raise SteeringValidationError(f"{where}.site: site {e.site!r} is not hooked in this engine "
                                               f"(hooked: {list(shape.sites)})")
             arr = resolve_vector(getattr(e, vec_field), f"{where}.{vec_field}", shape, named)
-            if vec_field == "direction" and not np.linalg.norm(arr.astype(np.float64)) > 0:
-                raise SteeringValidationError(f"{where}.direction: direction has zero norm")
+            if vec_field == "direction":
+                if not np.linalg.norm(arr.astype(np.float64)) > 0:
+                    raise SteeringValidationError(f"{where}.direction: direction has zero norm")
+                check_clamp_bounds(e, shape, where)
+
+
+def check_clamp_bounds(entry: Any, shape: ModelShape, where: str) -> None:
+    """Clamp bounds within the engine's ``max_abs_value`` and strength within ``max_clamp_strength`` (a clamp then
+    keeps the residual's projection bounded: it can only move it toward ``[lo, hi]``)."""
+    for name in ("lo", "hi"):
+        v = getattr(entry, name, None)
+        if v is not None and abs(v) > shape.max_abs_value:
+            raise SteeringValidationError(f"{where}.{name}: |{name}| = {abs(v):.4g} exceeds the engine's limit "
+                                          f"max_abs_value = {shape.max_abs_value:g}")
+    if entry.strength > shape.max_clamp_strength:
+        raise SteeringValidationError(f"{where}.strength: {entry.strength:g} exceeds the engine's limit "
+                                      f"max_clamp_strength = {shape.max_clamp_strength:g}")

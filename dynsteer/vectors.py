@@ -31,10 +31,18 @@ def as_vector(value: Any) -> np.ndarray:
     elif hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor without importing torch here
         arr = value.detach().to("cpu").float().numpy()
     elif isinstance(value, (list, tuple)):
-        arr = np.asarray(value, dtype=np.float32)
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value):
+            raise ValueError("expected a vector: a list of numbers")
+        try:
+            arr = np.asarray(value, dtype=np.float32)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"expected a vector: a list of numbers ({exc})") from None
     else:
         raise ValueError(f"expected a vector (list, numpy array, tensor or {{'b64': ...}}), got {type(value).__name__}")
-    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    try:
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"expected a vector of numbers ({exc})") from None
     if arr.ndim != 1:
         raise ValueError(f"expected a 1-D vector, got shape {tuple(arr.shape)}")
     return arr

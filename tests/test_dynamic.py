@@ -29,7 +29,8 @@ def greedy(n: int = 16):
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_path):
-    cfg = DynsteerConfig(capture_sites=("post_block",), capture_layers=(MON_LAYER,), max_gates=3)
+    cfg = DynsteerConfig(capture_sites=("post_block",), capture_layers=(MON_LAYER,), max_gates=3,
+                         controllers={"every_other": "dynsteer.testing.controllers:EveryOther"})
     with make_llm(tiny_llama_path, **cfg.engine_kwargs()) as llm:
         yield llm, dynsteer.attach(llm)
 
@@ -209,26 +210,17 @@ def test_bad_policies_are_rejected_naming_the_field_and_others_run(engine):
     assert all(np.all(o.trace.applied_gates() == 1) for o in outs)
 
 
-class EveryOther:
-    """A user controller: steer at full scale on every other step (pure; state = the step parity)."""
 
-    def __init__(self, scale: float = 1.0) -> None:
-        self.scale = scale
-
-    def initial_state(self) -> int:
-        return 0
-
-    def on_step(self, state: int, obs) -> tuple[int, float]:
-        return state + 1, self.scale if state % 2 == 0 else 0.0
-
-
-def test_user_controller_plugs_in_by_import_path(engine):
+def test_user_controller_plugs_in_by_registered_name(engine):
     llm, st = engine
-    ctrl = SyncControllerSpec(kind="custom", factory="tests.test_dynamic:EveryOther", options={"scale": 2.0})
+    ctrl = SyncControllerSpec(kind="custom", name="every_other", options={"scale": 2.0})
     tr = st.generate(PROMPTS[:1], greedy(), policy=policy(st, ALWAYS, controller=ctrl))[0].trace
     assert tr.scale == ([0.0] + [2.0, 0.0] * 7)[:len(tr)]
-    with pytest.raises(ValueError, match="factory"):
-        SyncControllerSpec(kind="custom", factory="not a path")
+    with pytest.raises(ValueError, match="factory: import paths are not accepted"):
+        SyncControllerSpec(kind="custom", factory="tests.test_dynamic:EveryOther")
+    with pytest.raises(SteeringValidationError, match=r"policy\.controller\.name: unknown controller 'nope'"):
+        st.generate(PROMPTS[:1], greedy(), policy=policy(st, ALWAYS, controller=SyncControllerSpec(
+            kind="custom", name="nope")))
 
 
 def test_dynamic_decode_blocks_are_never_reused_by_other_requests(tiny_llama_path):

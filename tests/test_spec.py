@@ -163,15 +163,19 @@ def test_runtime_plans_rows_per_token_phase_and_zeroes_padding():
     assert rt.pool.in_use == 0
 
 
-def test_runtime_global_change_recompiles_live_requests_and_bad_payload_falls_back():
+def test_runtime_global_change_recompiles_live_requests_and_bad_payload_is_stopped():
     rt = _runtime()
     rt.plan(BatchView(["x", "bad"], np.array([0, 1, 2]), np.array([0, 0]), np.array([1, 1]), 2, 2),
             {"x": None, "bad": "ds1:garbage"}.get)
     assert rt.requests["x"].rows == (0, 0)
-    assert rt.requests["bad"].error and rt.stats.rejected == 1  # recorded; the request runs unsteered
+    assert rt.requests["bad"].error and rt.stats.rejected == 1
+    # the bad request is reported for the scheduler to stop, with the field named; never silently unsteered
+    assert rt.take_stops() == {"bad": "dynsteer: extra_args.dynsteer: malformed packed payload "
+                                      "(Error: Incorrect padding)"}
+    assert rt.take_stops() == {}
     rt.set_global(SteeringSpec(vectors=[AddVector(layer=0, vector=vec(5))]))
     row = rt.requests["x"].rows[0]
-    assert row > 0 and rt.requests["bad"].rows[0] == row  # both share the global-only row
+    assert row > 0 and rt.requests["bad"].rows == (0, 0)  # a stopped request takes no row
     assert torch.allclose(rt.tables.vec_at((0, "post_block"), row), torch.from_numpy(vec(5)))
     with pytest.raises(SteeringValidationError, match="global.vectors\\[0\\].layer"):
         rt.set_global(SteeringSpec(vectors=[AddVector(layer=7, vector=vec(5))]))

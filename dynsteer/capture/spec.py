@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from dynsteer.spec import ModelShape, Site, SteeringValidationError
 
 PositionMode = Literal["last_prompt", "all_prompt", "all_generated", "all"]
-Positions = Union[PositionMode, tuple[int, ...]]
+Positions = Union[PositionMode, tuple[StrictInt, ...]]
 CaptureDType = Literal["float32", "bfloat16", "float16"]
 
 
@@ -35,7 +35,7 @@ class CaptureSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    layers: tuple[int, ...] = Field(min_length=1)
+    layers: tuple[StrictInt, ...] = Field(min_length=1)
     sites: tuple[Site, ...] = ("post_block",)
     positions: Positions = "last_prompt"
     dtype: CaptureDType = "float32"

@@ -282,8 +282,14 @@ class Budget:
 
 
 # ------------------------------------------------------------------------------------------------ builders/drivers
-def make_controller(spec: Any) -> SyncController[Any]:
+def make_controller(spec: Any, registry: Any = None, max_scale: float = math.inf) -> SyncController[Any]:
     """Build the controller a :class:`dynsteer.policy.SyncControllerSpec` describes.
+
+    Args:
+        spec: the spec.
+        registry: a :class:`dynsteer.controllers.registry.ControllerRegistry` for ``custom`` controllers (only
+            names the operator registered can be built).
+        max_scale: bound on a custom controller's output (the engine's ``max_dyn_scale``).
 
     Example:
         >>> from dynsteer.policy import SyncControllerSpec
@@ -299,15 +305,12 @@ def make_controller(spec: Any) -> SyncController[Any]:
                    min_scale=0.0 if spec.min_scale is None else spec.min_scale,
                    max_scale=1.0 if spec.max_scale is None else spec.max_scale)
     if spec.kind == "budget":
-        return Budget(inner=make_controller(spec.inner), max_steered_tokens=spec.max_steered_tokens)
+        return Budget(inner=make_controller(spec.inner, registry, max_scale),
+                      max_steered_tokens=spec.max_steered_tokens)
     if spec.kind == "custom":
-        import importlib
-
-        module, _, name = spec.factory.partition(":")
-        ctrl = getattr(importlib.import_module(module), name)(**(spec.options or {}))
-        if not isinstance(ctrl, SyncController):
-            raise TypeError(f"factory: {spec.factory} built {type(ctrl).__name__}, which lacks initial_state/on_step")
-        return ctrl
+        if registry is None:
+            raise ValueError(f"name: custom controller {spec.name!r} needs the engine's controller registry")
+        return registry.build(spec.name, spec.options, max_scale)
     raise ValueError(f"unknown controller kind {spec.kind!r}")
 
 

@@ -26,7 +26,8 @@ from torch import nn
 
 from dynsteer.capture.consumers import FilesystemConsumer, build_consumer, consumer_class
 from dynsteer.capture.store import CaptureCollector
-from dynsteer.config import DynsteerConfig
+from dynsteer.config import CONFIG_KEY, DynsteerConfig
+from dynsteer.controllers.registry import ControllerRegistry
 from dynsteer.engine.apc import shape_from_vllm_config
 from dynsteer.steering.runtime import SteeringRuntime
 from dynsteer.steering.site import SiteHook
@@ -85,7 +86,7 @@ def _runtime_for_current_model() -> SteeringRuntime:
                          int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0))
         tables = SteeringTables([(l, s) for l in layers for s in cfg.sites], shape.hidden_size, cfg.max_rows,
                                 cfg.max_clamps, max_tokens, max_gates=cfg.max_gates)
-        rt = SteeringRuntime(shape, tables)
+        rt = SteeringRuntime(shape, tables, cfg.limits, load_probes(cfg), ControllerRegistry(cfg.controllers))
         rt.inline_forward = cfg.forward == "inline"
         places = cfg.capture_places(num_layers)
         if places:
@@ -132,6 +133,19 @@ def _stage_options(opts: dict[str, Any], name: str, pp_rank: int, pp_size: int) 
     if pp_size == 1 or consumer_class(opts.get("kind", name)) is not FilesystemConsumer or "root" not in opts:
         return opts
     return {**opts, "root": str(Path(opts["root"]) / f"pp{pp_rank}")}
+
+
+def load_probes(cfg: DynsteerConfig) -> dict[str, Any]:
+    """The operator's registered probe files, loaded (a bad file fails start-up, naming its entry)."""
+    from dynsteer.probes.fileformat import load_probe
+
+    probes = {}
+    for name, path in cfg.probes.items():
+        try:
+            probes[name] = load_probe(path)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file: say which entry
+            raise ValueError(f"{CONFIG_KEY}.probes[{name!r}]: cannot load probe file {path!r}: {exc}") from None
+    return probes
 
 
 def load_named_vector(ref: str, hidden_size: int):

@@ -17,13 +17,15 @@ from typing import Any
 import numpy as np
 
 from dynsteer.capture.consumers import consumer_class
-from dynsteer.config import CONFIG_KEY, DynsteerConfig
+from dynsteer.config import CONFIG_KEY, DynsteerConfig, Limits
 from dynsteer.payload import PAYLOAD_KEY, decode_payload, payload_body
-from dynsteer.spec import ModelShape, SteeringSpec
+from dynsteer.policy import admit_policy
+from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
 from dynsteer.steering.compile import compile_phase
 
 SALT_TAG = "dynsteer:"
 DECODE_KEY = "dynsteer_decode_fp"  # set by admission, read by the engine core's block hasher
+ROWS_KEY = "dynsteer_rows"  # set by admission: the table rows a request takes, read by the scheduler (it waits)
 
 
 @dataclass
@@ -35,6 +37,10 @@ class FrontendState:
     global_spec: SteeringSpec = field(default_factory=SteeringSpec)
     global_policy: Any = None  # DynamicSteeringPolicy applied to requests without their own
     capture_places: set = field(default_factory=set)
+    limits: Limits = field(default_factory=Limits)
+    probes: dict[str, Any] = field(default_factory=dict)  # registered probe files, loaded
+    controllers: Any = field(default_factory=set)  # names of registered custom controllers
+    capacity: int = 63  # table rows requests can take (max_rows - 1)
     # Admission results per (state version, packed payload): validation compiles every vector,
     # which for a large batch of identical requests would otherwise dominate LLM.generate's submission loop.
     _memo: dict = field(default_factory=dict, repr=False)
@@ -50,16 +56,27 @@ class FrontendState:
         self.global_spec, self.global_policy = spec, policy
         self.version += 1
 
+    def check_global(self, spec: SteeringSpec, policy: Any) -> Any:
+        """Validate a global spec and policy as the workers will; returns the policy with registered probes
+        resolved. Raises :class:`SteeringValidationError` naming the field."""
+        if policy is not None:
+            policy = admit_policy(policy, self.probes, self.controllers, "global_policy.")
+        pol = None if policy is None else ("global_policy.", policy)
+        for phase in ("prefill", "decode"):
+            compile_phase([("global.", spec)], phase, self.shape, self.named, pol)
+        return policy
+
     @property
     def idle(self) -> bool:
         """Nothing global: requests without a payload need no admission."""
         return self.global_spec.is_empty() and self.global_policy is None
 
-    def admit(self, payload: Any) -> tuple[str, str]:
+    def admit(self, payload: Any) -> tuple[str, str, str]:
         """Validate ``payload`` (None: no per-request steering).
 
         Returns:
-            hex fingerprints of the effective prefill and decode configurations ('' where that phase is unsteered).
+            hex fingerprints of the effective prefill and decode configurations ('' where that phase is unsteered),
+            and the table rows the request takes (``"prefill,decode"`` digests, for the scheduler).
             A request that captures prompt positions gets a unique prefill fingerprint: prefix-cache hits skip
             the forward for cached tokens, and there would be nothing to capture for them. A dynamic policy is part
             of the decode fingerprint: its gates are a deterministic function of the tokens, so blocks generated
@@ -69,32 +86,48 @@ class FrontendState:
         key = (self.version, payload_body(payload))  # tags differ per request; the configuration does not
         cached = self._memo.get(key) if cacheable else None
         if cached is None:
-            cached = self._admit(payload)
+            try:
+                cached = self._admit(payload)
+            except SteeringValidationError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a 400 naming the payload, never a 500 or a dead server
+                raise SteeringValidationError(f"extra_args.{PAYLOAD_KEY}: cannot be admitted ({exc!r})") from None
             if cacheable:
-                if len(self._memo) >= 1024:
-                    self._memo.clear()
+                if sum(_key_bytes(k) for k in self._memo) + _key_bytes(key) > self.limits.cache_bytes:
+                    self._memo.clear()  # keys hold whole payloads: bounded by bytes
                 self._memo[key] = cached
         prefill, decode, recompute_prompt = cached
+        rows = f"{prefill},{decode}"
         if recompute_prompt:
             prefill = f"{prefill}capture-{uuid.uuid4().hex}"
-        return prefill, decode
+        return prefill, decode, rows
 
     def _admit(self, payload: Any) -> tuple[str, str, bool]:
         specs = [("global.", self.global_spec)]
         policy = None if self.global_policy is None else ("global_policy.", self.global_policy)
         recompute_prompt = False
         if payload is not None:
-            decoded = decode_payload(payload)
+            decoded = decode_payload(payload, limits=self.limits)
             specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", decoded.spec))
             if decoded.policy is not None:
-                policy = (f"extra_args.{PAYLOAD_KEY}.policy.", decoded.policy)
+                where = f"extra_args.{PAYLOAD_KEY}.policy."
+                policy = (where, admit_policy(decoded.policy, self.probes, self.controllers, where))
             if decoded.capture is not None:
                 decoded.capture.check(self.shape, self.capture_places, f"extra_args.{PAYLOAD_KEY}.capture")
                 # the last prompt token is always recomputed (it yields the first logits); the others may be cached
                 recompute_prompt = decoded.capture.positions not in ("last_prompt", "all_generated")
         prefill, decode = (compile_phase(specs, phase, self.shape, self.named, policy).digest.hex()
                            for phase in ("prefill", "decode"))
+        needed = len({d for d in (prefill, decode) if d})
+        if needed > self.capacity:
+            raise SteeringValidationError(
+                f"extra_args.{PAYLOAD_KEY}: this configuration needs {needed} steering rows (its prefill and decode "
+                f"phases differ); the engine has {self.capacity} (raise DynsteerConfig.max_rows)")
         return prefill, decode, recompute_prompt
+
+
+def _key_bytes(key: tuple[int, Any]) -> int:
+    return len(key[1]) if isinstance(key[1], str) else 0
 
 
 def shape_from_vllm_config(vllm_config: Any) -> ModelShape:
@@ -106,19 +139,24 @@ def shape_from_vllm_config(vllm_config: Any) -> ModelShape:
     return ModelShape(num_layers=num_layers, hidden_size=int(text.hidden_size),
                       model_id=str(vllm_config.model_config.model),
                       architecture=(vllm_config.model_config.architectures or ["?"])[0], sites=cfg.sites,
-                      layers=layers, max_clamps=cfg.max_clamps, max_gates=cfg.max_gates)
+                      layers=layers, max_clamps=cfg.max_clamps, max_gates=cfg.max_gates,
+                      max_abs_value=cfg.limits.max_abs_value, max_dyn_scale=cfg.limits.max_dyn_scale,
+                      max_clamp_strength=cfg.limits.max_clamp_strength)
 
 
 def frontend_state(input_processor: Any) -> FrontendState:
     state = input_processor.__dict__.get("_dynsteer_frontend")
     if state is None:
-        from dynsteer.engine.adapters import load_named_vector
+        from dynsteer.controllers.registry import ControllerRegistry
+        from dynsteer.engine.adapters import load_named_vector, load_probes
 
         vllm_config = input_processor.vllm_config
         shape = shape_from_vllm_config(vllm_config)
         cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
         state = FrontendState(shape, {n: load_named_vector(r, shape.hidden_size) for n, r in cfg.vectors.items()},
-                              capture_places=set(cfg.capture_places(shape.num_layers)))
+                              capture_places=set(cfg.capture_places(shape.num_layers)), limits=cfg.limits,
+                              probes=load_probes(cfg), controllers=ControllerRegistry(cfg.controllers).names(),
+                              capacity=cfg.max_rows - 1)
         input_processor._dynsteer_frontend = state
     return state
 
@@ -161,11 +199,14 @@ def patch_input_processor(cls: type) -> None:
         payload = extra.get(PAYLOAD_KEY)
         if payload is None and state.idle:
             return orig(self, request_id, prompt, params, *args, **kwargs)
-        prefill_fp, decode_fp = state.admit(payload)  # raises SteeringValidationError naming the field
+        prefill_fp, decode_fp, rows = state.admit(payload)  # raises SteeringValidationError naming the field
         request = orig(self, request_id, prompt, params, *args, **kwargs)
         request.cache_salt = salted(request.cache_salt, prefill_fp)
-        if decode_fp and request.sampling_params is not None:
-            request.sampling_params.extra_args = {**(request.sampling_params.extra_args or {}), DECODE_KEY: decode_fp}
+        if request.sampling_params is not None:
+            extra = {**(request.sampling_params.extra_args or {}), ROWS_KEY: rows}
+            if decode_fp:
+                extra[DECODE_KEY] = decode_fp
+            request.sampling_params.extra_args = extra
         return request
 
     cls.process_inputs = process_inputs

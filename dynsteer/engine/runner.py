@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from dynsteer.engine.adapters import find_runtime
+from dynsteer.engine.scheduler import attach_stops
 from dynsteer.payload import PAYLOAD_KEY
 from dynsteer.steering.runtime import BatchView, SteeringRuntime
 
@@ -38,6 +39,25 @@ def _payload(sampling_params: Any) -> Any:
     return extra.get(PAYLOAD_KEY)
 
 
+def _report_stops(runner: Any, output: Any) -> Any:
+    """Attach the requests this rank stopped to the step's output (the scheduler finishes them)."""
+    rt = runtime_of(runner)
+    if rt is None or not rt.stops or output is None:
+        return output
+    return attach_stops(output, rt.take_stops())
+
+
+def _zero_on_reuse(runner: Any) -> None:
+    """Build vLLM's KV-block zeroer on GPU runners when vLLM itself did not (it does only for Mamba models): the
+    scheduler asks the workers to zero the blocks of requests dynsteer stopped (``engine.scheduler``). The CPU
+    runner zeroes blocks without one."""
+    device = getattr(runner, "device", None)
+    if getattr(device, "type", None) != "cuda" or not hasattr(runner, "_init_kv_zero_meta"):
+        return
+    if getattr(runner, "kv_block_zeroer", None) is None and not hasattr(runner, "_kv_block_zeroer"):
+        runner._init_kv_zero_meta()
+
+
 def _release(rt: SteeringRuntime, scheduler_output: Any) -> None:
     rt.release(scheduler_output.finished_req_ids, finished=True)
     if scheduler_output.preempted_req_ids:
@@ -57,6 +77,19 @@ def v1_batch_view(runner: Any, num_scheduled_tokens: np.ndarray) -> BatchView:
 
 def patch_v1_runner(cls: type) -> None:
     orig_update, orig_prepare, orig_forward = cls._update_states, cls._prepare_inputs, cls._model_forward
+    orig_sample, orig_init_kv = cls.sample_tokens, cls.initialize_kv_cache
+
+    @functools.wraps(orig_sample)
+    def sample_tokens(self: Any, *a: Any, **k: Any) -> Any:
+        return _report_stops(self, orig_sample(self, *a, **k))
+
+    @functools.wraps(orig_init_kv)
+    def initialize_kv_cache(self: Any, *a: Any, **k: Any) -> Any:
+        out = orig_init_kv(self, *a, **k)
+        _zero_on_reuse(self)
+        return out
+
+    cls.sample_tokens, cls.initialize_kv_cache = sample_tokens, initialize_kv_cache
 
     @functools.wraps(orig_update)
     def _update_states(self: Any, scheduler_output: Any) -> Any:
@@ -99,7 +132,19 @@ def v2_batch_view(input_batch: Any, prompt_lens: dict[str, int]) -> BatchView:
 def patch_v2_runner(cls: type) -> None:
     """v2 keeps no request → SamplingParams map: record the payload and prompt length when requests are added."""
     orig_finish, orig_add, orig_prepare = cls.finish_requests, cls.add_requests, cls.prepare_inputs
-    orig_execute = cls.execute_model
+    orig_execute, orig_sample, orig_init_kv = cls.execute_model, cls.sample_tokens, cls.initialize_kv_cache
+
+    @functools.wraps(orig_sample)
+    def sample_tokens(self: Any, *a: Any, **k: Any) -> Any:
+        return _report_stops(self, orig_sample(self, *a, **k))
+
+    @functools.wraps(orig_init_kv)
+    def initialize_kv_cache(self: Any, *a: Any, **k: Any) -> Any:
+        out = orig_init_kv(self, *a, **k)
+        _zero_on_reuse(self)
+        return out
+
+    cls.sample_tokens, cls.initialize_kv_cache = sample_tokens, initialize_kv_cache
 
     def _state(self: Any) -> dict[str, tuple[Any, int]]:
         return self.__dict__.setdefault("_dynsteer_reqs", {})

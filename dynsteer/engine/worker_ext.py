@@ -14,6 +14,7 @@ from dynsteer.capture.spec import CaptureSpec
 from dynsteer.engine.adapters import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
 from dynsteer.engine.runner import runtime_of
 from dynsteer.payload import decode_payload
+from dynsteer.spec import check_name
 from dynsteer.steering.runtime import SteeringRuntime
 from dynsteer.vectors import unpack_vector
 
@@ -37,14 +38,14 @@ def dynsteer_set_global(self: Any, payload: str) -> str:
     """Replace the global spec and dynamic policy (a packed payload; no policy removes it); returns the new
     spec's prefill fingerprint."""
     rt = _runtime(self)
-    decoded = decode_payload(payload, field="global")
+    decoded = decode_payload(payload, field="global", limits=rt.limits)
     rt.set_global(decoded.spec, decoded.policy)
     return rt.global_fingerprint()
 
 
 def dynsteer_register_vector(self: Any, name: str, packed: dict[str, str]) -> None:
     """Register (or replace) a named vector that request payloads may reference."""
-    _runtime(self).register_vector(name, unpack_vector(packed))
+    _runtime(self).register_vector(check_name(name, "vector name"), unpack_vector(packed))
 
 
 def dynsteer_unregister_vector(self: Any, name: str) -> None:

@@ -87,12 +87,15 @@ def compile_phase(specs: list[tuple[str, SteeringSpec]], phase: Phase, shape: Mo
             gate slots than its ``max_gates``.
     """
     sites: dict[SiteKey, SiteProgram] = {}
+    budget = MagnitudeBudget(shape.max_abs_value)
     for prefix, spec in specs:
         check_spec(spec, shape, named, prefix)
         for i, e in enumerate(spec.vectors):
             if e.tier not in ("base", phase) or e.scale == 0.0:
                 continue
-            v = resolve_vector(e.vector, f"{prefix}vectors[{i}].vector", shape, named) * np.float32(e.scale)
+            v = resolve_vector(e.vector, f"{prefix}vectors[{i}].vector", shape, named)
+            budget.add(abs(e.scale) * _max_abs(v), f"{prefix}vectors[{i}].scale")
+            v = v * np.float32(e.scale)
             prog = sites.setdefault((e.layer, e.site), SiteProgram())
             prog.vec = v if prog.vec is None else prog.vec + v
         for i, c in enumerate(spec.all_clamps()):
@@ -111,7 +114,7 @@ def compile_phase(specs: list[tuple[str, SteeringSpec]], phase: Phase, shape: Mo
         from dynsteer.steering.dynamic import compile_policy  # the policy schema imports this package's spec
 
         prefix, pol = policy
-        for key, extra in compile_policy(pol, shape, named, prefix).items():
+        for key, extra in compile_policy(pol, shape, named, prefix, budget).items():
             prog = sites.setdefault(key, SiteProgram())
             prog.monitors.update(extra.monitors)
             prog.dyn.update(extra.dyn)
@@ -123,6 +126,32 @@ def compile_phase(specs: list[tuple[str, SteeringSpec]], phase: Phase, shape: Mo
                 prog.clamps.append(c)
     sites = {k: p for k, p in sites.items() if p.active}
     return RowContent(sites=sites, digest=_digest(sites) if sites else b"")
+
+
+class MagnitudeBudget:
+    """What one configuration may add to a residual element, summed over its entries (``Limits.max_abs_value``).
+
+    Each additive entry spends ``|scale|·max|vector|`` (gated entries at the largest scale their controller can
+    output); the entry that overspends is named in the error. Summing over sites is conservative: the residual at
+    the last layer carries every earlier site's addition.
+    """
+
+    def __init__(self, limit: float) -> None:
+        self.limit, self.spent = limit, 0.0
+
+    def add(self, amount: float, field: str) -> None:
+        self.spent += amount
+        if not np.isfinite(amount) or amount > self.limit:
+            raise SteeringValidationError(f"{field}: the entry adds up to {amount:.4g} to a residual element, over "
+                                          f"the engine's limit max_abs_value = {self.limit:g}")
+        if self.spent > self.limit:
+            raise SteeringValidationError(f"{field}: with this entry the configuration adds up to {self.spent:.4g} "
+                                          f"to a residual element (all its sites together), over the engine's "
+                                          f"limit max_abs_value = {self.limit:g}")
+
+
+def _max_abs(v: np.ndarray) -> float:
+    return float(np.max(np.abs(v.astype(np.float64)))) if v.size else 0.0
 
 
 def _digest(sites: dict[SiteKey, SiteProgram]) -> bytes:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dynsteer.controllers.registry import ControllerFault
 from dynsteer.spec import ModelShape, SteeringValidationError, resolve_vector
 from dynsteer.steering.compile import Clamp, MonitorProgram, SiteKey, SiteProgram
 
@@ -67,17 +68,22 @@ def policy_slots(policy: "DynamicSteeringPolicy") -> tuple[list[SlotPlan], int |
 
 
 def compile_policy(policy: "DynamicSteeringPolicy", shape: ModelShape, named: dict[str, np.ndarray] | None,
-                   prefix: str = "policy.") -> dict[SiteKey, SiteProgram]:
+                   prefix: str = "policy.", budget: Any = None) -> dict[SiteKey, SiteProgram]:
     """The monitors and gated actions a policy puts into a decode row, by site.
+
+    The policy must be resolved (inline monitors; the engine resolves registered probe names at admission, and the
+    caller's process reads probe files). ``budget``: the configuration's :class:`MagnitudeBudget`, spent by gated
+    vectors at the largest scale the controller can output.
 
     Raises:
         SteeringValidationError: a bad field (named with ``prefix``), or more slots than the engine's ``max_gates``.
     """
-    try:
-        policy = policy.resolved()
-    except (OSError, ValueError) as exc:
-        raise SteeringValidationError(f"{prefix}monitors: {exc}") from None
     policy.check(shape, named, prefix)
+    unresolved = [i for i, m in enumerate(policy.monitors) if not m.is_inline]
+    if unresolved:
+        raise SteeringValidationError(f"{prefix}monitors[{unresolved[0]}]: not resolved (a registered probe name "
+                                      f"the engine has not resolved)")
+    dyn_bound = min(policy.max_output(), shape.max_dyn_scale)
     slots, _ = policy_slots(policy)
     if len(slots) > shape.max_gates:
         what = "this engine has no dynamic tier" if shape.max_gates == 0 else f"at most {shape.max_gates}"
@@ -95,6 +101,9 @@ def compile_policy(policy: "DynamicSteeringPolicy", shape: ModelShape, named: di
             v = resolve_vector(a.vector, f"{prefix}rules[{s}].actions[{j}].vector", shape, named)
             prog = sites.setdefault((a.layer, a.site), SiteProgram())
             if a.kind == "add":
+                if budget is not None:
+                    budget.add(abs(a.scale) * dyn_bound * float(np.max(np.abs(v.astype(np.float64)))),
+                               f"{prefix}rules[{s}].actions[{j}].scale")
                 v = v * np.float32(a.scale)
                 prog.dyn[s] = v if s not in prog.dyn else prog.dyn[s] + v
             else:
@@ -132,11 +141,14 @@ class DynState:
     params: np.ndarray = field(default_factory=lambda: np.zeros((3, 0), np.float32))
 
     @classmethod
-    def for_policy(cls, policy: "DynamicSteeringPolicy") -> "DynState":
+    def for_policy(cls, policy: "DynamicSteeringPolicy", registry: Any = None,
+                   max_scale: float = float("inf")) -> "DynState":
+        """The state of a request under ``policy`` (resolved); custom controllers come from ``registry`` and their
+        output is bounded by ``max_scale``."""
         from dynsteer.controllers.sync import make_controller
 
         slots, ctrl_slot = policy_slots(policy)
-        ctrl = make_controller(policy.controller) if policy.controller is not None else None
+        ctrl = make_controller(policy.controller, registry, max_scale) if policy.controller is not None else None
         g = len(slots)
         feedback = ctrl is not None or any(s.scope in ("next_step", "rest_of_request") for s in slots)
         return cls(slots=slots, controller=ctrl, ctrl_slot=ctrl_slot,
@@ -258,6 +270,7 @@ class DynamicDriver:
         self._dirty = 0  # device multipliers [:dirty] may hold a sync step's values
         self._side = torch.cuda.Stream(device=gates.device) if self.cuda else None
         self._pending: list[_Pending] = []
+        self.faults: dict[str, str] = {}  # requests whose custom controller failed: stopped by the runtime
         self._step: StepTokens | None = None
         self._timing: list[tuple[Any, Any]] = []
         self.stats = SyncStats()
@@ -352,7 +365,10 @@ class DynamicDriver:
                 pos = int(tok.position[k])
                 if st is None or pos <= st.last_pos:
                     continue  # finished meanwhile, or a recomputed position (already observed)
-                st.observe(host, k, pos)
+                try:
+                    st.observe(host, k, pos)
+                except ControllerFault as exc:
+                    self.faults.setdefault(tok.req_ids[tok.req[k]], str(exc))
             self.stats.controller_ms += (time.perf_counter() - t0) * 1e3
 
     def _read_timing(self) -> None:

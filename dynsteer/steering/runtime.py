@@ -8,15 +8,21 @@ scheduler output, so all ranks fill identical tables.
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
+from cachetools import LRUCache
 
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.capture.store import CaptureCollector, CaptureRecord
+from dynsteer.config import Limits
+from dynsteer.controllers.registry import ControllerFault, ControllerRegistry
+from dynsteer.policy import admit_policy
 from dynsteer.steering.staging import StagingRing
-from dynsteer.payload import decode_payload, payload_body
+from dynsteer.payload import PAYLOAD_KEY, decode_payload, payload_body
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
 from dynsteer.steering.compile import EMPTY, RowContent, compile_phase
 from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens
@@ -54,14 +60,16 @@ class RequestEntry:
     payload_key: str | None = None  # the packed payload body (no tag), when the request sent one (memo key)
     policy: Any = None  # the request's own DynamicSteeringPolicy (overrides the global one)
     dyn: DynState | None = None
+    trace: bool = False  # keep the trace for the caller (payload's ``trace`` flag)
 
 
 @dataclass
 class RuntimeStats:
     steps: int = 0
     admitted: int = 0
-    rejected: int = 0
+    rejected: int = 0  # requests stopped by dynsteer (bad payload, rows exhausted, controller fault)
     rows_exhausted: int = 0
+    traces_dropped: int = 0  # traces not taken within Limits.trace_ttl_s, or over Limits.max_traces
     errors: list[str] = field(default_factory=list)
 
 
@@ -72,9 +80,15 @@ _KEEP = object()
 class SteeringRuntime:
     """Owns the device tables of one model instance in one worker process."""
 
-    def __init__(self, shape: ModelShape, tables: SteeringTables) -> None:
+    def __init__(self, shape: ModelShape, tables: SteeringTables, limits: Limits | None = None,
+                 probes: dict[str, Any] | None = None, controllers: ControllerRegistry | None = None) -> None:
         self.shape = shape
         self.tables = tables
+        self.limits = limits or Limits()
+        self.probes: dict[str, Any] = dict(probes or {})  # registered probe files, loaded: {name: Probe}
+        self.controllers = controllers or ControllerRegistry()
+        # Requests to stop, with the reason, reported to the scheduler with the step's output (engine.scheduler).
+        self.stops: dict[str, str] = {}
         self.pool = RowPool(tables.num_rows)
         self.named: dict[str, np.ndarray] = {}
         self.global_spec = SteeringSpec()
@@ -85,12 +99,13 @@ class SteeringRuntime:
         self.capture: CaptureCollector | None = None  # set when the engine has capture places
         self.consumers: dict[str, Any] = {}
         self._staging = StagingRing(tables.row_index)
-        self._compiled: dict[Any, list[RowContent]] = {}
+        self._compiled: LRUCache = LRUCache(maxsize=self.limits.cache_bytes, getsizeof=_compiled_size)
         self._high_water = 0
         g = tables.gate_buffers
         self.dynamic = DynamicDriver(g["gate_mul"], g["gate_add"], g["scores"], g["gates"]) if g else None
         self._dyn: dict[str, DynState] = {}  # live and preempted requests with a dynamic policy
-        self.traces: dict[str, dict[str, Any]] = {}  # finished requests' traces by tag, until taken
+        # finished requests' traces by tag, until taken or expired: (monotonic time stored, trace)
+        self.traces: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
 
     # ---- control plane (collective_rpc, between steps) -------------------------------------------------------
     def register_vector(self, name: str, vector: np.ndarray) -> None:
@@ -102,6 +117,8 @@ class SteeringRuntime:
         """Replace the global spec (and, if given, the global dynamic policy; ``None`` removes it); every live
         request's rows are recompiled (global is folded into rows)."""
         policy = self.global_policy if policy is _KEEP else policy
+        if policy is not None and policy is not self.global_policy:
+            policy = admit_policy(policy, self.probes, self.controllers, "global_policy.")
         for phase in ("prefill", "decode"):  # validate before touching state
             compile_phase([("global.", spec)], phase, self.shape, self.named,
                           None if policy is None else ("global_policy.", policy))
@@ -138,26 +155,51 @@ class SteeringRuntime:
                 self._deliver(self.capture.finish(req_id))
 
     def admit(self, req_id: str, payload: Any, prompt_len: int) -> RequestEntry:
+        """Register a request on first sight. Any error stops the request alone (reported to the scheduler, which
+        finishes it with the reason); it runs unsteered until then and the engine keeps serving."""
         spec = tag = policy = None
         capture: CaptureSpec | None = None
         error = None
+        trace = False
         if payload is not None:
             try:
-                decoded = decode_payload(payload)
-                spec, tag, capture, policy = decoded.spec, decoded.tag, decoded.capture, decoded.policy
-            except SteeringValidationError as exc:
-                # Admission in the frontend rejects these; reaching here means a client bypassed it.
-                error = f"request {req_id}: {exc}"
-                self._record_error(error)
-        entry = RequestEntry(prompt_len=prompt_len, spec=spec, tag=tag, error=error, policy=policy,
+                decoded = decode_payload(payload, limits=self.limits)
+                spec, tag, capture, trace = decoded.spec, decoded.tag, decoded.capture, decoded.trace
+                if decoded.policy is not None:
+                    policy = admit_policy(decoded.policy, self.probes, self.controllers,
+                                          f"extra_args.{PAYLOAD_KEY}.policy.")
+                if capture is not None:
+                    places = self.capture.engine_places if self.capture is not None else set()
+                    capture.check(self.shape, places, f"extra_args.{PAYLOAD_KEY}.capture")
+            except Exception as exc:  # noqa: BLE001 - the frontend validates too; this catches what bypassed it
+                error = self._stop(req_id, exc)
+        entry = RequestEntry(prompt_len=prompt_len, spec=spec, tag=tag, error=error, policy=policy, trace=trace,
                              payload_key=payload_body(payload) if isinstance(payload, str) else None)
         self._set_dyn(req_id, entry, fresh=False)
         self._assign_rows(req_id, entry)
         if self.capture is not None:
-            self.capture.begin(req_id, tag, capture, prompt_len)
+            self.capture.begin(req_id, tag, None if entry.error else capture, prompt_len)
         self.requests[req_id] = entry
         self.stats.admitted += 1
         return entry
+
+    def take_stops(self) -> dict[str, str]:
+        """Requests to stop since the last call, with their reasons (the runner glue reports them with the step's
+        output; the scheduler finishes them and never shares their KV blocks)."""
+        stops, self.stops = self.stops, {}
+        return stops
+
+    def _stop(self, req_id: str, error: Any) -> str:
+        """Record that ``req_id`` must stop: a validation error names its field; anything else is internal."""
+        if isinstance(error, SteeringValidationError):
+            message = str(error)
+        elif isinstance(error, (RowsExhausted, ControllerFault)):
+            message = str(error)
+        else:
+            message = f"internal error while admitting the request: {error!r}"
+        self.stops.setdefault(req_id, f"dynsteer: {message}")
+        self._record_error(f"request {req_id}: {message}")
+        return message
 
     def plan(self, view: BatchView, payload_of: PayloadLookup) -> None:
         """Fill ``row_index`` for this step (padding and unsteered tokens read row 0).
@@ -202,6 +244,21 @@ class SteeringRuntime:
                 empty = np.zeros(0, np.int64)
                 tokens = StepTokens([], empty, empty, empty)
             self.dynamic.plan(self._dyn, tokens, upto)
+            if self.dynamic.faults:
+                self._stop_faulted()
+
+    def _stop_faulted(self) -> None:
+        """Requests whose custom controller failed: stop them, and steer them no further meanwhile (their decode
+        rows are released: the next steps run them unsteered until the scheduler finishes them)."""
+        faults, self.dynamic.faults = self.dynamic.faults, {}
+        for req_id, message in faults.items():
+            self._stop(req_id, SteeringValidationError(f"policy.controller: {message}"))
+            entry = self.requests.get(req_id)
+            if entry is not None:
+                entry.error = message
+                self._release_rows(entry)
+                entry.dyn = None
+            self._dyn.pop(req_id, None)
 
     def after_forward(self) -> None:
         """Called once the step's forward is enqueued: start copying captured rows out."""
@@ -232,7 +289,15 @@ class SteeringRuntime:
             self.dynamic.poll(self._dyn, block=True)
             for req_id in done:
                 self._finish_trace(req_id, self.requests[req_id])
-        return [tr for tag in tags if (tr := self.traces.pop(tag, None)) is not None]
+        self._expire_traces()
+        return [tr[1] for tag in tags if (tr := self.traces.pop(tag, None)) is not None]
+
+    def _expire_traces(self) -> None:
+        """Drop traces nobody took within ``Limits.trace_ttl_s`` (oldest first; counted)."""
+        deadline = time.monotonic() - self.limits.trace_ttl_s
+        while self.traces and next(iter(self.traces.values()))[0] < deadline:
+            self.traces.popitem(last=False)
+            self.stats.traces_dropped += 1
 
     def _set_dyn(self, req_id: str, entry: RequestEntry, fresh: bool) -> None:
         """Give the request its dynamic state (a resumed request keeps the one it had before preemption)."""
@@ -243,7 +308,14 @@ class SteeringRuntime:
             return
         st = None if fresh else self._dyn.get(req_id)
         if st is None:
-            st = DynState.for_policy(policy.resolved())
+            try:
+                st = DynState.for_policy(policy, self.controllers, self.shape.max_dyn_scale)
+            except Exception as exc:  # noqa: BLE001 - a custom controller's factory is operator code
+                where = f"extra_args.{PAYLOAD_KEY}.policy" if entry.policy is not None else "global_policy"
+                entry.error = self._stop(req_id, SteeringValidationError(f"{where}.controller.options: {exc}"))
+                self._dyn.pop(req_id, None)
+                entry.dyn = None
+                return
         entry.dyn = self._dyn[req_id] = st
 
     def _effective_policy(self, entry: RequestEntry) -> Any:
@@ -254,11 +326,15 @@ class SteeringRuntime:
 
     def _finish_trace(self, req_id: str, entry: RequestEntry | None) -> None:
         st = self._dyn.pop(req_id)
-        tag = (entry.tag if entry is not None else None) or req_id
-        if len(self.traces) >= 4096:  # never taken: drop the oldest rather than grow without bound
-            self.traces.pop(next(iter(self.traces)))
-        self.traces[tag] = {"tag": tag, "monitors": [s.monitor for s in st.slots],
-                            "scopes": [s.scope for s in st.slots], **st.trace()}
+        if entry is None or not entry.trace:
+            return  # nobody asked to keep it (e.g. an HTTP request): keeping it would only grow memory
+        tag = entry.tag or req_id
+        self._expire_traces()
+        while len(self.traces) >= self.limits.max_traces:  # never taken: drop the oldest, counted
+            self.traces.popitem(last=False)
+            self.stats.traces_dropped += 1
+        self.traces[tag] = (time.monotonic(), {"tag": tag, "monitors": [s.monitor for s in st.slots],
+                                               "scopes": [s.scope for s in st.slots], **st.trace()})
 
     def attach_capture(self, collector: CaptureCollector, consumers: dict[str, Any]) -> None:
         self.capture, self.consumers = collector, consumers
@@ -298,19 +374,20 @@ class SteeringRuntime:
         hashes every vector, which would otherwise run for each admitted request)."""
         cached = self._compiled.get(key) if key is not None else None
         if cached is None:
-            pol = None if policy is None else ("policy.", policy)
+            pol = None if policy is None else (f"extra_args.{PAYLOAD_KEY}.policy.", policy)
             cached = [compile_phase(specs, phase, self.shape, self.named, pol) for phase in ("prefill", "decode")]
-            if key is not None:
-                if len(self._compiled) >= 1024:
-                    self._compiled.pop(next(iter(self._compiled)))
+            if key is not None and _compiled_size(cached) <= self.limits.cache_bytes:
                 self._compiled[key] = cached
         return cached
 
     def _assign_rows(self, req_id: str, entry: RequestEntry) -> None:
+        if entry.error is not None:  # stopped: it runs unsteered until the scheduler finishes it
+            entry.prefill, entry.decode, entry.rows = EMPTY, EMPTY, (0, 0)
+            return
         specs = [("global.", self.global_spec)]
         key: Any = ""
-        if entry.spec is not None and entry.error is None and not entry.spec.is_empty():
-            specs.append(("request.", entry.spec))
+        if entry.spec is not None and not entry.spec.is_empty():
+            specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", entry.spec))
             key = entry.payload_key
         policy = self._effective_policy(entry)
         if entry.policy is not None and policy is not None:
@@ -318,27 +395,23 @@ class SteeringRuntime:
         try:
             contents = self._compile(specs, key, policy)
             rows = self._acquire(contents)
-        except (SteeringValidationError, RowsExhausted) as exc:
-            # The frontend validates at admission, so this is rare (e.g. a vector name unregistered mid-flight):
-            # run the request with global steering only and report it, rather than failing the whole batch.
+        except Exception as exc:  # noqa: BLE001
+            # The frontend validates at admission and the scheduler holds requests until rows are free, so this is
+            # rare (a vector name unregistered mid-flight, rows taken by a global change): the request stops with
+            # the reason (never silently unsteered), the others go on.
             if isinstance(exc, RowsExhausted):
                 self.stats.rows_exhausted += 1
-            entry.error = f"request {req_id}: {exc}"
-            self._record_error(entry.error)
+            entry.error = self._stop(req_id, exc)
             entry.dyn = None
             self._dyn.pop(req_id, None)
-            try:
-                contents = [compile_phase(specs[:1], phase, self.shape, self.named) for phase in ("prefill", "decode")]
-                rows = self._acquire(contents)
-            except (SteeringValidationError, RowsExhausted):
-                contents, rows = [EMPTY, EMPTY], (0, 0)
+            contents, rows = [EMPTY, EMPTY], (0, 0)
         entry.prefill, entry.decode = contents
         entry.rows = rows
 
     def _record_error(self, message: str) -> None:
         self.stats.rejected += 1
         self.stats.errors = (self.stats.errors + [message])[-32:]
-        logger.error("dynsteer: %s; running it with global steering only", message)
+        logger.error("dynsteer: %s; the request is stopped", message)
 
     def _acquire(self, contents: list[RowContent]) -> tuple[int, int]:
         acquired: list[RowContent] = []
@@ -371,3 +444,14 @@ class SteeringRuntime:
                 "dynamic": None if self.dynamic is None else {
                     "live": len(self._dyn), "global_policy": self.global_policy is not None,
                     **vars(self.dynamic.stats)}}
+
+
+def _compiled_size(contents: list[RowContent]) -> int:
+    """Bytes a memoised compilation holds (its vectors and clamp directions), for the byte-bounded memo."""
+    total = 256
+    for content in contents:
+        for prog in content.sites.values():
+            total += 0 if prog.vec is None else prog.vec.nbytes
+            total += sum(c.direction.nbytes for c in prog.clamps)
+            total += sum(m.probe.nbytes for m in prog.monitors.values()) + sum(v.nbytes for v in prog.dyn.values())
+    return total

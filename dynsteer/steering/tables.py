@@ -48,7 +48,8 @@ class RowPool:
             row.refs += 1
             return row.index, False
         if not self._free:
-            raise RowsExhausted(f"all {self.num_rows - 1} steering rows are in use by distinct configurations")
+            raise RowsExhausted(f"no free steering row: all {self.num_rows - 1} rows hold distinct live "
+                                f"configurations (raise DynsteerConfig.max_rows)")
         row = _Row(self._free.pop(), 1)
         self._by_digest[content.digest] = row
         return row.index, True

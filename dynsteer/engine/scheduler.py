@@ -1,0 +1,207 @@
+"""Engine core: stop the requests the workers report, hold requests until their table rows are free, and never share
+the KV blocks of a stopped request.
+
+The scheduler class is patched in place (no ``--scheduler-cls``, so a user's own scheduler subclass keeps working):
+
+* **Stops.** A worker that cannot steer a request as asked (a payload that bypassed admission, a custom controller
+  that failed, no free table row) records a reason; the runner glue attaches the step's reasons to its output
+  (:data:`STOPS_ATTR`). The scheduler finishes those requests as aborted with ``stop_reason = "dynsteer: <field>:
+  <message>"`` (the OpenAI server answers with that reason, the offline API sets ``finish_reason="abort"``), drops
+  the tokens of that step, evicts the request's exclusive KV blocks from the prefix cache and has the workers zero
+  them before they are reused (vLLM's own ``new_block_ids_to_zero`` path): what a stopped request computed is never
+  served to, nor left stale for, another request.
+* **Rows.** Each steered request takes up to two table rows (its prefill and decode configurations, shared by every
+  request with the same configuration; admission stores their digests in ``extra_args``). The scheduler mirrors the
+  workers' row pool and does not start a request whose configuration would need a row when all are taken: it waits
+  in the queue, like a request that needs KV blocks, until a steered request finishes.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynsteer.config import DynsteerConfig
+from dynsteer.engine.apc import ROWS_KEY
+
+logger = logging.getLogger("dynsteer")
+
+STOPS_ATTR = "dynsteer_stops"
+"""Attribute of a ``ModelRunnerOutput``: ``{request id: reason}`` of requests the workers stopped at that step."""
+
+
+@dataclass
+class SchedulerState:
+    """dynsteer's bookkeeping in the engine core."""
+
+    capacity: int
+    live: Counter = field(default_factory=Counter)  # row digest -> live requests using it
+    holding: dict[str, tuple[str, ...]] = field(default_factory=dict)  # request id -> its row digests
+    stops: dict[str, str] = field(default_factory=dict)  # this step's reports, while update_from_output runs
+    to_zero: list[int] = field(default_factory=list)  # blocks of stopped requests, zeroed before reuse
+    stopped: set[str] = field(default_factory=set)  # stopped requests whose blocks are not freed yet
+    waits: int = 0  # allocations refused for lack of rows (a request waited a step)
+    stopped_total: int = 0
+
+    def fits(self, rows: tuple[str, ...]) -> bool:
+        new = sum(1 for d in set(rows) if d not in self.live)
+        return len(self.live) + new <= self.capacity
+
+    def take(self, req_id: str, rows: tuple[str, ...]) -> None:
+        self.holding[req_id] = rows
+        self.live.update(set(rows))
+
+    def release(self, req_id: str) -> None:
+        rows = self.holding.pop(req_id, ())
+        for d in set(rows):
+            self.live[d] -= 1
+            if self.live[d] <= 0:
+                del self.live[d]
+
+
+def rows_of(request: Any) -> tuple[str, ...]:
+    """The non-empty row digests admission recorded for ``request``."""
+    params = getattr(request, "sampling_params", None)
+    raw = ((params.extra_args if params is not None else None) or {}).get(ROWS_KEY)
+    if not isinstance(raw, str):
+        return ()
+    return tuple(d for d in raw.split(",") if d)
+
+
+def patch_scheduler(cls: type) -> None:
+    """Patch vLLM's ``Scheduler`` (the async scheduler derives from it)."""
+    if "_dynsteer_patched" in cls.__dict__:
+        return
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.request import RequestStatus
+
+    orig_init, orig_update = cls.__init__, cls.update_from_output
+    orig_update_req, orig_free_blocks, orig_schedule = (cls._update_request_with_output, cls._free_request_blocks,
+                                                        cls.schedule)
+
+    @functools.wraps(orig_init)
+    def __init__(self: Any, *a: Any, **k: Any) -> None:
+        orig_init(self, *a, **k)
+        cfg = DynsteerConfig.from_additional(self.vllm_config.additional_config)
+        state = self._dynsteer = SchedulerState(capacity=cfg.max_rows - 1)
+        kvm = self.kv_cache_manager
+        orig_alloc = kvm.allocate_slots
+
+        @functools.wraps(orig_alloc)
+        def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+            if request.status == RequestStatus.RUNNING or request.request_id in state.holding:
+                return orig_alloc(request, *args, **kwargs)
+            rows = rows_of(request)
+            if rows and not state.fits(rows):
+                state.waits += 1
+                return None  # as if KV blocks were short: the request stays queued until rows are released
+            out = orig_alloc(request, *args, **kwargs)
+            if out is not None and rows:
+                state.take(request.request_id, rows)
+            return out
+
+        kvm.allocate_slots = allocate_slots
+
+    @functools.wraps(orig_schedule)
+    def schedule(self: Any, *a: Any, **k: Any) -> Any:
+        out = orig_schedule(self, *a, **k)
+        state = self._dynsteer
+        if state.to_zero:
+            # Blocks freed by stopped requests: the workers zero them before this step's forward (ordered after any
+            # step still writing them), so nothing they computed is read through a reused block.
+            out.new_block_ids_to_zero = [*(out.new_block_ids_to_zero or ()), *state.to_zero]
+            state.to_zero = []
+        return out
+
+    @functools.wraps(orig_update)
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        state = self._dynsteer
+        state.stops = dict(getattr(model_runner_output, STOPS_ATTR, None) or {})
+        try:
+            outputs = orig_update(self, scheduler_output, model_runner_output)
+            # Stopped requests that produced no token this step (still prefilling): finish them here.
+            for req_id, reason in state.stops.items():
+                request = self.requests.get(req_id)
+                if request is None or request.is_finished():
+                    continue
+                _mark_stopped(self, request, reason)
+                for req in self.finish_requests([req_id], RequestStatus.FINISHED_ABORTED):
+                    eco = outputs.setdefault(req.client_index, EngineCoreOutputs())
+                    eco.outputs.append(EngineCoreOutput(request_id=req_id, new_token_ids=[],
+                                                        finish_reason=req.get_finished_reason(),
+                                                        stop_reason=req.stop_reason, events=req.take_events(),
+                                                        trace_headers=req.trace_headers))
+        finally:
+            state.stops = {}
+        return outputs
+
+    @functools.wraps(orig_update_req)
+    def _update_request_with_output(self: Any, request: Any, new_token_ids: list[int]) -> tuple[list[int], bool]:
+        reason = self._dynsteer.stops.get(request.request_id)
+        if reason is None:
+            return orig_update_req(self, request, new_token_ids)
+        # This step's tokens came from a request dynsteer could not steer as asked: drop them, finish it.
+        _mark_stopped(self, request, reason)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return [], True
+
+    @functools.wraps(orig_free_blocks)
+    def _free_request_blocks(self: Any, request: Any) -> Any:
+        state = self._dynsteer
+        state.release(request.request_id)
+        if request.request_id in state.stopped:
+            state.stopped.discard(request.request_id)
+            _quarantine_blocks(self, request)
+        return orig_free_blocks(self, request)
+
+    cls.__init__, cls.update_from_output, cls.schedule = __init__, update_from_output, schedule
+    cls._update_request_with_output, cls._free_request_blocks = _update_request_with_output, _free_request_blocks
+    cls._dynsteer_patched = True
+
+
+def _mark_stopped(scheduler: Any, request: Any, reason: str) -> None:
+    request.stop_reason = reason
+    scheduler._dynsteer.stopped.add(request.request_id)
+    scheduler._dynsteer.stopped_total += 1
+    logger.warning("dynsteer: request %s stopped: %s", request.request_id, reason)
+
+
+def _quarantine_blocks(scheduler: Any, request: Any) -> None:
+    """Evict the blocks only this request holds from the prefix cache and queue them for zeroing.
+
+    Blocks shared with other requests (prefix hits) were computed by someone else and are in use: they stay.
+    """
+    kvm = scheduler.kv_cache_manager
+    try:
+        groups = kvm.get_blocks(request.request_id).blocks
+    except (KeyError, AttributeError):
+        return
+    own = {b.block_id for group in groups for b in group if b.ref_cnt == 1 and not getattr(b, "is_null", False)}
+    if own:
+        kvm.block_pool.evict_blocks(own)
+        scheduler._dynsteer.to_zero.extend(sorted(own))
+
+
+def attach_stops(output: Any, stops: dict[str, str]) -> Any:
+    """``output`` (a runner's step output, possibly async-wrapped) carrying ``stops`` for the scheduler.
+
+    Returns the object to hand back to vLLM: the shared empty output is copied rather than mutated.
+    """
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    if output is EMPTY_MODEL_RUNNER_OUTPUT:
+        output = copy.copy(output)
+    for attr in ("_model_runner_output", "model_runner_output"):  # v1 async / v2 async wrappers
+        inner = getattr(output, attr, None)
+        if inner is not None:
+            if inner is EMPTY_MODEL_RUNNER_OUTPUT:
+                inner = copy.copy(inner)
+                setattr(output, attr, inner)
+            setattr(inner, STOPS_ATTR, stops)
+            return output
+    setattr(output, STOPS_ATTR, stops)
+    return output
