@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.config import Limits
 from dynsteer.policy import DynamicSteeringPolicy
-from dynsteer.spec import SteeringSpec, SteeringValidationError, check_name
+from dynsteer.spec import SteeringSpec, SteeringValidationError
 
 PAYLOAD_KEY = "dynsteer"
 _PREFIX = "ds1:"
@@ -136,10 +136,9 @@ def _decode_packed(packed: str, field: str, limits: Limits) -> RequestPayload:
 
 
 def _check_tag(tag: Any, field: str) -> str:
-    try:
-        return check_name(tag, "tag")
-    except ValueError as exc:
-        raise SteeringValidationError(f"{field}.tag: {exc}") from None
+    from dynsteer.capture.store import check_tag  # the one rule for what may name capture files
+
+    return check_tag(tag, f"{field}.tag")
 
 
 def check_shape(body: Any, field: str, limits: Limits) -> None:

@@ -4,13 +4,19 @@
 A consumer that raises marks the record ``partial`` and never aborts generation. Third-party consumers register
 under the entry-point group ``dynsteer.capture_consumers`` (a class taking ``**options``).
 
-File layouts (all writes are temp + rename, so a reader never sees half a file):
+Every file lies under the consumer's root: a tag must match :data:`~dynsteer.capture.store.SAFE_TAG` (one path
+component) and the resolved path is checked against the root, so a client's tag never names a path elsewhere.
+
+File layouts (all writes are temp + rename, so a reader never sees half a file; a killed writer may leave
+``.*.tmp`` files, a ``.bin`` without its index or bytes past a shard's indexed end, which
+:class:`~dynsteer.capture.reader.CaptureReader` ignores, lists and cleans):
 
 - ``per_file``: ``<root>/<tag>/<layer>.<site>.<chunk>.npz`` (``positions``, ``values``) written as chunks arrive, so a
   running request is already readable; ``<root>/<tag>/manifest.json`` appears when it is complete.
 - ``packed``: ``<root>/<tag>.bin`` (all arrays back to back) + ``<root>/<tag>.json`` (the index), index written last.
 - ``sharded``: many requests per ``<root>/shard-NNNNN.bin`` with ``shard-NNNNN.json`` rewritten atomically after
-  each append (bytes past the indexed end are invisible); a new shard starts past ``shard_bytes``.
+  each append (bytes past the indexed end are invisible); a new shard starts past ``shard_bytes``. Writers (threads
+  or processes) sharing a folder take ``<root>/.shards.lock`` around each append, so none loses or mixes records.
 """
 
 from __future__ import annotations
@@ -18,18 +24,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+from filelock import FileLock
 
-from dynsteer.capture.store import CaptureRecord, Place, place_key
+from dynsteer.capture.store import CaptureRecord, Place, check_tag, place_key
 
 logger = logging.getLogger("dynsteer")
 ENTRY_POINT_GROUP = "dynsteer.capture_consumers"
 LAYOUTS = ("per_file", "packed", "sharded")
+SHARD_LOCK = ".shards.lock"
+SHARD_NAME = re.compile(r"shard-(\d+)\.(json|bin)")
+# Tags the reader would take for something else: a shard index, or a pipeline stage's folder.
+_RESERVED_TAG = re.compile(r"shard-\d+|pp\d+")
 
 
 class CaptureConsumer(Protocol):
@@ -41,6 +54,7 @@ class CaptureConsumer(Protocol):
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all (a killed writer leaves only a ``.<name>.*.tmp`` file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -52,6 +66,15 @@ def _atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make renames and creations in ``path`` durable (the files' own fsync does not cover their names)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _npz_bytes(**arrays: np.ndarray) -> bytes:
@@ -68,29 +91,81 @@ def _meta(record: CaptureRecord) -> dict[str, Any]:
 
 
 class MemoryConsumer:
-    """Keeps finished records until the caller takes them; a full store evicts the oldest and says so."""
+    """Keeps finished records until the caller takes them, within bounds: records nobody takes (e.g. requests sent
+    over HTTP) expire after ``ttl_s``, and past ``max_records`` or ``max_bytes`` the oldest are evicted; both are
+    counted and logged, never silent.
+
+    Args:
+        max_records: records held at most.
+        ttl_s: seconds a record waits to be taken before it is dropped.
+        max_bytes: bytes of captured data held at most (a record larger than this alone is dropped too).
+    """
 
     name = "memory"
 
-    def __init__(self, max_records: int = 4096) -> None:
-        self.max_records = max_records
+    def __init__(self, max_records: int = 4096, ttl_s: float = 600.0, max_bytes: int = 1 << 30) -> None:
+        self.max_records, self.ttl_s, self.max_bytes = max_records, ttl_s, max_bytes
         self.records: OrderedDict[str, CaptureRecord] = OrderedDict()
-        self.evicted = 0
+        self._held: dict[str, tuple[float, int]] = {}  # tag -> (monotonic time stored, bytes)
+        self.bytes = 0
+        self.evicted = self.evicted_bytes = 0
+        self.expired = self.expired_bytes = 0
 
     def on_finish(self, record: CaptureRecord) -> None:
+        self._pop(record.tag)  # a repeated tag replaces the old record, which moves to the back
+        size = record.nbytes
         self.records[record.tag] = record
-        while len(self.records) > self.max_records:
-            tag, _ = self.records.popitem(last=False)
+        self._held[record.tag] = (time.monotonic(), size)
+        self.bytes += size
+        self.expire()
+        while self.records and (len(self.records) > self.max_records or self.bytes > self.max_bytes):
+            tag = next(iter(self.records))
+            dropped = self._pop(tag)
             self.evicted += 1
-            logger.error("dynsteer capture: memory store full (%d); evicted the oldest record %s",
-                         self.max_records, tag)
+            self.evicted_bytes += dropped
+            logger.error("dynsteer capture: memory store over its bounds (max_records=%d, max_bytes=%d); evicted the "
+                         "oldest record %s (%d bytes)", self.max_records, self.max_bytes, tag, dropped)
+        if self.records.get(record.tag) is record:  # not evicted at once (alone larger than max_bytes)
+            record.deliveries[self.name] = "delivered"
 
     def take(self, tag: str) -> CaptureRecord | None:
-        return self.records.pop(tag, None)
+        self.expire()
+        record = self.records.get(tag)
+        self._pop(tag)
+        return record
+
+    def expire(self) -> int:
+        """Drop records older than ``ttl_s`` (oldest first); returns how many."""
+        deadline, n = time.monotonic() - self.ttl_s, 0
+        while self.records:
+            tag = next(iter(self.records))
+            if self._held[tag][0] >= deadline:
+                break  # insertion order is age order
+            dropped = self._pop(tag)
+            self.expired += 1
+            self.expired_bytes += dropped
+            n += 1
+            logger.error("dynsteer capture: record %s (%d bytes) not taken within ttl_s=%.0f s; dropped", tag, dropped,
+                         self.ttl_s)
+        return n
+
+    def _pop(self, tag: str) -> int:
+        """Forget ``tag``'s record; returns its bytes (0 if none)."""
+        if self.records.pop(tag, None) is None:
+            return 0
+        size = self._held.pop(tag)[1]
+        self.bytes -= size
+        return size
 
 
 class FilesystemConsumer:
-    """Writes records under ``root`` in one of :data:`LAYOUTS`."""
+    """Writes records under ``root`` in one of :data:`LAYOUTS`.
+
+    Args:
+        root: the capture folder (created if missing).
+        layout: ``per_file``, ``packed`` or ``sharded``.
+        shard_bytes: ``sharded``: a new shard starts once the current one would grow past this.
+    """
 
     name = "filesystem"
 
@@ -99,7 +174,9 @@ class FilesystemConsumer:
             raise ValueError(f"capture layout must be one of {LAYOUTS}, got {layout!r}")
         self.root, self.layout, self.shard_bytes = Path(root), layout, shard_bytes
         self.root.mkdir(parents=True, exist_ok=True)
-        self._shard = self._next_shard_index()
+        self._real_root = self.root.resolve()
+        self._shard = self._latest_shard()
+        self._lock = FileLock(str(self.root / SHARD_LOCK)) if layout == "sharded" else None
 
     @property
     def streams(self) -> bool:
@@ -109,14 +186,18 @@ class FilesystemConsumer:
     def on_chunk(self, record: CaptureRecord, positions: np.ndarray, values: dict[Place, np.ndarray]) -> None:
         if self.layout != "per_file":
             return
+        folder = self._path(record.tag)
         for place, arr in values.items():
-            _atomic_write(self.root / record.tag / f"{place_key(place)}.{record.chunks:06d}.npz",
+            _atomic_write(folder / f"{place_key(place)}.{record.chunks:06d}.npz",
                           _npz_bytes(positions=positions, values=arr))
 
     def on_finish(self, record: CaptureRecord) -> None:
         if self.layout == "per_file":
-            _atomic_write(self.root / record.tag / "manifest.json",
-                          json.dumps({**_meta(record), "chunks": record.chunks}).encode())
+            folder = self._path(record.tag)
+            _atomic_write(folder / "manifest.json", json.dumps({**_meta(record), "chunks": record.chunks}).encode())
+            _fsync_dir(folder)
+            _fsync_dir(self.root)
+            record.deliveries[self.name] = "written"
             return
         positions, arrays = record.arrays()
         blobs, index, offset = [], {}, 0
@@ -127,34 +208,56 @@ class FilesystemConsumer:
             offset += len(raw)
         data = b"".join(blobs)
         if self.layout == "packed":
-            _atomic_write(self.root / f"{record.tag}.bin", data)
-            _atomic_write(self.root / f"{record.tag}.json", json.dumps({**_meta(record), "arrays": index}).encode())
-            return
-        self._append_shard(record, data, index)
+            _atomic_write(self._path(record.tag, ".bin"), data)
+            _atomic_write(self._path(record.tag, ".json"), json.dumps({**_meta(record), "arrays": index}).encode())
+        else:
+            check_tag(record.tag)  # the reader lists shard tags next to the other layouts' file names
+            self._append_shard(record, data, index)
+        _fsync_dir(self.root)
+        record.deliveries[self.name] = "written"
+
+    def _path(self, tag: str, suffix: str = "") -> Path:
+        """``<root>/<tag><suffix>``, refusing any tag that would name a path outside the root (or a reserved name).
+
+        Raises:
+            SteeringValidationError: (a ValueError) naming ``tag``.
+        """
+        check_tag(tag)
+        if _RESERVED_TAG.fullmatch(tag):
+            raise ValueError(f"tag: {tag!r} is reserved in a capture folder (shard indexes, pipeline stages)")
+        path = self.root / f"{tag}{suffix}"
+        # Belt and braces: a symlink planted under the root must not lead the write elsewhere either.
+        if not path.resolve().is_relative_to(self._real_root):
+            raise ValueError(f"tag: {tag!r} resolves outside the capture folder {self.root}")
+        return path
 
     # ---- sharded ----------------------------------------------------------------------------------------------------
-    def _next_shard_index(self) -> int:
-        existing = sorted(self.root.glob("shard-*.json"))
-        return int(existing[-1].stem.split("-")[1]) if existing else 0
+    def _latest_shard(self) -> int:
+        numbers = [int(m.group(1)) for p in self.root.glob("shard-*.json") if (m := SHARD_NAME.fullmatch(p.name))]
+        return max(numbers, default=0)
 
     def _append_shard(self, record: CaptureRecord, data: bytes, index: dict[str, Any]) -> None:
-        idx_path = self.root / f"shard-{self._shard:05d}.json"
-        shard = json.loads(idx_path.read_text()) if idx_path.exists() else {"end": 0, "requests": {}}
-        if shard["end"] and shard["end"] + len(data) > self.shard_bytes:
-            self._shard += 1
-            idx_path, shard = self.root / f"shard-{self._shard:05d}.json", {"end": 0, "requests": {}}
-        bin_path = idx_path.with_suffix(".bin")
-        with open(bin_path, "ab") as f:
-            f.truncate(shard["end"])  # drop bytes a crashed writer left past the published end
-            f.seek(shard["end"])
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        base = shard["end"]
-        shard["requests"][record.tag] = {**_meta(record),
-                                         "arrays": {k: {**v, "offset": v["offset"] + base} for k, v in index.items()}}
-        shard["end"] = base + len(data)
-        _atomic_write(idx_path, json.dumps(shard).encode())
+        assert self._lock is not None
+        with self._lock:  # reading the index, appending and publishing it are one step for all writers
+            while (self.root / f"shard-{self._shard + 1:05d}.json").exists():
+                self._shard += 1  # another writer started a newer shard meanwhile
+            idx_path = self.root / f"shard-{self._shard:05d}.json"
+            shard = json.loads(idx_path.read_text()) if idx_path.exists() else {"end": 0, "requests": {}}
+            if shard["end"] and shard["end"] + len(data) > self.shard_bytes:
+                self._shard += 1
+                idx_path, shard = self.root / f"shard-{self._shard:05d}.json", {"end": 0, "requests": {}}
+            bin_path = idx_path.with_suffix(".bin")
+            with open(bin_path, "ab") as f:
+                f.truncate(shard["end"])  # drop bytes a killed writer left past the published end
+                f.seek(shard["end"])
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            base = shard["end"]
+            shard["requests"][record.tag] = {
+                **_meta(record), "arrays": {k: {**v, "offset": v["offset"] + base} for k, v in index.items()}}
+            shard["end"] = base + len(data)
+            _atomic_write(idx_path, json.dumps(shard).encode())
 
 
 def consumer_class(name: str) -> Any:
@@ -183,4 +286,9 @@ def build_consumer(name: str, options: dict[str, Any]) -> Any:
     second filesystem consumer, named ``archive`` in capture specs.
     """
     options = dict(options)
-    return consumer_class(options.pop("kind", name))(**options)
+    consumer = consumer_class(options.pop("kind", name))(**options)
+    try:
+        consumer.name = name  # what it records in ``CaptureRecord.deliveries``: the name specs use
+    except AttributeError:
+        pass  # a third-party consumer that does not allow it keeps its own
+    return consumer

@@ -4,6 +4,9 @@ Records cross vLLM's RPC hop from the worker to the user's process. When both ru
 ``vllm.LLM``) the arrays travel through one file in ``/dev/shm``: the worker writes each array into it once, the
 caller maps it and unlinks it at once, and its arrays are views of that mapping (no copy, freed with them). Across
 hosts, or when ``/dev/shm`` lacks room, the arrays go inline as bytes in the RPC reply.
+
+A caller that dies between the worker's write and its own unlink would leak the file, so its name carries the
+caller's pid (and pid namespace): every pack and unpack removes delivery files whose caller no longer exists.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 from dynsteer.capture.store import CaptureRecord, Place, place_from_key, place_key
 
 SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "dynsteer-capture-"
 _ALIGN = 64
 
 
@@ -34,6 +38,9 @@ class Capture:
         arrays: ``{(layer, site): array}``.
         status: ``ok``, ``partial`` (a consumer failed; data here is complete) or ``error``.
         errors: what went wrong, if anything.
+        deliveries: consumer name -> how far it got: ``delivered`` (``memory``: this object), ``written``
+            (``filesystem``: fsynced), ``queued`` (``zmq``: handed to ZeroMQ, receipt unconfirmed); a consumer that
+            failed has no entry.
     """
 
     tag: str
@@ -41,34 +48,103 @@ class Capture:
     arrays: dict[Place, np.ndarray]
     status: str = "ok"
     errors: list[str] = field(default_factory=list)
+    deliveries: dict[str, str] = field(default_factory=dict)
 
     def __getitem__(self, place: Place) -> np.ndarray:
         return self.arrays[place]
 
 
 def host_id() -> str:
-    """Identifies this host's shared memory: hostname plus boot id (containers sharing a hostname differ in it)."""
+    """Identifies this process's shared memory: ``hostname/boot id/pid namespace/pid``.
+
+    Hostname plus boot id name the host (containers sharing a hostname differ in it); the pid, within its namespace,
+    lets delivery files be swept once this process is gone.
+    """
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    return f"{socket.gethostname()}/{boot}/{_pid_namespace()}/{os.getpid()}"
 
 
-def pack_records(records: list[CaptureRecord], host: str | None = None) -> list[dict[str, Any]]:
-    """Wire form of finished records; through one shared-memory file when the caller's ``host`` is this one."""
+def _pid_namespace() -> str:
+    """This process's pid namespace (an inode number): a pid means that process only within it."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+def _split_host(host: str) -> tuple[str, str | None, int | None]:
+    """``(host, pid namespace, pid)`` of a :func:`host_id` (an older two-part id carries no pid)."""
+    parts = host.split("/")
+    if len(parts) == 4 and parts[2].isdigit() and parts[3].isdigit():  # they name a file: digits only
+        return f"{parts[0]}/{parts[1]}", parts[2], int(parts[3])
+    return host, None, None
+
+
+def pack_records(records: list[CaptureRecord], host: str | None = None,
+                 caller_pid: int | None = None) -> list[dict[str, Any]]:
+    """Wire form of finished records; through one shared-memory file when the caller's ``host`` is this one.
+
+    Args:
+        records: finished records.
+        host: the caller's :func:`host_id` (None: send inline).
+        caller_pid: the caller's pid, when ``host`` does not carry it; it names the delivery file, which is
+            swept once that process is gone (without one, the file is tied to this process instead).
+    """
+    sweep_shared()
     if not records:
         return []
-    if host is not None and host == host_id() and SHM_DIR.is_dir():
+    this_host, _, _ = _split_host(host_id())
+    caller_host, namespace, pid = _split_host(host) if host is not None else (None, None, None)
+    if caller_host is not None and caller_host == this_host and SHM_DIR.is_dir():
+        if caller_pid is not None:
+            pid, namespace = caller_pid, namespace or _pid_namespace()
+        elif pid is None:
+            pid, namespace = os.getpid(), _pid_namespace()
         try:
-            return _pack_shared(records)
+            return _pack_shared(records, namespace, pid)
         except OSError:
             pass  # no room in /dev/shm (a small container default): send the bytes inline
     return [_pack_inline(rec) for rec in records]
 
 
+def sweep_shared() -> list[Path]:
+    """Remove delivery files in :data:`SHM_DIR` whose caller no longer exists; returns them.
+
+    Only files of this pid namespace are judged (a pid from another one says nothing here).
+    """
+    namespace, gone = _pid_namespace(), []
+    try:
+        entries = [e.name for e in os.scandir(SHM_DIR) if e.name.startswith(SHM_PREFIX)]
+    except OSError:
+        return gone
+    for name in entries:
+        parts = name[len(SHM_PREFIX):].split("-")  # <namespace>-<caller pid>-<uuid>
+        if len(parts) != 3 or parts[0] != namespace or not parts[1].isdigit() or _alive(int(parts[1])):
+            continue
+        path = SHM_DIR / name
+        try:
+            path.unlink()
+            gone.append(path)
+        except OSError:
+            pass  # another sweep got there first, or another user's file
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
 def _meta(rec: CaptureRecord) -> dict[str, Any]:
-    return {"tag": rec.tag, "status": rec.status, "errors": list(rec.errors)}
+    return {"tag": rec.tag, "status": rec.status, "errors": list(rec.errors), "deliveries": dict(rec.deliveries)}
 
 
 def _pack_inline(rec: CaptureRecord) -> dict[str, Any]:
@@ -79,7 +155,7 @@ def _pack_inline(rec: CaptureRecord) -> dict[str, Any]:
     return {**_meta(rec), "positions": pack(positions), "arrays": {place_key(p): pack(a) for p, a in arrays.items()}}
 
 
-def _pack_shared(records: list[CaptureRecord]) -> list[dict[str, Any]]:
+def _pack_shared(records: list[CaptureRecord], namespace: str, caller_pid: int) -> list[dict[str, Any]]:
     specs, total = [], 0
     for rec in records:  # offsets first, so the file is sized (and its space reserved) before any write
         n, places = rec.layout()
@@ -89,7 +165,7 @@ def _pack_shared(records: list[CaptureRecord]) -> list[dict[str, Any]]:
             offsets[key] = total
             total += -(-int(np.prod(shape)) * dtype.itemsize // _ALIGN) * _ALIGN
         specs.append(offsets)
-    path = SHM_DIR / f"dynsteer-capture-{os.getpid()}-{uuid.uuid4().hex}"
+    path = SHM_DIR / f"{SHM_PREFIX}{namespace}-{caller_pid}-{uuid.uuid4().hex}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         # Reserve the space now: writing through a mapping past a full tmpfs would be a SIGBUS, not an error.
@@ -117,6 +193,7 @@ def _pack_shared(records: list[CaptureRecord]) -> list[dict[str, Any]]:
 
 def unpack_records(packed: list[dict[str, Any]]) -> list[Capture]:
     """Captures from their wire form (shared-memory files are mapped once and unlinked at once)."""
+    sweep_shared()
     maps: dict[str, mmap.mmap] = {}
     for obj in packed:
         path = obj.get("shm")
@@ -136,11 +213,12 @@ def unpack_records(packed: list[dict[str, Any]]) -> list[Capture]:
 
         out.append(Capture(tag=obj["tag"], positions=unpack(obj["positions"]),
                            arrays={place_from_key(k): unpack(v) for k, v in obj["arrays"].items()}, status=obj["status"],
-                           errors=list(obj["errors"])))
+                           errors=list(obj["errors"]), deliveries=dict(obj.get("deliveries", {}))))
     return out
 
 
 _STATUS_RANK = {"ok": 0, "partial": 1, "error": 2}
+_DELIVERY_RANK = {"incomplete": 0, "queued": 1, "written": 2, "delivered": 3}
 
 
 def merge_captures(captures: list[Capture]) -> dict[str, Capture]:
@@ -154,6 +232,9 @@ def merge_captures(captures: list[Capture]) -> dict[str, Capture]:
             continue
         seen.arrays.update(cap.arrays)
         seen.errors.extend(cap.errors)
+        # A consumer reached the whole capture only as far as it reached every stage's part.
+        seen.deliveries = {name: min(state, cap.deliveries[name], key=lambda s: _DELIVERY_RANK.get(s, -1))
+                           for name, state in seen.deliveries.items() if name in cap.deliveries}
         if _STATUS_RANK.get(cap.status, 2) > _STATUS_RANK.get(seen.status, 2):
             seen.status = cap.status
         if not np.array_equal(seen.positions, cap.positions):

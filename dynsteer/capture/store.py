@@ -23,11 +23,34 @@ import torch
 
 from dynsteer.capture.select import PositionLedger, select_positions
 from dynsteer.capture.spec import CaptureSpec
-from dynsteer.spec import Site
+from dynsteer.spec import NAME_PATTERN, Site, SteeringValidationError
 from dynsteer.steering.staging import StagingRing
 
 logger = logging.getLogger("dynsteer")
 Place = tuple[int, Site]
+
+
+# What a capture tag may be: it names files and folders under a capture root, so one path component that cannot
+# be ``.``/``..``, hidden or absolute, whatever the consumer. The same pattern as every registered name.
+SAFE_TAG = NAME_PATTERN
+
+
+def check_tag(tag: str, field: str = "tag") -> str:
+    """``tag`` if it matches :data:`SAFE_TAG`.
+
+    Args:
+        tag: a request's correlation tag (it names capture files).
+        field: where it came from, named first in the error (e.g. ``extra_args.dynsteer.tag``).
+
+    Raises:
+        SteeringValidationError: naming ``field``.
+    """
+    # fullmatch: ``$`` alone would also accept a trailing newline.
+    if not isinstance(tag, str) or SAFE_TAG.fullmatch(tag) is None:
+        shown = repr(tag) if not isinstance(tag, str) or len(tag) <= 40 else f"{tag[:40]!r}... ({len(tag)} chars)"
+        raise SteeringValidationError(f"{field}: tag {shown} is not a valid name (1 to 128 of A-Z a-z 0-9 . _ -, "
+                                      f"starting with a letter or digit)")
+    return tag
 
 
 def place_key(place: Place) -> str:
@@ -63,6 +86,9 @@ class CaptureRecord:
     ledger: PositionLedger = field(default_factory=PositionLedger)
     chunks: int = 0
     streaming: bool = False  # a consumer of this record wants chunks as they land
+    # consumer name -> how far it got: "delivered" (held for the caller), "written" (fsynced to disk), "queued"
+    # (handed to ZeroMQ; not confirmed by a receiver). A consumer that failed has no entry.
+    deliveries: dict[str, str] = field(default_factory=dict)
     _parts: list[tuple[Mapping[Place, np.ndarray], int, int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +107,12 @@ class CaptureRecord:
         """The values of chunk ``i`` (default: the last landed), one array per place."""
         arrays, s, e = self._parts[i]
         return {place: arrays[place][s:e] for place in self.places}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the captured data (positions and every place's rows; shared step arrays count their rows only)."""
+        rows = sum(arrays[place][s:e].nbytes for arrays, s, e in self._parts for place in self.places)
+        return rows + sum(p.nbytes for p in self.positions)
 
     def layout(self) -> tuple[int, dict[Place, tuple[tuple[int, ...], np.dtype]]]:
         """Rows captured so far, and the shape and dtype of each place's array (for callers that allocate)."""

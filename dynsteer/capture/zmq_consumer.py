@@ -9,7 +9,9 @@ finished request's whole capture; with ``stream=True`` every chunk is sent as it
 Sends run in the worker's step loop, so by default they never wait: up to ``hwm`` messages queue per connected
 receiver, and a receiver that is missing or does not keep up makes the send fail at once (``timeout_ms`` allows a
 bounded wait instead). A failed send marks the record ``partial`` and leaves it reachable in memory (see the
-runtime's delivery): never dropped silently.
+runtime's delivery): never dropped silently. A send that succeeds was only queued by ZeroMQ (a receiver that dies
+before reading loses it), so the record's ``deliveries`` says ``queued`` for this consumer, never ``delivered``; with
+``stream=True`` a request any of whose chunks failed to send says ``incomplete``.
 
 Example (the receiving process binds; workers connect)::
 
@@ -72,14 +74,21 @@ class ZmqConsumer:
         return self.stream
 
     def on_chunk(self, record: CaptureRecord, positions: np.ndarray, values: dict[Place, np.ndarray]) -> None:
-        if self.stream:
+        if not self.stream:
+            return
+        try:
             self._send("chunk", record, positions, values)
+        except Exception:
+            record.deliveries[self.name] = "incomplete"  # the closing record message must not make it look whole
+            raise
 
     def on_finish(self, record: CaptureRecord) -> None:
         if self.stream:
             self._send("record", record, None, {})
         else:
             self._send("record", record, *record.arrays())
+        # Handed to ZeroMQ only: whether a receiver got it is unknown here.
+        record.deliveries.setdefault(self.name, "queued")
 
     def close(self) -> None:
         self._sock.close()
