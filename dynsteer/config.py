@@ -84,6 +84,9 @@ class DynsteerConfig(BaseModel):
         probes: probe files requests may use as monitors, ``{name: path}``, loaded at start-up in every process;
             a monitor names one with ``Monitor(probe=name, ...)``. Requests never carry file paths.
         limits: bounds on request payloads and on what the engine keeps (:class:`Limits`).
+        sync_tier: where built-in sync controllers and carried scopes run: ``"device"`` (a kernel after each
+            forward; the host never waits) or ``"host"`` (the Python controllers on read-back scores; the host waits
+            for every step: for comparison and debugging). Custom controllers always run on the host.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -102,6 +105,7 @@ class DynsteerConfig(BaseModel):
     controllers: dict[str, str] = Field(default_factory=dict)
     probes: dict[str, str] = Field(default_factory=dict)
     limits: Limits = Field(default_factory=Limits)
+    sync_tier: Literal["device", "host"] = "device"
 
     @field_validator("controllers", "probes", "vectors")
     @classmethod

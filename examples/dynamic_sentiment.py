@@ -54,12 +54,14 @@ class DemoResult:
     texts: list[tuple[str, str]]
     fired: list[int]  # tokens with dyn_scale > 0, per prompt
     gate_error: float  # max |in-graph gate − probe predict_proba| over every traced token
+    probe_path: Path | None = None  # the probe file the run used
+    scales: list[list[float]] | None = None  # the controller's scale at every traced token, per prompt
 
 
-def make_engine(model: Path):
+def make_engine(model: Path, sync_tier: str = "device"):
     from vllm import LLM
 
-    cfg = DynsteerConfig(capture_sites=("post_block",), capture_layers=(LAYER,), max_gates=2)
+    cfg = DynsteerConfig(capture_sites=("post_block",), capture_layers=(LAYER,), max_gates=2, sync_tier=sync_tier)
     return LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=16, seed=0,
                **cfg.engine_kwargs())
 
@@ -82,14 +84,17 @@ def sentiment_policy(probe_path: Path) -> DynamicSteeringPolicy:
         controller=SyncControllerSpec(kind="ema_latch", alpha=0.3, on=2.0, off=0.0, scale=1.0))
 
 
-def run(max_tokens: int = 40) -> DemoResult:
+def run(max_tokens: int = 40, sync_tier: str = "device", probe_path: Path | None = None) -> DemoResult:
+    """Train the probe (unless ``probe_path`` names one already trained) and compare gated steering with the
+    baseline. ``sync_tier``: where the EMA-latch controller runs (``"device"``, the default, or ``"host"``)."""
     from vllm import SamplingParams
 
-    llm = make_engine(smollm2())
+    llm = make_engine(smollm2(), sync_tier)
     try:
         steerer = dynsteer.attach(llm)
-        probe_path = Path(tempfile.mkdtemp()) / "sentiment-L20.safetensors"
-        train_probe(steerer, probe_path)
+        if probe_path is None:
+            probe_path = Path(tempfile.mkdtemp()) / "sentiment-L20.safetensors"
+            train_probe(steerer, probe_path)
         policy = sentiment_policy(probe_path)
 
         prompts = COMPLAINTS + PRAISE
@@ -113,7 +118,8 @@ def run(max_tokens: int = 40) -> DemoResult:
         baseline=[list(o.outputs[0].token_ids) for o in baseline],
         steered=[list(o.outputs[0].token_ids) for o in steered],
         texts=[(b.outputs[0].text, s.outputs[0].text) for b, s in zip(baseline, steered)],
-        fired=[int(np.count_nonzero(o.trace.scale)) for o in steered], gate_error=gate_error)
+        fired=[int(np.count_nonzero(o.trace.scale)) for o in steered], gate_error=gate_error,
+        probe_path=probe_path, scales=[list(o.trace.scale) for o in steered])
 
 
 def main() -> DemoResult:

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
+from dynsteer.hardware import AMX_BF16_NOTE, cpu_has_amx_bf16
 from dynsteer.testing.tiny_models import CPU_LOADABLE, TINY_ARCHS, TINY_SHAPE, tiny_model
-from tests.conftest import make_llm, texts, token_ids
+from tests.conftest import ON_GPU, make_llm, texts, token_ids
 
 EXPECTED = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -126,7 +127,8 @@ def test_smollm2_checkpoint(smollm2_path):
     assert "<|im_start|>" in json.loads((smollm2_path / "tokenizer_config.json").read_text())["chat_template"]
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("auto", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("auto", marks=[pytest.mark.slow, pytest.mark.skipif(
+    not ON_GPU and cpu_has_amx_bf16(), reason=AMX_BF16_NOTE)])])
 def test_smollm2_knows_paris(smollm2_path, dtype):
     with make_llm(smollm2_path, dtype=dtype) as llm:
         out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], _greedy(32))

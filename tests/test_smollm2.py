@@ -63,3 +63,6 @@ def test_smollm2_probe_gated_steering_targets_one_class():
         else:
             assert fired == 0 and steered == base, prompt
     assert res.gate_error < 1e-3
+    # the controller moved to the device decides as the Python controller on the host did: same tokens, same scales
+    host = dynamic_sentiment.run(sync_tier="host", probe_path=res.probe_path)
+    assert host.steered == res.steered and host.scales == res.scales and host.baseline == res.baseline

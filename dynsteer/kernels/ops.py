@@ -22,7 +22,8 @@ import torch
 from dynsteer.kernels.dynamic_reference import steer_site_dyn_reference
 from dynsteer.kernels.reference import stash_residual, steer_site_reference
 
-__all__ = ["DYN_OP_NAME", "OP_NAME", "ENV_KERNEL", "no_stage", "select_impl", "steer_site", "steer_site_dyn"]
+__all__ = ["DYN_OP_NAME", "OP_NAME", "ENV_KERNEL", "no_stage", "select_controller_impl", "select_impl", "steer_site",
+           "steer_site_dyn"]
 
 OP_NAME = "dynsteer::steer_site"
 DYN_OP_NAME = "dynsteer::steer_site_dyn"
@@ -54,6 +55,19 @@ def select_impl(h: torch.Tensor, dynamic: bool = False) -> SteerImpl:
     from dynsteer.kernels.triton_steer import steer_site_dyn_triton, steer_site_triton
 
     return steer_site_dyn_triton if dynamic else steer_site_triton
+
+
+def select_controller_impl(t: torch.Tensor) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The device sync tier's ``(control, update)`` kernels for tensors on ``t``'s device (same rule as
+    :func:`select_impl`: Triton on CUDA, the torch reference elsewhere, ``DYNSTEER_KERNEL`` forces one)."""
+    forced = os.environ.get(ENV_KERNEL, "").strip().lower()
+    if forced == "reference" or (forced != "triton" and not t.is_cuda):
+        from dynsteer.kernels.controller_reference import control_reference, update_reference
+
+        return control_reference, update_reference
+    from dynsteer.kernels.triton_controller import control_triton, update_triton
+
+    return control_triton, update_triton
 
 
 def _steer_site_impl(

@@ -3,20 +3,23 @@
 A policy's rules each own one *gate slot* (plus one for a controller's monitor when no rule uses it). The decode row
 of a request carries, at the monitor's site, the probe that computes the slot's gate, and at each action's site the
 gated vector or clamp that reads it (DESIGN §3/§4). The forward writes every slot's score and effective gate into
-persistent ``[G, N]`` buffers; what the host adds per token is two multipliers, ``gate = g·mul + add``:
+persistent ``[G, N]`` buffers; each token's gate is ``gate = g·mul + add`` with two multipliers per slot:
 
 =================  ==========================  ===========================================================
-scope              mul, add                    needs the previous step on the host?
+scope              mul, add                    where ``mul, add`` come from
 =================  ==========================  ===========================================================
-``this_token``     ``d, 0``                    only with a controller (``d`` = its scale, else 1)
-``next_step``      ``0, d·g(previous token)``  yes
-``rest_of_request`` ``d, 0`` → ``0, d`` once fired  yes
+``this_token``     ``d, 0``                    ``1, 0`` without a controller; else ``d`` = its scale
+``next_step``      ``0, d·g(previous token)``  the sync tier
+``rest_of_request`` ``d, 0`` → ``0, d`` once fired  the sync tier
 =================  ==========================  ===========================================================
 
-So a batch of plain ``this_token`` rules never waits for the device; the sync tier (controllers, carried scopes)
-waits for the previous step's scores before planning the next step, which is what makes its latency exactly one step.
-Every rank runs this on identical inputs (the same scheduler output and all-reduced residuals), so every rank takes the
-same decisions.
+The sync tier (a controller, or a carried scope) runs on the device: each request's controller and carried gates
+live in a slot of a persistent buffer; a control kernel writes every token's ``mul, add`` before the forward and an
+update kernel advances the slots from the step's scores after it (``dynsteer.kernels.controller_reference``). The
+host stages one int32 per token and never waits, so the latency is exactly one step and vLLM's asynchronous
+scheduling stays on. Custom Python controllers keep a host path that waits for the previous step. Every rank runs
+this on identical inputs (the same scheduler output and all-reduced residuals), so every rank takes the same
+decisions.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from dynsteer.controllers.registry import ControllerFault
 from dynsteer.spec import ModelShape, SteeringValidationError, resolve_vector
 from dynsteer.steering.compile import Clamp, MonitorProgram, SiteKey, SiteProgram
+from dynsteer.steering.staging import StagingRing
 
 if TYPE_CHECKING:
     from dynsteer.policy import DynamicSteeringPolicy
@@ -118,25 +122,39 @@ def compile_policy(policy: "DynamicSteeringPolicy", shape: ModelShape, named: di
 # ---- per-request state ---------------------------------------------------------------------------------------------
 @dataclass
 class DynState:
-    """One request's dynamic state on a worker: controller state, carried gates and its trace.
+    """One request's dynamic state on a worker.
 
-    Requests in the sync tier (``feedback``) are observed token by token; the others only keep references to the
-    read-back blocks, and their trace is assembled once, when the request finishes (off the per-step path).
+    Three tiers of per-step work:
+
+    * plain in-graph gates (``this_token`` rules, no controller): nothing per step; the trace is assembled from
+      the read-back blocks when the request finishes;
+    * the **device** sync tier (built-in controllers, ``next_step`` / ``rest_of_request`` scopes): the controller
+      and the carried gates live in a slot of the driver's device buffer (``device_slot``) and are advanced by a
+      kernel after each forward; the host never waits for them;
+    * the **host** sync tier (``kind="custom"`` controllers, or a built-in one when no device slot is free): the
+      Python controller runs on the read-back scores, so the host waits for the previous step (one step of
+      latency, at the price of vLLM's asynchronous scheduling).
     """
 
     slots: list[SlotPlan]
-    controller: Any = None  # a SyncController, or None
+    controller: Any = None  # a SyncController (host tier), or None
+    ctrl_spec: Any = None  # the controller's spec (the device tier is built from it)
     ctrl_slot: int | None = None
     ctrl_state: Any = None
-    scale: float = 1.0  # dyn_scale for the next step
+    scale: float = 1.0  # host tier: dyn_scale for the next step
     latched: list[bool] = field(default_factory=list)
     prev_gate: list[float] = field(default_factory=list)
     steps: int = 0
-    feedback: bool = False
-    last_pos: int = -1
-    # position -> (mul, add) used for it: a recomputed position (after preemption) is steered exactly as before
-    history: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
-    refs: list[tuple[np.ndarray, int, int, float]] = field(default_factory=list)  # (block, column, position, scale)
+    sync: bool = False  # in a sync tier (device or host)
+    device_slot: int | None = None
+    tier: str = ""  # set by the driver once: "plain" (no sync tier), "device" or "host"
+    last_pos: int = -1  # the last position read back
+    sched_pos: int = -1  # the last position staged as a fresh token
+    # host tier: position -> (mul, add, scale) staged for it; a recomputed position (after preemption) replays it
+    staged: dict[int, tuple[list[float], list[float], float]] = field(default_factory=dict)
+    # device tier: position -> (read-back block, column) of the token that first computed it (replays read it)
+    computed: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
+    refs: list[tuple[np.ndarray, int, int]] = field(default_factory=list)  # (block, column, position)
     # float32 (sharpness, threshold, floor) per slot: the kernel's gate parameters, for raw_gates
     params: np.ndarray = field(default_factory=lambda: np.zeros((3, 0), np.float32))
 
@@ -144,21 +162,29 @@ class DynState:
     def for_policy(cls, policy: "DynamicSteeringPolicy", registry: Any = None,
                    max_scale: float = float("inf")) -> "DynState":
         """The state of a request under ``policy`` (resolved); custom controllers come from ``registry`` and their
-        output is bounded by ``max_scale``."""
+        output is bounded by ``max_scale``. It starts in the host tier; the driver moves it to the device tier."""
         from dynsteer.controllers.sync import make_controller
 
         slots, ctrl_slot = policy_slots(policy)
         ctrl = make_controller(policy.controller, registry, max_scale) if policy.controller is not None else None
         g = len(slots)
-        feedback = ctrl is not None or any(s.scope in ("next_step", "rest_of_request") for s in slots)
-        return cls(slots=slots, controller=ctrl, ctrl_slot=ctrl_slot,
+        sync = ctrl is not None or any(s.scope in ("next_step", "rest_of_request") for s in slots)
+        return cls(slots=slots, controller=ctrl, ctrl_spec=policy.controller, ctrl_slot=ctrl_slot,
                    ctrl_state=ctrl.initial_state() if ctrl is not None else None,
-                   scale=0.0 if ctrl is not None else 1.0, latched=[False] * g, prev_gate=[0.0] * g,
-                   feedback=feedback,
+                   scale=0.0 if ctrl is not None else 1.0, latched=[False] * g, prev_gate=[0.0] * g, sync=sync,
                    params=np.array([[s.sharpness, s.threshold, s.floor] for s in slots], np.float32).T.copy())
 
+    @property
+    def host_tier(self) -> bool:
+        return self.tier == "host"
+
+    @property
+    def device_eligible(self) -> bool:
+        """A sync-tier request whose controller (if any) the device kernel implements."""
+        return self.sync and (self.ctrl_spec is None or not _has_custom(self.ctrl_spec))
+
     def multipliers(self) -> tuple[list[float], list[float]]:
-        """``(mul, add)`` per slot for the request's next decode token."""
+        """Host tier: ``(mul, add)`` per slot for the request's next decode token."""
         d = self.scale
         mul, add = [0.0] * len(self.slots), [0.0] * len(self.slots)
         for s, slot in enumerate(self.slots):
@@ -171,10 +197,13 @@ class DynState:
         return mul, add
 
     def observe(self, block: np.ndarray, col: int, position: int) -> None:
-        """Record one computed decode token; in the sync tier, advance the carried state and the controller."""
-        self.refs.append((block, col, position, self.scale))
+        """Record one computed decode token; in the host tier, advance the carried state and the controller."""
+        self.refs.append((block, col, position))
         self.last_pos = position
-        if not self.feedback:
+        if self.tier == "device":
+            self.computed.setdefault(position, (block, col))
+            return
+        if self.tier != "host":
             return
         from dynsteer.controllers.sync import StepObservation
 
@@ -194,13 +223,21 @@ class DynState:
         g = len(self.slots)
         if not self.refs:
             return {"position": [], "score": [], "gate": [], "applied": [], "scale": []}
-        half = self.refs[0][0].shape[0] // 2
-        scores = np.stack([b[:g, c] for b, c, _, _ in self.refs]).astype(np.float32)
-        applied = np.stack([b[half:half + g, c] for b, c, _, _ in self.refs])
+        G = (self.refs[0][0].shape[0] - 1) // 4
+        scores = np.stack([b[:g, c] for b, c, _ in self.refs]).astype(np.float32)
+        applied = np.stack([b[G:G + g, c] for b, c, _ in self.refs])
         gate = raw_gates(scores, self.params)
-        return {"position": [p for _, _, p, _ in self.refs], "score": scores.astype(np.float64).tolist(),
+        return {"position": [p for _, _, p in self.refs], "score": scores.astype(np.float64).tolist(),
                 "gate": gate.astype(np.float64).tolist(), "applied": applied.astype(np.float64).tolist(),
-                "scale": [sc for _, _, _, sc in self.refs]}
+                "scale": [float(b[4 * G, c]) for b, c, _ in self.refs]}
+
+
+def _has_custom(spec: Any) -> bool:
+    while spec is not None:
+        if spec.kind == "custom":
+            return True
+        spec = spec.inner
+    return False
 
 
 def raw_gates(scores: np.ndarray, params: np.ndarray) -> np.ndarray:
@@ -229,7 +266,7 @@ class StepTokens:
 @dataclass
 class _Pending:
     event: Any
-    host: torch.Tensor  # [2G, m]: scores then effective gates of the step's dynamic decode tokens
+    host: torch.Tensor  # [4G+1, m]: scores, applied gates, gate_mul, gate_add, scale of the step's dynamic tokens
     tokens: StepTokens
 
 
@@ -238,105 +275,206 @@ class SyncStats:
     """Cost of the dynamic tier's host side (milliseconds, summed over steps)."""
 
     dynamic_steps: int = 0
-    sync_steps: int = 0
-    wait_ms: float = 0.0  # blocked waiting for the previous step's scores (sync tier only)
-    host_ms: float = 0.0  # staging the per-token multipliers
-    controller_ms: float = 0.0  # read-back bookkeeping, controllers and carried scopes
-    device_ms: float = 0.0  # CUDA-event time of the per-step control copies (read one step late)
+    sync_steps: int = 0  # steps with sync-tier tokens (device or host)
+    host_sync_steps: int = 0  # steps that waited for the previous one (host-tier controllers)
+    wait_ms: float = 0.0  # blocked waiting for the previous step's scores (host tier only)
+    host_ms: float = 0.0  # staging the step (token control words, replay rows)
+    controller_ms: float = 0.0  # read-back bookkeeping and host-tier controllers
+    device_slots_in_use: int = 0
+    device_slots_exhausted: int = 0  # sync-tier requests that ran in the host tier for lack of a device slot
+
+
+#: rows of the int32 staging buffer: per-token control word, position, read-back columns, update list
+CTL, POS, COLS, UPD = range(4)
 
 
 class DynamicDriver:
-    """Stages gate multipliers before each forward and reads scores/gates back after it.
+    """Before each forward: stage one int32 control word per token and launch the control kernel (gate
+    multipliers from the device sync tier's state); after it: launch the update kernel (controllers advance on the
+    device) and copy the step's scores, gates and multipliers of dynamic tokens to the host on a side stream.
 
-    The device multipliers hold ``mul = 1, add = 0`` (a plain in-graph gate) except on steps with sync-tier tokens,
-    which write their own values and restore the defaults afterwards, so most steps copy nothing to the device.
+    The host waits for the device only for host-tier requests (custom controllers): every other step is planned
+    while earlier ones still run. Kernels: ``dynsteer.kernels.controller_reference`` (contract, CPU) and
+    ``dynsteer.kernels.triton_controller`` (CUDA).
     """
 
     def __init__(self, gate_mul: torch.Tensor, gate_add: torch.Tensor, scores: torch.Tensor,
-                 gates: torch.Tensor) -> None:
+                 gates: torch.Tensor, max_slots: int = 256) -> None:
+        from dynsteer.kernels.controller_reference import Layout
+        from dynsteer.kernels.ops import select_controller_impl
+
         self.gate_mul, self.gate_add, self.scores, self.gates = gate_mul, gate_add, scores, gates
         self.cuda = gates.is_cuda
-        g, n = gates.shape
+        G, N = gates.shape
+        dev = gates.device
         gate_mul.fill_(1.0)
         gate_add.zero_()
-        depth = 4 if self.cuda else 1
-        self._ctl = [torch.zeros(2, g, n, dtype=torch.float32, device="cpu", pin_memory=self.cuda)
-                     for _ in range(depth)]
-        for c in self._ctl:
-            c[0].fill_(1.0)
-        self._ctl_events: list[Any] = [None] * depth
-        self._ctl_written: list[list[int]] = [[] for _ in range(depth)]  # token columns a slot holds values at
-        self._i = 0
-        self._dirty = 0  # device multipliers [:dirty] may hold a sync step's values
-        self._side = torch.cuda.Stream(device=gates.device) if self.cuda else None
+        self.layout = Layout(G)
+        # one row at least: the kernels index it even when every request runs in the host tier
+        self.state = torch.zeros(max(max_slots, 1), self.layout.width, dtype=torch.float64, device=dev)
+        self._init = torch.zeros(max(max_slots, 1), self.layout.width, dtype=torch.float64, device="cpu",
+                                 pin_memory=self.cuda)
+        self.max_slots = max_slots
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self.scale_used = torch.ones(N, dtype=torch.float32, device=dev)
+        self.words = torch.full((4, N), -1, dtype=torch.int32, device=dev)
+        self.replay = torch.zeros(N, 2 * G + 1, dtype=torch.float32, device=dev)
+        self._words = StagingRing(self.words)
+        self._replay = StagingRing(self.replay)
+        self.control, self.update = select_controller_impl(gates)
+        self._side = torch.cuda.Stream(device=dev) if self.cuda else None
         self._pending: list[_Pending] = []
         self.faults: dict[str, str] = {}  # requests whose custom controller failed: stopped by the runtime
-        self._step: StepTokens | None = None
-        self._timing: list[tuple[Any, Any]] = []
+        self._step: tuple[StepTokens, int, int] | None = None
+        self._dirty = 0  # gate multipliers [:dirty] may hold sync-tier values
+        self.enqueued = 0  # read-backs started
+        self.completed = 0  # read-backs fed to their requests
+        self.host_tier = 0  # live requests in the host tier (their steps wait for the previous one)
         self.stats = SyncStats()
 
-    def plan(self, states: dict[str, DynState], tokens: StepTokens, upto: int) -> None:
-        """Stage ``(mul, add)`` for this step's sync-tier tokens (waiting for the previous step's read-back first)."""
-        feedback = any(st.feedback for st in states.values())
+    # ---- slots -------------------------------------------------------------------------------------------------------
+    def place(self, st: DynState) -> None:
+        """Register a new request's state: a sync-tier request goes to the device tier (a free slot, its row written
+        asynchronously) when the kernel implements its controller and a slot is free (else the host tier,
+        counted)."""
+        if st.tier:
+            return
+        if not st.sync:
+            st.tier = "plain"
+            return
+        if not st.device_eligible or not self._free_slots:
+            self.stats.device_slots_exhausted += int(st.device_eligible and self.max_slots > 0)
+            self.host_tier += 1
+            st.tier = "host"
+            return
+        from dynsteer.kernels.controller_reference import controller_row
+
+        s = self._free_slots.pop()
+        self._init[s] = torch.tensor(controller_row(self.layout, st.slots, st.ctrl_slot, st.ctrl_spec),
+                                     dtype=torch.float64)
+        # Ordered on the compute stream after every step that used the slot before (its last update included).
+        self.state[s].copy_(self._init[s], non_blocking=self.cuda)
+        st.device_slot, st.tier = s, "device"
+        self.stats.device_slots_in_use += 1
+
+    def free(self, st: DynState) -> None:
+        """The request finished (or its policy was replaced): release its slot or its host-tier place, once."""
+        if st.tier == "host":
+            self.host_tier -= 1
+            st.tier = "host-freed"
+        if st.device_slot is not None:
+            self._free_slots.append(st.device_slot)
+            st.device_slot = None
+            self.stats.device_slots_in_use -= 1
+
+    # ---- per step ----------------------------------------------------------------------------------------------------
+    def plan(self, states: dict[str, DynState], lookup: Any, tokens: StepTokens, upto: int) -> None:
+        """Stage this step's control words (and replay rows) and launch the control kernel.
+
+        Args:
+            states: live requests' states by id.
+            lookup: ``req_id -> state`` for read-backs, including requests that finished since.
+            tokens: this step's dynamic decode tokens.
+            upto: tokens of this step, padding included.
+        """
+        host_tier = self.host_tier > 0
         t0 = time.perf_counter()
-        self.poll(states, block=feedback)
+        self.poll(lookup, block=host_tier)
         t1 = time.perf_counter()
-        if feedback:
+        if host_tier:
             self.stats.wait_ms += (t1 - t0) * 1e3
-            self.stats.sync_steps += 1
-        self._step = tokens if len(tokens) else None
-        if not len(tokens):
+            self.stats.host_sync_steps += 1
+        m = len(tokens)
+        self._step = None
+        if not m:
             return
         self.stats.dynamic_steps += 1
-        staged = []
-        if feedback:
-            for k in range(len(tokens)):
-                st = states[tokens.req_ids[tokens.req[k]]]
-                if st.feedback:
-                    pos = int(tokens.position[k])
-                    kept = st.history.get(pos)
-                    if kept is None:
-                        kept = st.history[pos] = st.multipliers()
-                    staged.append((int(tokens.index[k]), kept))
-        if staged or self._dirty:
-            self._stage(staged, max(upto, self._dirty))
-            self._dirty = upto if staged else 0
+        words = self._words.next()
+        words[CTL, :upto] = -1
+        words[COLS, :m] = tokens.index
+        n_req = len(tokens.req_ids)
+        slot_of = np.full(n_req, -1, np.int64)
+        sched_of = np.full(n_req, np.iinfo(np.int64).max, np.int64)
+        replays: list[tuple[int, int]] = []  # (token k, request index)
+        for i in np.unique(tokens.req):  # the step's dynamic requests (not every token)
+            st = states.get(tokens.req_ids[i])
+            if st is None or not st.sync:
+                continue
+            if st.device_slot is not None:
+                slot_of[i], sched_of[i] = st.device_slot, st.sched_pos
+            else:
+                sched_of[i] = -2  # host tier: every token goes through a replay row
+        fresh = tokens.position > sched_of[tokens.req]
+        dev = fresh & (slot_of[tokens.req] >= 0)
+        sync = np.flatnonzero(sched_of[tokens.req] != np.iinfo(np.int64).max)
+        upd = tokens.index[dev]
+        words[CTL, upd] = slot_of[tokens.req[dev]]
+        words[POS, upd] = tokens.position[dev]
+        words[UPD, :len(upd)] = upd
+        for k in sync[~dev[sync]]:
+            replays.append((int(k), int(tokens.req[k])))
+        for i in np.unique(tokens.req[dev]):
+            st = states[tokens.req_ids[i]]
+            st.sched_pos = max(st.sched_pos, int(tokens.position[dev & (tokens.req == i)].max()))
+        if replays:
+            self._stage_replays(states, lookup, tokens, replays, words)
+        n_sync = len(upd) + len(replays)
+        if n_sync:
+            self.stats.sync_steps += 1
+        self._words.copy_to()
+        if n_sync or self._dirty:
+            upto = max(upto, self._dirty)
+            self.control(self.words[CTL], self.state, self.replay, self.gate_mul, self.gate_add, self.scale_used,
+                         upto)
+            self._dirty = upto if n_sync else 0
+        self._step = (tokens, len(upd), m)
         self.stats.host_ms += (time.perf_counter() - t1) * 1e3
 
-    def _stage(self, staged: list[tuple[int, tuple[list[float], list[float]]]], upto: int) -> None:
-        self._i = (self._i + 1) % len(self._ctl)
-        if self._ctl_events[self._i] is not None:
-            self._ctl_events[self._i].synchronize()
-        src = self._ctl[self._i]
-        ctl = src.numpy()
-        # Back to defaults only now: this slot's previous copy has completed (the event above), so its DMA is done.
-        for t in self._ctl_written[self._i]:
-            ctl[0, :, t], ctl[1, :, t] = 1.0, 0.0
-        self._ctl_written[self._i] = [t for t, _ in staged]
-        for t, (mul, add) in staged:
-            ctl[0, :len(mul), t], ctl[1, :len(add), t] = mul, add
-        start = torch.cuda.Event(enable_timing=True) if self.cuda else None
-        if start is not None:
-            start.record()
-        for s in range(self.gate_mul.shape[0]):
-            self.gate_mul[s, :upto].copy_(src[0, s, :upto], non_blocking=self.cuda)
-            self.gate_add[s, :upto].copy_(src[1, s, :upto], non_blocking=self.cuda)
-        if start is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._ctl_events[self._i] = end
-            self._timing.append((start, end))
-            self._read_timing()
+    def _stage_replays(self, states: dict[str, DynState], lookup: Any, tokens: StepTokens,
+                       replays: list[tuple[int, int]], words: np.ndarray) -> None:
+        """Tokens whose multipliers come from the host: host-tier requests, and recomputed positions of
+        device-tier ones (after a preemption: the values they had when first computed)."""
+        rows = self._replay.next()
+        G = self.layout.G
+        waited = False
+        for j, (k, i) in enumerate(replays):
+            st = states[tokens.req_ids[i]]
+            pos = int(tokens.position[k])
+            if st.device_slot is not None:
+                if pos not in st.computed and not waited:
+                    self.poll(lookup, block=True)  # rare (resumed after preemption): its earlier steps are long done
+                    waited = True
+                block, col = st.computed.get(pos, (None, 0))
+                if block is None:  # never read back (cannot happen for a position computed before): defaults
+                    mul, add, scale = [1.0] * G, [0.0] * G, 1.0
+                else:
+                    mul, add = block[2 * G:3 * G, col].tolist(), block[3 * G:4 * G, col].tolist()
+                    scale = float(block[4 * G, col])
+            else:
+                kept = st.staged.get(pos)
+                if kept is None:
+                    mul, add = st.multipliers()
+                    kept = st.staged[pos] = (mul, add, st.scale)
+                mul, add, scale = kept
+            row = rows[j]
+            row[:] = 0.0
+            row[:len(mul)], row[G:G + len(add)], row[2 * G] = mul, add, scale
+            row[len(mul):G] = 1.0
+            words[CTL, tokens.index[k]] = -2 - j
+        self._replay.copy_to(len(replays))
 
     def after_forward(self) -> None:
-        """Gather this step's scores and gates of dynamic tokens and start their copy to host."""
-        tokens, self._step = self._step, None
-        if tokens is None:
+        """Advance the device sync tier and start copying this step's dynamic-token values to the host."""
+        step, self._step = self._step, None
+        if step is None:
             return
-        cols = torch.from_numpy(tokens.index.astype(np.int64))
-        if self.cuda:
-            cols = cols.pin_memory().to(self.gates.device, non_blocking=True)
-        both = torch.cat([self.scores.index_select(1, cols), self.gates.index_select(1, cols)])
+        tokens, n_upd, m = step
+        if n_upd:
+            self.update(self.words[UPD], self.words[CTL], self.words[POS], self.scores, self.state, n_upd)
+        cols = self.words[COLS, :m].long()
+        both = torch.cat([self.scores.index_select(1, cols), self.gates.index_select(1, cols),
+                          self.gate_mul.index_select(1, cols), self.gate_add.index_select(1, cols),
+                          self.scale_used.index_select(0, cols).unsqueeze(0)])
         if self.cuda:
             done = torch.cuda.Event()
             self._side.wait_stream(torch.cuda.current_stream())
@@ -348,9 +486,11 @@ class DynamicDriver:
             self._pending.append(_Pending(done, host, tokens))
         else:
             self._pending.append(_Pending(None, both.clone(), tokens))
+        self.enqueued += 1
 
-    def poll(self, states: dict[str, DynState], block: bool = False) -> None:
-        """Feed completed read-backs to their requests, in step order (``block``: wait for all)."""
+    def poll(self, lookup: Any, block: bool = False) -> None:
+        """Feed completed read-backs to their requests (``lookup``: ``req_id -> state``), in step order
+        (``block``: wait for all)."""
         while self._pending:
             pend = self._pending[0]
             if pend.event is not None and not pend.event.query():
@@ -360,8 +500,9 @@ class DynamicDriver:
             self._pending.pop(0)
             t0 = time.perf_counter()
             host, tok = pend.host.numpy(), pend.tokens
+            self.completed += 1
             for k in range(len(tok)):
-                st = states.get(tok.req_ids[tok.req[k]])
+                st = lookup(tok.req_ids[tok.req[k]])
                 pos = int(tok.position[k])
                 if st is None or pos <= st.last_pos:
                     continue  # finished meanwhile, or a recomputed position (already observed)
@@ -370,9 +511,3 @@ class DynamicDriver:
                 except ControllerFault as exc:
                     self.faults.setdefault(tok.req_ids[tok.req[k]], str(exc))
             self.stats.controller_ms += (time.perf_counter() - t0) * 1e3
-
-    def _read_timing(self) -> None:
-        # One step late: only events that already completed are read, so timing never blocks.
-        while self._timing and self._timing[0][1].query():
-            start, end = self._timing.pop(0)
-            self.stats.device_ms += start.elapsed_time(end)

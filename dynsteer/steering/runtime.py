@@ -81,7 +81,8 @@ class SteeringRuntime:
     """Owns the device tables of one model instance in one worker process."""
 
     def __init__(self, shape: ModelShape, tables: SteeringTables, limits: Limits | None = None,
-                 probes: dict[str, Any] | None = None, controllers: ControllerRegistry | None = None) -> None:
+                 probes: dict[str, Any] | None = None, controllers: ControllerRegistry | None = None,
+                 sync_slots: int = 256) -> None:
         self.shape = shape
         self.tables = tables
         self.limits = limits or Limits()
@@ -102,8 +103,11 @@ class SteeringRuntime:
         self._compiled: LRUCache = LRUCache(maxsize=self.limits.cache_bytes, getsizeof=_compiled_size)
         self._high_water = 0
         g = tables.gate_buffers
-        self.dynamic = DynamicDriver(g["gate_mul"], g["gate_add"], g["scores"], g["gates"]) if g else None
+        self.dynamic = (DynamicDriver(g["gate_mul"], g["gate_add"], g["scores"], g["gates"], max_slots=sync_slots)
+                        if g else None)
         self._dyn: dict[str, DynState] = {}  # live and preempted requests with a dynamic policy
+        # finished requests whose last read-backs are in flight: (state, entry, read-backs enqueued at finish)
+        self._finishing: dict[str, tuple[DynState, RequestEntry | None, int]] = {}
         # finished requests' traces by tag, until taken or expired: (monotonic time stored, trace)
         self.traces: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
 
@@ -149,8 +153,10 @@ class SteeringRuntime:
             if entry is not None:
                 self._release_rows(entry)
             if finished and req_id in self._dyn:
-                self.dynamic.poll(self._dyn, block=True)  # the last step's scores complete the trace
-                self._finish_trace(req_id, entry)
+                # Its last steps' read-backs may still be in flight: the trace is completed once they land (the
+                # host does not wait here); its device slot is free at once (reuse is ordered on the stream).
+                st = self._drop_dyn(req_id)
+                self._finishing[req_id] = (st, entry, self.dynamic.enqueued)
             if finished and self.capture is not None:
                 self._deliver(self.capture.finish(req_id))
 
@@ -243,9 +249,25 @@ class SteeringRuntime:
             else:
                 empty = np.zeros(0, np.int64)
                 tokens = StepTokens([], empty, empty, empty)
-            self.dynamic.plan(self._dyn, tokens, upto)
+            self.dynamic.plan(self._dyn, self._state_of, tokens, upto)
             if self.dynamic.faults:
                 self._stop_faulted()
+        if self._finishing:
+            self._complete_traces()
+
+    def _state_of(self, req_id: str) -> DynState | None:
+        """A request's dynamic state, live or finishing (read-backs land after the request finished)."""
+        st = self._dyn.get(req_id)
+        if st is None:
+            done = self._finishing.get(req_id)
+            st = done[0] if done is not None else None
+        return st
+
+    def _complete_traces(self) -> None:
+        """Finish the traces of finished requests whose last read-backs have landed."""
+        for req_id in [r for r, (_, _, seq) in self._finishing.items() if self.dynamic.completed >= seq]:
+            st, entry, _ = self._finishing.pop(req_id)
+            self._store_trace(req_id, st, entry)
 
     def _stop_faulted(self) -> None:
         """Requests whose custom controller failed: stop them, and steer them no further meanwhile (their decode
@@ -258,7 +280,7 @@ class SteeringRuntime:
                 entry.error = message
                 self._release_rows(entry)
                 entry.dyn = None
-            self._dyn.pop(req_id, None)
+            self._drop_dyn(req_id)
 
     def after_forward(self) -> None:
         """Called once the step's forward is enqueued: start copying captured rows out."""
@@ -285,10 +307,11 @@ class SteeringRuntime:
         """
         tags = set(tags)
         done = [r for r in self._dyn if (e := self.requests.get(r)) is not None and e.tag in tags]
-        if done:
-            self.dynamic.poll(self._dyn, block=True)
+        if self.dynamic is not None:
+            self.dynamic.poll(self._state_of, block=True)
             for req_id in done:
-                self._finish_trace(req_id, self.requests[req_id])
+                self._finishing[req_id] = (self._drop_dyn(req_id), self.requests[req_id], self.dynamic.enqueued)
+            self._complete_traces()
         self._expire_traces()
         return [tr[1] for tag in tags if (tr := self.traces.pop(tag, None)) is not None]
 
@@ -299,23 +322,34 @@ class SteeringRuntime:
             self.traces.popitem(last=False)
             self.stats.traces_dropped += 1
 
+    def _drop_dyn(self, req_id: str) -> DynState | None:
+        """Forget a request's dynamic state (its device slot is freed)."""
+        st = self._dyn.pop(req_id, None)
+        if st is not None and self.dynamic is not None:
+            self.dynamic.free(st)
+        return st
+
     def _set_dyn(self, req_id: str, entry: RequestEntry, fresh: bool) -> None:
         """Give the request its dynamic state (a resumed request keeps the one it had before preemption)."""
         policy = self._effective_policy(entry)
         if policy is None or self.dynamic is None:
-            self._dyn.pop(req_id, None)
+            self._drop_dyn(req_id)
             entry.dyn = None
             return
-        st = None if fresh else self._dyn.get(req_id)
+        st = self._dyn.get(req_id)
+        if fresh and st is not None:
+            self._drop_dyn(req_id)
+            st = None
         if st is None:
             try:
                 st = DynState.for_policy(policy, self.controllers, self.shape.max_dyn_scale)
             except Exception as exc:  # noqa: BLE001 - a custom controller's factory is operator code
                 where = f"extra_args.{PAYLOAD_KEY}.policy" if entry.policy is not None else "global_policy"
                 entry.error = self._stop(req_id, SteeringValidationError(f"{where}.controller.options: {exc}"))
-                self._dyn.pop(req_id, None)
+                self._drop_dyn(req_id)
                 entry.dyn = None
                 return
+        self.dynamic.place(st)  # the device sync tier, when it implements the policy's controller
         entry.dyn = self._dyn[req_id] = st
 
     def _effective_policy(self, entry: RequestEntry) -> Any:
@@ -324,8 +358,7 @@ class SteeringRuntime:
         policy = entry.policy if entry.policy is not None else self.global_policy
         return policy if policy is not None and (policy.rules or policy.controller) else None
 
-    def _finish_trace(self, req_id: str, entry: RequestEntry | None) -> None:
-        st = self._dyn.pop(req_id)
+    def _store_trace(self, req_id: str, st: DynState, entry: RequestEntry | None) -> None:
         if entry is None or not entry.trace:
             return  # nobody asked to keep it (e.g. an HTTP request): keeping it would only grow memory
         tag = entry.tag or req_id
@@ -403,7 +436,7 @@ class SteeringRuntime:
                 self.stats.rows_exhausted += 1
             entry.error = self._stop(req_id, exc)
             entry.dyn = None
-            self._dyn.pop(req_id, None)
+            self._drop_dyn(req_id)
             contents, rows = [EMPTY, EMPTY], (0, 0)
         entry.prefill, entry.decode = contents
         entry.rows = rows

@@ -1,4 +1,4 @@
-"""Pinned host staging for small per-step uploads (row indices): the host never waits on the device for them."""
+"""Pinned host staging for small per-step uploads (row indices, control words): the host never waits on the device."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ class StagingRing:
     def __init__(self, target: torch.Tensor, depth: int = 4) -> None:
         self.target = target
         self.cuda = target.is_cuda
-        n = target.shape[0]
         # device="cpu" explicitly: this runs during model construction, under vLLM's default-device context.
-        self.slots = [torch.zeros(n, dtype=target.dtype, device="cpu", pin_memory=self.cuda)
+        self.slots = [torch.zeros(target.shape, dtype=target.dtype, device="cpu", pin_memory=self.cuda)
                       for _ in range(depth if self.cuda else 1)]
         self.events: list[Any] = [None] * len(self.slots)
         self.i = 0
@@ -28,9 +27,13 @@ class StagingRing:
             self.events[self.i].synchronize()
         return self.slots[self.i].numpy()
 
-    def copy_to(self, upto: int) -> None:
-        """Send the current slot's first ``upto`` entries to the device buffer (non-blocking from pinned memory)."""
-        self.target[:upto].copy_(self.slots[self.i][:upto], non_blocking=self.cuda)
+    def copy_to(self, upto: int | None = None) -> None:
+        """Send the current slot's first ``upto`` entries (``None``: all of it) to the device buffer (non-blocking
+        from pinned memory)."""
+        if upto is None:
+            self.target.copy_(self.slots[self.i], non_blocking=self.cuda)
+        else:
+            self.target[:upto].copy_(self.slots[self.i][:upto], non_blocking=self.cuda)
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record()

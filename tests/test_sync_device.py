@@ -1,0 +1,319 @@
+"""The device sync tier's kernels: the torch reference equals the pure Python controllers on recorded score
+sequences (identical decisions), and the Triton twin equals the reference (interpreter on CPU, compiled on CUDA,
+inside a CUDA graph too)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec
+from dynsteer.kernels.controller_reference import Layout, control_reference, controller_row, update_reference
+from dynsteer.steering.dynamic import DynState, policy_slots
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+H, G = 8, 2
+
+CONTROLLERS = {
+    "none": None,
+    "latch": SyncControllerSpec(kind="latch", on=0.5, off=-0.25, scale=2.0),
+    "ema_latch": SyncControllerSpec(kind="ema_latch", alpha=0.3, on=0.2, off=0.0, scale=1.5),
+    "pid": SyncControllerSpec(kind="pid", target=0.1, kp=0.8, ki=0.3, kd=0.2, min_scale=-0.5, max_scale=1.0),
+    "budget": SyncControllerSpec(kind="budget", max_steered_tokens=5,
+                                 inner=SyncControllerSpec(kind="latch", on=0.0, off=-1.0, scale=1.0)),
+    "budget_nested": SyncControllerSpec(kind="budget", max_steered_tokens=9, inner=SyncControllerSpec(
+        kind="budget", max_steered_tokens=4, inner=SyncControllerSpec(kind="ema_latch", alpha=0.5, on=0.1,
+                                                                      off=-0.1, scale=3.0))),
+}
+SCOPES = ["this_token", "next_step", "rest_of_request"]
+
+
+def _unit(seed: int) -> np.ndarray:
+    v = np.random.default_rng(seed).standard_normal(H)
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+def make_policy(controller: str, scope: str, second_scope: str = "next_step") -> DynamicSteeringPolicy:
+    mons = [Monitor(name="a", layer=1, direction=_unit(1), sharpness=3.0, threshold=0.2),
+            Monitor(name="b", layer=1, direction=_unit(2), sharpness=1.5, threshold=-0.1)]
+    act = [Action(kind="add", layer=2, vector=_unit(3))]
+    rules = [Rule(monitor="a", actions=act, scope=scope, gate_floor=0.1)]
+    if controller != "pid":
+        rules.append(Rule(monitor="b", actions=act, scope=second_scope))
+    ctrl = CONTROLLERS[controller]
+    if ctrl is not None:
+        ctrl = ctrl.model_copy(update={"monitor": "a"})
+    return DynamicSteeringPolicy(monitors=mons, rules=rules, controller=ctrl)
+
+
+def recorded_scores(seed: int, steps: int = 48) -> np.ndarray:
+    """Score sequences like a monitor's over a generation (drifts, bursts), with a few non-finite values."""
+    rng = np.random.default_rng(seed)
+    walk = np.cumsum(rng.normal(0, 0.3, (steps, G)), axis=0) + rng.normal(0, 0.4, (steps, G))
+    walk[rng.integers(0, steps, 2), 0] = [np.nan, np.inf]
+    walk[rng.integers(0, steps), 0] = 0.5  # exactly on a latch threshold
+    return walk.astype(np.float32)
+
+
+def run_python(policy: DynamicSteeringPolicy, scores: np.ndarray) -> list[tuple[list[float], list[float], float]]:
+    """The host path (pure Python controllers): (mul, add, scale) in effect at every step."""
+    st = DynState.for_policy(policy)
+    st.tier = "host" if st.sync else "plain"  # the Python controllers, as the host tier runs them
+    out = []
+    g = len(st.slots)
+    for t, row in enumerate(scores):
+        mul, add = st.multipliers()
+        out.append(([float(np.float32(x)) for x in mul], [float(np.float32(x)) for x in add], float(np.float32(st.scale))))
+        block = np.zeros((2 * g, 1), np.float32)
+        block[:g, 0] = row[:g]
+        st.observe(block, 0, 10 + t)
+    return out
+
+
+def run_device(policy: DynamicSteeringPolicy, scores: np.ndarray, control=control_reference, update=update_reference,
+               device: str = "cpu") -> tuple[list[tuple[list[float], list[float], float]], torch.Tensor]:
+    slots, ctrl_slot = policy_slots(policy)
+    L = Layout(G)
+    state = torch.zeros(4, L.width, dtype=torch.float64)
+    state[2] = torch.tensor(controller_row(L, slots, ctrl_slot, policy.controller), dtype=torch.float64)
+    state = state.to(device)
+    n = 4
+    ctl = torch.full((n,), -1, dtype=torch.int32, device=device)
+    ctl[1] = 2  # token 1 is the request's fresh decode token, of slot 2
+    idx = torch.tensor([1], dtype=torch.int32, device=device)
+    pos = torch.zeros(n, dtype=torch.int32, device=device)
+    replay = torch.zeros(0, 2 * G + 1, dtype=torch.float32, device=device)
+    mul, add = torch.zeros(G, n, device=device), torch.zeros(G, n, device=device)
+    scale, sc = torch.zeros(n, device=device), torch.zeros(G, n, device=device)
+    out = []
+    for t, row in enumerate(scores):
+        control(ctl, state, replay, mul, add, scale, n)
+        k = len(slots)
+        out.append((mul[:k, 1].cpu().tolist(), add[:k, 1].cpu().tolist(), float(scale[1])))
+        assert torch.all(mul[:, [0, 2, 3]] == 1) and torch.all(add[:, [0, 2, 3]] == 0)  # not in the sync tier
+        sc[:, 1] = torch.from_numpy(row)
+        pos[1] = 10 + t
+        update(idx, ctl, pos, sc, state, 1)
+        update(idx, ctl, pos, sc, state, 1)  # a recomputed position (not after it): ignored
+    return out, state.cpu()
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("controller", list(CONTROLLERS))
+def test_device_reference_decides_exactly_like_the_python_controllers(controller: str, scope: str) -> None:
+    policy = make_policy(controller, scope)
+    for seed in range(4):
+        scores = recorded_scores(seed)
+        want = run_python(policy, scores)
+        got, state = run_device(policy, scores)
+        assert got == want, (controller, scope, seed)
+        L = Layout(G)
+        assert state[2, L.STEPS] == len(scores) and state[2, L.LAST_POS] == 10 + len(scores) - 1
+        assert torch.all(state[[0, 1, 3]] == 0)  # other slots untouched
+
+
+def test_the_comparison_can_fail() -> None:
+    """A controller that differs in one parameter gives a different decision sequence on the same scores."""
+    policy = make_policy("latch", "this_token")
+    other = policy.model_copy(update={"controller": policy.controller.model_copy(update={"on": 1.5})})
+    scores = recorded_scores(0)
+    assert run_device(other, scores)[0] != run_python(policy, scores)
+
+
+def test_replay_rows_and_defaults() -> None:
+    L = Layout(G)
+    state = torch.zeros(2, L.width, dtype=torch.float64)
+    ctl = torch.tensor([-1, -2, -3, 0], dtype=torch.int32)
+    state[0, L.SCALE_NOW] = 0.75
+    replay = torch.tensor([[0.5, 0.25, 0.0, 0.125, 3.0], [0.0, 1.0, 2.0, 0.0, 4.0]], dtype=torch.float32)
+    mul, add, scale = torch.full((G, 6), 9.0), torch.full((G, 6), 9.0), torch.full((6,), 9.0)
+    control_reference(ctl, state, replay, mul, add, scale, 4)
+    assert mul[:, :4].tolist() == [[1, 0.5, 0.0, 0.75], [1, 0.25, 1.0, 0.75]]
+    assert add[:, :4].tolist() == [[0, 0.0, 2.0, 0.0], [0, 0.125, 0.0, 0.0]]
+    assert scale[:4].tolist() == [1, 3.0, 4.0, 0.75] and torch.all(mul[:, 4:] == 9)  # past upto: untouched
+
+
+# ---- Triton twin vs reference --------------------------------------------------------------------------------------
+def random_case(seed: int, device: str = "cpu") -> dict:
+    """Many slots of random controllers in random states; a batch whose tokens mix fresh, replayed and other
+    tokens; the recorded updates of a few steps."""
+    rng = np.random.default_rng(seed)
+    L = Layout(G)
+    kinds = list(CONTROLLERS)
+    state = torch.zeros(12, L.width, dtype=torch.float64)
+    for s in range(12):
+        pol = make_policy(kinds[s % len(kinds)], SCOPES[s % 3], SCOPES[(s + 1) % 3])
+        slots, ctrl_slot = policy_slots(pol)
+        state[s] = torch.tensor(controller_row(L, slots, ctrl_slot, pol.controller))
+        state[s, L.SCALE_NOW] = float(rng.normal())
+        state[s, L.prev_gate(0)], state[s, L.prev_gate(1)] = rng.random(2)
+        state[s, L.latched(0)], state[s, L.latched(1)] = rng.integers(0, 2, 2)
+        state[s, L.LAST_POS] = float(rng.integers(0, 5))
+    n = 16
+    slots = rng.permutation(12)[:6]
+    ctl = np.full(n, -1, np.int32)
+    fresh = rng.permutation(n)[:6]
+    ctl[fresh] = slots
+    ctl[rng.permutation(np.setdiff1d(np.arange(n), fresh))[:3]] = [-2, -3, -4]
+    return {"ctl": torch.from_numpy(ctl).to(device), "state": state.to(device),
+            "replay": torch.from_numpy(rng.normal(size=(3, 2 * G + 1)).astype(np.float32)).to(device),
+            "idx": torch.from_numpy(fresh.astype(np.int32)).to(device),
+            "pos": torch.from_numpy(rng.integers(0, 12, n).astype(np.int32)).to(device),
+            "scores": [torch.from_numpy(recorded_scores(seed + k, n).T.copy()).to(device) for k in range(6)]}
+
+
+def run_case(case: dict, control, update) -> dict:
+    state = case["state"].clone()
+    n = case["ctl"].shape[0]
+    mul, add = torch.zeros(G, n + 3, device=state.device), torch.zeros(G, n + 3, device=state.device)
+    scale = torch.zeros(n + 3, device=state.device)
+    outs = []
+    pos = case["pos"].clone()
+    for sc in case["scores"]:
+        control(case["ctl"], state, case["replay"], mul, add, scale, n)
+        outs.append(torch.cat([mul[:, :n].flatten(), add[:, :n].flatten(), scale[:n]]).cpu())
+        update(case["idx"], case["ctl"], pos, sc.to(state.device), state, case["idx"].shape[0])
+        pos += 1
+    return {"outs": torch.stack(outs), "state": state.cpu()}
+
+
+def compare(got: dict, want: dict) -> dict:
+    return {"out_err": (got["outs"] - want["outs"]).abs().max().item(),
+            "state_err": (got["state"] - want["state"]).abs().nan_to_num(0.0).max().item(),
+            "nan_equal": bool(torch.equal(got["state"].isnan(), want["state"].isnan()))}
+
+
+def _interp_worker() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from dynsteer.kernels.triton_controller import control_triton, update_triton
+
+    results = {}
+    for seed in range(4):
+        case = random_case(seed)
+        results[str(seed)] = compare(run_case(case, control_triton, update_triton),
+                                     run_case(case, control_reference, update_reference))
+    print("RESULTS " + json.dumps(results))
+    return 0
+
+
+def _check(res: dict) -> None:
+    assert res["out_err"] == 0.0 and res["state_err"] < 1e-9 and res["nan_equal"], res
+
+
+def test_triton_twin_equals_reference_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr}"
+    results = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))[8:])
+    assert len(results) == 4
+    for res in results.values():
+        _check(res)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("seed", range(4))
+def test_triton_twin_equals_reference_on_cuda(seed: int) -> None:
+    from dynsteer.kernels.triton_controller import control_triton, update_triton
+
+    case = random_case(seed, "cuda")
+    _check(compare(run_case(case, control_triton, update_triton),
+                   run_case({k: (v.cpu() if isinstance(v, torch.Tensor) else [x.cpu() for x in v])
+                             for k, v in case.items()}, control_reference, update_reference)))
+
+
+@needs_cuda
+def test_kernels_replay_inside_a_cuda_graph() -> None:
+    from dynsteer.kernels.triton_controller import control_triton, update_triton
+
+    case = random_case(7, "cuda")
+    state = case["state"].clone()
+    n = case["ctl"].shape[0]
+    mul, add, scale = (torch.zeros(G, n, device="cuda"), torch.zeros(G, n, device="cuda"),
+                       torch.zeros(n, device="cuda"))
+    sc = case["scores"][0].clone()
+    control_triton(case["ctl"], state, case["replay"], mul, add, scale, n)  # compile outside the capture
+    update_triton(case["idx"], case["ctl"], case["pos"], sc, state, case["idx"].shape[0])
+    state.copy_(case["state"])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        control_triton(case["ctl"], state, case["replay"], mul, add, scale, n)
+        update_triton(case["idx"], case["ctl"], case["pos"], sc, state, case["idx"].shape[0])
+    state.copy_(case["state"])
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = case["state"].cpu().clone()
+    m2, a2, s2 = torch.zeros(G, n), torch.zeros(G, n), torch.zeros(n)
+    control_reference(case["ctl"].cpu(), ref, case["replay"].cpu(), m2, a2, s2, n)
+    update_reference(case["idx"].cpu(), case["ctl"].cpu(), case["pos"].cpu(), sc.cpu(), ref, case["idx"].shape[0])
+    assert torch.equal(mul.cpu(), m2) and torch.equal(add.cpu(), a2) and torch.equal(scale.cpu(), s2)
+    assert (state.cpu() - ref).abs().nan_to_num(0.0).max().item() < 1e-9
+
+
+# ---- in the engine -------------------------------------------------------------------------------------------------------
+def test_device_tier_equals_host_tier_in_the_engine(tiny_llama_path):
+    """Same engine, controllers on the device vs the Python controllers on the host: identical tokens, scales and
+    gates for every built-in controller and carried scope, and the device tier never waits for a step."""
+    from vllm import SamplingParams
+
+    import dynsteer
+    from dynsteer import DynsteerConfig
+    from tests.conftest import make_llm, token_ids
+
+    h = 128
+    rng = np.random.default_rng(5)
+    d = rng.standard_normal(h)
+    d = (d / np.linalg.norm(d)).astype(np.float32)
+    push = (rng.standard_normal(h) * 4).astype(np.float32)
+
+    def pol(scope: str, ctrl: SyncControllerSpec | None) -> DynamicSteeringPolicy:
+        return DynamicSteeringPolicy(
+            monitors=[Monitor(name="m", layer=1, direction=d, sharpness=0.8, threshold=0.0)],
+            rules=[Rule(monitor="m", actions=[Action(kind="add", layer=2, vector=push)], scope=scope)],
+            controller=ctrl)
+
+    policies = [pol("this_token", CONTROLLERS["latch"].model_copy(update={"on": 0.0, "off": -0.5})),
+                pol("this_token", CONTROLLERS["ema_latch"].model_copy(update={"on": 0.0, "off": -0.3})),
+                pol("this_token", CONTROLLERS["pid"].model_copy(update={"target": -0.5})),
+                pol("this_token", CONTROLLERS["budget"]), pol("next_step", None), pol("rest_of_request", None),
+                pol("this_token", None), None]
+    prompts = ["the quick brown fox", "once upon a time", "in the beginning", "she opened the door and",
+               "a b c d e", "it was a dark", "we the people", "to be or not"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for tier in ("device", "host"):
+        with make_llm(tiny_llama_path, **DynsteerConfig(max_gates=2, sync_tier=tier).engine_kwargs()) as llm:
+            st = dynsteer.attach(llm)
+            outs = st.generate(prompts, params, policy=policies)
+            stats = st.describe()[0]["dynamic"]
+            runs[tier] = (outs, stats)
+    (dev, dev_stats), (host, host_stats) = runs["device"], runs["host"]
+    assert token_ids(dev) == token_ids(host)
+    for a, b, p in zip(dev, host, policies):
+        if p is None:
+            assert a.trace is None and b.trace is None
+            continue
+        assert a.trace.scale == b.trace.scale and a.trace.position == b.trace.position
+        np.testing.assert_array_equal(a.trace.applied_gates(), b.trace.applied_gates())
+    fired = [o.trace is not None and np.any(o.trace.scale) for o in dev[:4]]
+    assert all(fired), fired  # every controller did switch steering on at some point
+    assert dev_stats["host_sync_steps"] == 0 and host_stats["host_sync_steps"] > 0
+    assert dev_stats["device_slots_exhausted"] == 0
+
+
+if __name__ == "__main__":
+    sys.exit(_interp_worker())
