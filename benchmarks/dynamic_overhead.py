@@ -9,10 +9,11 @@ and capture buffers at one place. The loaded engine is measured in several modes
 * ``global gate``: a global policy, monitor at the middle layer (16), a gated vector 4 layers later, the gate open on
   about half the tokens;
 * ``per-request``: four different policies (probe, threshold) spread over the batch, one per request;
-* ``sync``: per-request policies with an EMA-latch sync controller (the host waits for each step's scores).
+* ``sync``: per-request policies with an EMA-latch sync controller (on the device by default: ``--sync-tier host``
+  runs a second loaded engine whose controllers run in Python on the host, which waits for every step).
 
-The sync actuator's own cost is also read from the workers' counters: host time per step spent in controllers and
-staging, and the CUDA-event time of the per-step control copies (read one step late).
+The sync tier's own host cost is also read from the workers' counters: time per step spent staging, in read-back
+bookkeeping (and host-tier controllers), and waiting for the previous step.
 
     PYTHONPATH=/opt/vllm-site python3 benchmarks/dynamic_overhead.py --out benchmarks/results
 
@@ -42,9 +43,9 @@ def places(num_layers: int) -> tuple[int, int]:
     return num_layers // 2, min(num_layers - 1, num_layers // 2 + 4)
 
 
-def engine_config(sites: list[str], num_layers: int) -> dict:
+def engine_config(sites: list[str], num_layers: int, sync_tier: str = "device") -> dict:
     return {"sites": sites, "max_gates": 2, "capture_sites": ["post_block"],
-            "capture_layers": [places(num_layers)[0]]}
+            "capture_layers": [places(num_layers)[0]], "sync_tier": sync_tier}
 
 
 def policies(hidden: int, num_layers: int, n: int, controller: bool):
@@ -71,15 +72,17 @@ def worker(args: argparse.Namespace) -> None:
     import numpy as np
     from vllm import LLM, SamplingParams
 
-    loaded = args.mode == "loaded"
+    loaded = args.mode != "absent"
+    tier = "host" if args.mode == "loaded-host" else "device"
     model_cfg = json.loads((Path(args.model_dir) / "config.json").read_text())
     num_layers, vocab = model_cfg["num_hidden_layers"], model_cfg["vocab_size"]
-    extra = {"additional_config": {"dynsteer": engine_config(args.sites, num_layers)}} if loaded else {}
+    extra = {"additional_config": {"dynsteer": engine_config(args.sites, num_layers, tier)}} if loaded else {}
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=1024, max_num_seqs=max(args.batches), gpu_memory_utilization=0.85, seed=0, **extra)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, detokenize=False)
     results: dict[str, dict[str, float]] = {}
+    runs: dict[str, dict[str, list[float]]] = {}
     sync: dict[str, dict[str, float]] = {}
     if not loaded:
         modes = ["absent"]
@@ -88,7 +91,7 @@ def worker(args: argparse.Namespace) -> None:
         from dynsteer import CaptureSpec
 
         steerer = dynsteer.attach(llm)
-        modes = MODES
+        modes = [m for m in args.modes if m in MODES] if tier == "device" else ["sync"]
         capture = CaptureSpec(sites=["post_block"], layers=[places(num_layers)[0]], positions="all_generated")
     for mode in modes:
         results[mode] = {}
@@ -119,23 +122,32 @@ def worker(args: argparse.Namespace) -> None:
             if loaded:
                 after = steerer.describe()[0]["dynamic"]
                 steps = max(after["dynamic_steps"] - before["dynamic_steps"], 1)
-                sync[f"{mode}/{batch}"] = {
+                sync[f"{label(mode, tier)}/{batch}"] = {
                     "steps": after["dynamic_steps"] - before["dynamic_steps"],
                     "sync_steps": after["sync_steps"] - before["sync_steps"],
+                    "host_sync_steps": after["host_sync_steps"] - before["host_sync_steps"],
                     "host_ms_per_step": (after["host_ms"] - before["host_ms"]) / steps,
                     "wait_ms_per_step": (after["wait_ms"] - before["wait_ms"]) / steps,
-                    "controller_ms_per_step": (after["controller_ms"] - before["controller_ms"]) / steps,
-                    "device_ms_per_step": (after["device_ms"] - before["device_ms"]) / steps}
+                    "controller_ms_per_step": (after["controller_ms"] - before["controller_ms"]) / steps}
                 steerer.clear_policy()
             results[mode][str(batch)] = batch * args.tokens / statistics.median(times)
-    print("RESULT " + json.dumps({"tokens_per_s": results, "sync": sync}), flush=True)
+            runs.setdefault(label(mode, tier), {})[str(batch)] = times
+    results = {label(m, tier) if loaded else m: v for m, v in results.items()}
+    print("RESULT " + json.dumps({"tokens_per_s": results, "sync": sync, "seconds": runs}), flush=True)
+
+
+def label(mode: str, tier: str) -> str:
+    return f"{mode} (host tier)" if tier == "host" else mode
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap)
     ap.add_argument("--sites", nargs="+", default=["post_block"], help="DynsteerConfig.sites of the loaded engine")
-    ap.add_argument("--worker", choices=["absent", "loaded"], dest="mode")
+    ap.add_argument("--worker", choices=["absent", "loaded", "loaded-host"], dest="mode")
+    ap.add_argument("--modes", nargs="+", default=MODES, help="modes of the loaded engine")
+    ap.add_argument("--sync-tier", nargs="+", default=["device"], choices=["device", "host"],
+                    help="engines to load: the device sync tier and/or the host one (a second engine)")
     ap.add_argument("--model-dir", help="a model directory (default: a fresh Llama-3-8B-shaped config.json)")
     args = ap.parse_args()
     if args.mode:
@@ -151,10 +163,13 @@ def main() -> None:
     num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     results: dict[str, dict[str, float]] = {}
     sync: dict = {}
-    for mode in ("absent", "loaded"):
-        got = run_worker(__file__, mode, mode, model_dir, args, ["--sites", *args.sites])
+    seconds: dict = {}
+    workers = ["absent"] + ["loaded" if t == "device" else "loaded-host" for t in args.sync_tier]
+    for mode in workers:
+        got = run_worker(__file__, mode, mode, model_dir, args, ["--sites", *args.sites, "--modes", *args.modes])
         results.update(got["tokens_per_s"])
         sync.update(got["sync"])
+        seconds.update(got.get("seconds", {}))
     base = results["absent"]
     overhead = {m: {b: round((base[b] / results[m][b] - 1) * 100, 3) for b in base} for m in results if m != "absent"}
     import vllm
@@ -164,7 +179,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "vllm": vllm.__version__,
         "model": str(args.model_dir or "Llama-3-8B shape") + ", load_format=dummy, bf16, CUDA graphs on", "output_tokens": args.tokens,
         "prompt_tokens": args.prompt_len, "repeats": args.repeats, "engine_config": engine_config(args.sites, num_layers),
-        "tokens_per_s": results, "overhead_pct_vs_absent": overhead, "sync_counters": sync,
+        "tokens_per_s": results, "overhead_pct_vs_absent": overhead, "sync_counters": sync, "seconds": seconds,
         "targets_pct": TARGETS_PCT,
     }
     path = write_report(report, args.out)
@@ -174,8 +189,9 @@ def main() -> None:
         print(f"| {m} (overhead %) | " + " | ".join(f"{v:+.2f}" for v in rs.values()) + " |")
     for key, c in sync.items():
         if c["steps"]:
-            print(f"{key}: controllers {c['controller_ms_per_step']:.4f} ms/step, host {c['host_ms_per_step']:.4f} ms/step, wait {c['wait_ms_per_step']:.4f} ms/step, "
-                  f"control copies {c['device_ms_per_step']:.4f} ms/step (device), sync steps {c['sync_steps']}")
+            print(f"{key}: read-back/controllers {c['controller_ms_per_step']:.4f} ms/step, staging "
+                  f"{c['host_ms_per_step']:.4f} ms/step, waiting {c['wait_ms_per_step']:.4f} ms/step, sync steps "
+                  f"{c['sync_steps']} (host-tier {c['host_sync_steps']})")
     print(f"wrote {path}")
 
 

@@ -204,8 +204,10 @@ def _interp_worker() -> int:
     return 0
 
 
-def _check(res: dict) -> None:
-    assert res["out_err"] == 0.0 and res["state_err"] < 1e-9 and res["nan_equal"], res
+def _check(res: dict, tol: float = 0.0) -> None:
+    """Exact in the interpreter (numpy's float32 exp, as the reference); on CUDA the gate's float32 exp may differ
+    by an ulp, so a carried gate (and ``d·gate``) may differ by ~6e-8, never a decision (scores drive those)."""
+    assert res["out_err"] <= tol and res["state_err"] <= max(tol, 1e-9) and res["nan_equal"], res
 
 
 def test_triton_twin_equals_reference_in_the_interpreter() -> None:
@@ -232,7 +234,7 @@ def test_triton_twin_equals_reference_on_cuda(seed: int) -> None:
     case = random_case(seed, "cuda")
     _check(compare(run_case(case, control_triton, update_triton),
                    run_case({k: (v.cpu() if isinstance(v, torch.Tensor) else [x.cpu() for x in v])
-                             for k, v in case.items()}, control_reference, update_reference)))
+                             for k, v in case.items()}, control_reference, update_reference)), tol=1e-6)
 
 
 @needs_cuda
@@ -260,8 +262,9 @@ def test_kernels_replay_inside_a_cuda_graph() -> None:
     m2, a2, s2 = torch.zeros(G, n), torch.zeros(G, n), torch.zeros(n)
     control_reference(case["ctl"].cpu(), ref, case["replay"].cpu(), m2, a2, s2, n)
     update_reference(case["idx"].cpu(), case["ctl"].cpu(), case["pos"].cpu(), sc.cpu(), ref, case["idx"].shape[0])
-    assert torch.equal(mul.cpu(), m2) and torch.equal(add.cpu(), a2) and torch.equal(scale.cpu(), s2)
-    assert (state.cpu() - ref).abs().nan_to_num(0.0).max().item() < 1e-9
+    assert torch.allclose(mul.cpu(), m2, atol=1e-6) and torch.allclose(add.cpu(), a2, atol=1e-6)
+    assert torch.equal(scale.cpu(), s2)
+    assert (state.cpu() - ref).abs().nan_to_num(0.0).max().item() < 1e-6
 
 
 # ---- in the engine -------------------------------------------------------------------------------------------------------
@@ -308,7 +311,8 @@ def test_device_tier_equals_host_tier_in_the_engine(tiny_llama_path):
             assert a.trace is None and b.trace is None
             continue
         assert a.trace.scale == b.trace.scale and a.trace.position == b.trace.position
-        np.testing.assert_array_equal(a.trace.applied_gates(), b.trace.applied_gates())
+        # exact on CPU; on CUDA a carried gate's float32 exp may differ by an ulp from the host's numpy
+        np.testing.assert_allclose(a.trace.applied_gates(), b.trace.applied_gates(), rtol=1e-5, atol=1e-7)
     fired = [o.trace is not None and np.any(o.trace.scale) for o in dev[:4]]
     assert all(fired), fired  # every controller did switch steering on at some point
     assert dev_stats["host_sync_steps"] == 0 and host_stats["host_sync_steps"] > 0

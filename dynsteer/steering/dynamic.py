@@ -327,6 +327,11 @@ class DynamicDriver:
         self.faults: dict[str, str] = {}  # requests whose custom controller failed: stopped by the runtime
         self._step: tuple[StepTokens, int, int] | None = None
         self._dirty = 0  # gate multipliers [:dirty] may hold sync-tier values
+        if self.cuda:  # compile both kernels now, not at the first sync-tier step (a latency spike mid-serving)
+            self.words[UPD, 0] = 0  # token 0's word is -1: nothing is updated
+            self.control(self.words[CTL], self.state, self.replay, gate_mul, gate_add, self.scale_used, 1)
+            self.update(self.words[UPD], self.words[CTL], self.words[POS], scores, self.state, 1)
+            gate_mul.fill_(1.0)
         self.enqueued = 0  # read-backs started
         self.completed = 0  # read-backs fed to their requests
         self.host_tier = 0  # live requests in the host tier (their steps wait for the previous one)
