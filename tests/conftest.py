@@ -63,3 +63,40 @@ def tiny_llama_path():
     from dynsteer.testing.tiny_models import tiny_model
 
     return tiny_model("llama")
+
+
+@contextlib.contextmanager
+def openai_server(model: str, log: Any, extra: list[str] = (), timeout_s: float = 300) -> Iterator[str]:
+    """``vllm serve`` (dynsteer loaded) on a free loopback port, torn down on exit; yields its base URL."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["--dtype", "bfloat16"] if ON_GPU else ["--dtype", "float32", "--enforce-eager"]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", *args, *extra],
+                            env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited early:\n{log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(1)
+        else:
+            pytest.fail(f"server did not come up:\n{log.read_text()[-3000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)

@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -16,42 +11,13 @@ import pytest
 
 import dynsteer
 from dynsteer import AddVector, SteeringSpec
-from tests.conftest import ON_GPU
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import openai_server
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_path, tmp_path_factory):
-    port = _free_port()
-    args = ["--dtype", "bfloat16"] if ON_GPU else ["--dtype", "float32", "--enforce-eager"]
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                             str(tiny_llama_path), "--host", "127.0.0.1", "--port", str(port),
-                             "--max-model-len", "256", *args], env=env, stdout=subprocess.DEVNULL,
-                            stderr=open(log, "w"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited early:\n{log.read_text()[-3000:]}")
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(1)
-        else:
-            pytest.fail(f"server did not come up:\n{log.read_text()[-3000:]}")
+    with openai_server(tiny_llama_path, tmp_path_factory.mktemp("server") / "server.log") as url:
         yield url, str(tiny_llama_path)
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 def complete(server, xargs=None) -> tuple[int, str]:

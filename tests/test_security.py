@@ -8,11 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -25,10 +20,10 @@ import pytest
 
 import dynsteer
 from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, DynsteerConfig, Monitor, ProjectionClamp,
-                      Rule, SteeringSpec, SteeringValidationError, SyncControllerSpec)
+                      Rule, SteeringSpec)
 from dynsteer.config import Limits
 from dynsteer.payload import encode_payload, with_tag
-from tests.conftest import ON_GPU, make_llm, token_ids
+from tests.conftest import make_llm, openai_server, token_ids
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning", "she opened the door and"]
 HIDDEN, MON_LAYER, ACT_LAYER = 128, 1, 2
@@ -306,42 +301,13 @@ def test_a_failing_custom_controller_stops_only_its_request(engine):
 
 
 # ---- the same over HTTP -------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_llama_path, files, tmp_path_factory):
     root, probe = files
     root = tmp_path_factory.mktemp("http")
-    port = _free_port()
-    args = ["--dtype", "bfloat16"] if ON_GPU else ["--dtype", "float32", "--enforce-eager"]
-    log = root / "server.log"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     cfg = {"dynsteer": engine_config(root, probe).model_dump(mode="json")}
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                             str(tiny_llama_path), "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
-                             "256", "--additional-config", json.dumps(cfg), *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited early:\n{log.read_text()[-3000:]}")
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(1)
-        else:
-            pytest.fail(f"server did not come up:\n{log.read_text()[-3000:]}")
+    with openai_server(tiny_llama_path, root / "server.log", ["--additional-config", json.dumps(cfg)]) as url:
         yield url, str(tiny_llama_path), root
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 def complete(server, payload=None, prompt: str = PROMPTS[0]) -> tuple[int, dict]:

@@ -5,7 +5,6 @@ inside a CUDA graph too)."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys

@@ -58,6 +58,23 @@ def _zero_on_reuse(runner: Any) -> None:
         runner._init_kv_zero_meta()
 
 
+def _patch_outputs(cls: type) -> None:
+    """Both runners: report stopped requests with each step's output; zero stopped requests' blocks on reuse."""
+    orig_sample, orig_init_kv = cls.sample_tokens, cls.initialize_kv_cache
+
+    @functools.wraps(orig_sample)
+    def sample_tokens(self: Any, *a: Any, **k: Any) -> Any:
+        return _report_stops(self, orig_sample(self, *a, **k))
+
+    @functools.wraps(orig_init_kv)
+    def initialize_kv_cache(self: Any, *a: Any, **k: Any) -> Any:
+        out = orig_init_kv(self, *a, **k)
+        _zero_on_reuse(self)
+        return out
+
+    cls.sample_tokens, cls.initialize_kv_cache = sample_tokens, initialize_kv_cache
+
+
 def _release(rt: SteeringRuntime, scheduler_output: Any) -> None:
     rt.release(scheduler_output.finished_req_ids, finished=True)
     if scheduler_output.preempted_req_ids:
@@ -77,19 +94,7 @@ def v1_batch_view(runner: Any, num_scheduled_tokens: np.ndarray) -> BatchView:
 
 def patch_v1_runner(cls: type) -> None:
     orig_update, orig_prepare, orig_forward = cls._update_states, cls._prepare_inputs, cls._model_forward
-    orig_sample, orig_init_kv = cls.sample_tokens, cls.initialize_kv_cache
-
-    @functools.wraps(orig_sample)
-    def sample_tokens(self: Any, *a: Any, **k: Any) -> Any:
-        return _report_stops(self, orig_sample(self, *a, **k))
-
-    @functools.wraps(orig_init_kv)
-    def initialize_kv_cache(self: Any, *a: Any, **k: Any) -> Any:
-        out = orig_init_kv(self, *a, **k)
-        _zero_on_reuse(self)
-        return out
-
-    cls.sample_tokens, cls.initialize_kv_cache = sample_tokens, initialize_kv_cache
+    _patch_outputs(cls)
 
     @functools.wraps(orig_update)
     def _update_states(self: Any, scheduler_output: Any) -> Any:
@@ -132,19 +137,8 @@ def v2_batch_view(input_batch: Any, prompt_lens: dict[str, int]) -> BatchView:
 def patch_v2_runner(cls: type) -> None:
     """v2 keeps no request → SamplingParams map: record the payload and prompt length when requests are added."""
     orig_finish, orig_add, orig_prepare = cls.finish_requests, cls.add_requests, cls.prepare_inputs
-    orig_execute, orig_sample, orig_init_kv = cls.execute_model, cls.sample_tokens, cls.initialize_kv_cache
-
-    @functools.wraps(orig_sample)
-    def sample_tokens(self: Any, *a: Any, **k: Any) -> Any:
-        return _report_stops(self, orig_sample(self, *a, **k))
-
-    @functools.wraps(orig_init_kv)
-    def initialize_kv_cache(self: Any, *a: Any, **k: Any) -> Any:
-        out = orig_init_kv(self, *a, **k)
-        _zero_on_reuse(self)
-        return out
-
-    cls.sample_tokens, cls.initialize_kv_cache = sample_tokens, initialize_kv_cache
+    orig_execute = cls.execute_model
+    _patch_outputs(cls)
 
     def _state(self: Any) -> dict[str, tuple[Any, int]]:
         return self.__dict__.setdefault("_dynsteer_reqs", {})
