@@ -94,7 +94,7 @@ def compile_phase(specs: list[tuple[str, SteeringSpec]], phase: Phase, shape: Mo
             if e.tier not in ("base", phase) or e.scale == 0.0:
                 continue
             v = resolve_vector(e.vector, f"{prefix}vectors[{i}].vector", shape, named)
-            budget.add(abs(e.scale) * _max_abs(v), f"{prefix}vectors[{i}].scale")
+            budget.add(abs(e.scale) * max_abs(v), f"{prefix}vectors[{i}].scale")
             v = v * np.float32(e.scale)
             prog = sites.setdefault((e.layer, e.site), SiteProgram())
             prog.vec = v if prog.vec is None else prog.vec + v
@@ -150,7 +150,8 @@ class MagnitudeBudget:
                                           f"limit max_abs_value = {self.limit:g}")
 
 
-def _max_abs(v: np.ndarray) -> float:
+def max_abs(v: np.ndarray) -> float:
+    """``max|v|`` in float64 (0 for an empty vector): what an additive entry spends of a :class:`MagnitudeBudget`."""
     return float(np.max(np.abs(v.astype(np.float64)))) if v.size else 0.0
 
 

@@ -33,7 +33,7 @@ import torch
 
 from dynsteer.controllers.registry import ControllerFault
 from dynsteer.spec import ModelShape, SteeringValidationError, resolve_vector
-from dynsteer.steering.compile import Clamp, MonitorProgram, SiteKey, SiteProgram
+from dynsteer.steering.compile import Clamp, MonitorProgram, SiteKey, SiteProgram, max_abs
 from dynsteer.steering.staging import StagingRing
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ def compile_policy(policy: "DynamicSteeringPolicy", shape: ModelShape, named: di
             prog = sites.setdefault((a.layer, a.site), SiteProgram())
             if a.kind == "add":
                 if budget is not None:
-                    budget.add(abs(a.scale) * dyn_bound * float(np.max(np.abs(v.astype(np.float64)))),
+                    budget.add(abs(a.scale) * dyn_bound * max_abs(v),
                                f"{prefix}rules[{s}].actions[{j}].scale")
                 v = v * np.float32(a.scale)
                 prog.dyn[s] = v if s not in prog.dyn else prog.dyn[s] + v
@@ -394,33 +394,32 @@ class DynamicDriver:
         if not m:
             return
         self.stats.dynamic_steps += 1
+        # Columns up to the last sync step's extent may hold its multipliers: they get words (-1: defaults) too.
+        span = max(upto, self._dirty)
         words = self._words.next()
-        words[CTL, :upto] = -1
+        words[CTL, :span] = -1
         words[COLS, :m] = tokens.index
         n_req = len(tokens.req_ids)
-        slot_of = np.full(n_req, -1, np.int64)
-        sched_of = np.full(n_req, np.iinfo(np.int64).max, np.int64)
-        replays: list[tuple[int, int]] = []  # (token k, request index)
+        in_sync = np.zeros(n_req, bool)
+        slot_of = np.full(n_req, -1, np.int64)  # device tier: the request's slot
+        sched_of = np.full(n_req, -1, np.int64)  # device tier: the last position staged as fresh
         for i in np.unique(tokens.req):  # the step's dynamic requests (not every token)
             st = states.get(tokens.req_ids[i])
-            if st is None or not st.sync:
-                continue
-            if st.device_slot is not None:
-                slot_of[i], sched_of[i] = st.device_slot, st.sched_pos
-            else:
-                sched_of[i] = -2  # host tier: every token goes through a replay row
-        fresh = tokens.position > sched_of[tokens.req]
-        dev = fresh & (slot_of[tokens.req] >= 0)
-        sync = np.flatnonzero(sched_of[tokens.req] != np.iinfo(np.int64).max)
+            if st is not None and st.sync:
+                in_sync[i] = True
+                if st.device_slot is not None:
+                    slot_of[i], sched_of[i] = st.device_slot, st.sched_pos
+        req = tokens.req
+        dev = (slot_of[req] >= 0) & (tokens.position > sched_of[req])  # fresh device-tier tokens
         upd = tokens.index[dev]
-        words[CTL, upd] = slot_of[tokens.req[dev]]
+        words[CTL, upd] = slot_of[req[dev]]
         words[POS, upd] = tokens.position[dev]
         words[UPD, :len(upd)] = upd
-        for k in sync[~dev[sync]]:
-            replays.append((int(k), int(tokens.req[k])))
-        for i in np.unique(tokens.req[dev]):
-            st = states[tokens.req_ids[i]]
-            st.sched_pos = max(st.sched_pos, int(tokens.position[dev & (tokens.req == i)].max()))
+        for k in np.flatnonzero(dev):
+            st = states[tokens.req_ids[req[k]]]
+            st.sched_pos = max(st.sched_pos, int(tokens.position[k]))
+        # host-tier tokens, and recomputed positions of device-tier requests, take staged replay rows
+        replays = [(int(k), int(req[k])) for k in np.flatnonzero(in_sync[req] & ~dev)]
         if replays:
             self._stage_replays(states, lookup, tokens, replays, words)
         n_sync = len(upd) + len(replays)
@@ -428,10 +427,9 @@ class DynamicDriver:
             self.stats.sync_steps += 1
         self._words.copy_to()
         if n_sync or self._dirty:
-            upto = max(upto, self._dirty)
             self.control(self.words[CTL], self.state, self.replay, self.gate_mul, self.gate_add, self.scale_used,
-                         upto)
-            self._dirty = upto if n_sync else 0
+                         span)
+            self._dirty = span if n_sync else 0
         self._step = (tokens, len(upd), m)
         self.stats.host_ms += (time.perf_counter() - t1) * 1e3
 
