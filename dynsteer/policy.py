@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal, Optional
 
 import numpy as np
@@ -521,8 +521,7 @@ class DynamicSteeringPolicy(_Model):
         """Every layer a monitor reads or an action steers."""
         return sorted({m.layer for m in self.monitors} | {a.layer for r in self.rules for a in r.actions})
 
-    def check(self, shape: ModelShape, named: dict[str, np.ndarray] | None = None, prefix: str = "",
-              probes: Mapping[str, Any] | None = None, controllers: Any = None, allow_files: bool = True) -> None:
+    def check(self, shape: ModelShape, named: dict[str, np.ndarray] | None = None, prefix: str = "") -> None:
         """Validate against a model like :func:`dynsteer.spec.check_spec`.
 
         Checks layer ranges and hooked layers/sites of monitors and actions, vector hidden sizes, finite values and
@@ -533,9 +532,8 @@ class DynamicSteeringPolicy(_Model):
             shape: the engine's model shape (and its magnitude limits).
             named: registered vectors for actions that refer to a vector by name.
             prefix: prepended to field names in messages (e.g. ``"policy."``).
-            probes: registered probes that monitors' ``probe`` may name.
-            controllers: names of registered custom controllers (``None``: not checked, e.g. offline).
-            allow_files: whether ``probe_file`` monitors may be read (never for requests).
+
+        Registered names (probes, custom controllers) are checked where the registry is: :func:`admit_policy`.
 
         Raises:
             SteeringValidationError: naming the first bad field (e.g. ``monitors[0].direction``).
@@ -557,7 +555,7 @@ class DynamicSteeringPolicy(_Model):
             place(where, m.layer, m.site)
             if not m.is_inline:
                 try:
-                    m = m.resolve(probes, allow_files=allow_files)
+                    m = m.resolve()
                 except (OSError, ValueError) as exc:
                     field = "probe" if m.probe is not None else "probe_file"
                     raise SteeringValidationError(f"{where}.{field}: {exc}") from None
@@ -579,7 +577,7 @@ class DynamicSteeringPolicy(_Model):
                         raise SteeringValidationError(f"{where}.vector: direction has zero norm")
                     check_clamp_bounds(a, shape, where)
         if self.controller is not None:
-            check_controller(self.controller, shape, controllers, f"{prefix}controller")
+            check_controller(self.controller, shape, f"{prefix}controller")
 
     def to_json(self) -> str:
         """JSON with vectors in the packed ``{"b64": ...}`` form (bit-exact round trip)."""
@@ -615,17 +613,12 @@ def controller_bound(spec: SyncControllerSpec) -> float:
     return math.inf
 
 
-def check_controller(spec: SyncControllerSpec, shape: ModelShape, controllers: Any, where: str) -> None:
-    """A registered custom controller, and built-in outputs within the engine's ``max_dyn_scale``."""
+def check_controller(spec: SyncControllerSpec, shape: ModelShape, where: str) -> None:
+    """Built-in controllers' outputs within the engine's ``max_dyn_scale`` (a custom one is checked at every step)."""
     if spec.kind == "custom":
-        if controllers is not None and spec.name not in controllers:
-            known = ", ".join(sorted(controllers)) or "none registered"
-            raise SteeringValidationError(
-                f"{where}.name: unknown controller {spec.name!r} (registered: {known}; the operator registers "
-                f"controllers with DynsteerConfig(controllers={{name: 'package.module:Factory'}}))")
         return
     if spec.kind == "budget":
-        check_controller(spec.inner, shape, controllers, f"{where}.inner")  # type: ignore[arg-type]
+        check_controller(spec.inner, shape, f"{where}.inner")  # type: ignore[arg-type]
         return
     bound = controller_bound(spec)
     if bound > shape.max_dyn_scale:

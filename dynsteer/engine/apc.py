@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from cachetools import LRUCache
 
 from dynsteer.capture.consumers import consumer_class
 from dynsteer.config import CONFIG_KEY, DynsteerConfig, Limits
@@ -43,8 +44,12 @@ class FrontendState:
     capacity: int = 63  # table rows requests can take (max_rows - 1)
     # Admission results per (state version, packed payload): validation compiles every vector,
     # which for a large batch of identical requests would otherwise dominate LLM.generate's submission loop.
-    _memo: dict = field(default_factory=dict, repr=False)
+    # Bounded by bytes: a key holds the whole payload string.
+    _memo: LRUCache = field(init=False, repr=False)
     version: int = 0  # bumped whenever the global spec or a named vector changes: keys the admission memo
+
+    def __post_init__(self) -> None:
+        self._memo = LRUCache(maxsize=self.limits.cache_bytes, getsizeof=lambda entry: entry[0])
 
     def register(self, name: str, vector: np.ndarray) -> None:
         """Record a named vector (already registered on the workers); cached admissions become stale."""
@@ -84,7 +89,8 @@ class FrontendState:
         """
         cacheable = payload is None or isinstance(payload, str)  # JSON-object payloads are not hashable
         key = (self.version, payload_body(payload))  # tags differ per request; the configuration does not
-        cached = self._memo.get(key) if cacheable else None
+        hit = self._memo.get(key) if cacheable else None
+        cached = None if hit is None else hit[1]
         if cached is None:
             try:
                 cached = self._admit(payload)
@@ -92,10 +98,9 @@ class FrontendState:
                 raise
             except Exception as exc:  # noqa: BLE001 - a 400 naming the payload, never a 500 or a dead server
                 raise SteeringValidationError(f"extra_args.{PAYLOAD_KEY}: cannot be admitted ({exc!r})") from None
-            if cacheable:
-                if sum(_key_bytes(k) for k in self._memo) + _key_bytes(key) > self.limits.cache_bytes:
-                    self._memo.clear()  # keys hold whole payloads: bounded by bytes
-                self._memo[key] = cached
+            size = 256 + (len(key[1]) if isinstance(key[1], str) else 0)
+            if cacheable and size <= self.limits.cache_bytes:
+                self._memo[key] = (size, cached)
         prefill, decode, recompute_prompt = cached
         rows = f"{prefill},{decode}"
         if recompute_prompt:
@@ -124,10 +129,6 @@ class FrontendState:
                 f"extra_args.{PAYLOAD_KEY}: this configuration needs {needed} steering rows (its prefill and decode "
                 f"phases differ); the engine has {self.capacity} (raise DynsteerConfig.max_rows)")
         return prefill, decode, recompute_prompt
-
-
-def _key_bytes(key: tuple[int, Any]) -> int:
-    return len(key[1]) if isinstance(key[1], str) else 0
 
 
 def shape_from_vllm_config(vllm_config: Any) -> ModelShape:

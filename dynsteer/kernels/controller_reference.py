@@ -111,6 +111,11 @@ class Layout:
     def width(self) -> int:
         return self.FIXED + 6 * self.G
 
+    @classmethod
+    def of(cls, state: torch.Tensor) -> "Layout":
+        """The layout of a ``[S, F]`` state buffer."""
+        return cls((state.shape[1] - cls.FIXED) // 6)
+
 
 def _flatten(spec: Any) -> tuple[Any, int]:
     """The innermost non-budget controller spec and the effective budget (-1: none; nested budgets: the smallest)."""
@@ -152,7 +157,7 @@ def control_reference(ctl: torch.Tensor, state: torch.Tensor, replay: torch.Tens
     """Write ``gate_mul``/``gate_add``/``scale_used`` for tokens ``[0, upto)`` (contract: module docstring)."""
     if upto == 0:
         return
-    L = Layout(int(round((state.shape[1] - Layout.FIXED) / 6)))
+    L = Layout.of(state)
     G = min(L.G, gate_mul.shape[0])
     c = ctl[:upto].long()
     fresh = c >= 0
@@ -198,7 +203,7 @@ def update_reference(idx: torch.Tensor, ctl: torch.Tensor, position: torch.Tenso
     """
     if m == 0:
         return
-    L = Layout(int(round((state.shape[1] - Layout.FIXED) / 6)))
+    L = Layout.of(state)
     c = ctl.cpu().numpy()
     picked = [int(t) for t in idx[:m].cpu().numpy() if c[int(t)] >= 0]
     if not picked:

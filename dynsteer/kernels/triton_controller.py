@@ -63,70 +63,69 @@ def _update_kernel(idx_ptr, ctl_ptr, pos_ptr, sc_ptr, st_ptr, F, N, G: tl.conste
     g = tl.arange(0, GB)
     gm = g < G
     t = tl.load(idx_ptr + tl.program_id(0)).to(tl.int64)
-    if True:
-        c = tl.load(ctl_ptr + t)
-        s = tl.maximum(c, 0).to(tl.int64)
-        base = st_ptr + s * F
-        pos = tl.load(pos_ptr + t).to(tl.float64)
-        last = tl.load(base + LAST_POS)
-        go = (c >= 0) & (pos > last)
-        # gates of every slot, in float32 like the forward's kernel: σ(k·(score − th)), 0 below the floor
-        x = tl.load(sc_ptr + g * N + t, mask=gm, other=0.0).to(tl.float32)
-        k = tl.load(base + FIXED + G + g, mask=gm, other=0.0).to(tl.float32)
-        th = tl.load(base + FIXED + 2 * G + g, mask=gm, other=0.0).to(tl.float32)
-        fl = tl.load(base + FIXED + 3 * G + g, mask=gm, other=0.0).to(tl.float32)
-        raw = 1.0 / (1.0 + tl.exp(-(k * (x - th))))
-        raw = tl.where(raw >= fl, raw, 0.0)
-        was = tl.load(base + FIXED + 5 * G + g, mask=gm, other=0.0)
-        now = tl.where((raw >= FIRE) & (raw > 0.0), 1.0, was)
-        tl.store(base + FIXED + 4 * G + g, raw.to(tl.float64), mask=gm & go)
-        tl.store(base + FIXED + 5 * G + g, now, mask=gm & go)
-        # the controller, when the request has one
-        kind = tl.load(base + KIND)
-        ctrl = tl.maximum(tl.load(base + CTRL), 0.0).to(tl.int64)
-        score = tl.load(sc_ptr + ctrl * N + t).to(tl.float64)
-        finite = (score == score) & (tl.abs(score) <= 1.7976931348623157e308)
-        on, off, scale = tl.load(base + ON), tl.load(base + OFF), tl.load(base + SCALE)
-        alpha = tl.load(base + ALPHA)
-        latch_on = tl.load(base + LATCH_ON) > 0
-        ema, has_ema = tl.load(base + EMA), tl.load(base + HAS_EMA) > 0
-        is_ema = kind == 2.0
-        new_ema = tl.where(has_ema, alpha * score + (1.0 - alpha) * ema, score)
-        value = tl.where(is_ema, new_ema, score)
-        engaged = tl.where(latch_on, value > off, value >= on)
-        latch_on2 = tl.where(finite, engaged, latch_on)
-        latch_out = tl.where(latch_on2, scale, 0.0)
-        # PID (conditional-integration anti-windup)
-        target, kp, ki, kd = tl.load(base + TARGET), tl.load(base + KP), tl.load(base + KI), tl.load(base + KD)
-        lo, hi = tl.load(base + MIN), tl.load(base + MAX)
-        integ, prev_e = tl.load(base + INTEGRAL), tl.load(base + PREV_ERR)
-        has_prev = tl.load(base + HAS_PREV) > 0
-        e = score - target
-        de = tl.where(has_prev, e - prev_e, 0.0)
-        integ2 = integ + e
-        u = kp * e + ki * integ2 + kd * de
-        pid_scale = tl.minimum(tl.maximum(u, lo), hi)
-        integ2 = tl.where(((u > hi) & (e > 0.0)) | ((u < lo) & (e < 0.0)), integ, integ2)
-        pid_prev = tl.load(base + PID_SCALE)
-        pid_out = tl.where(finite, pid_scale, pid_prev)
-        is_pid = kind == 3.0
-        out = tl.where(is_pid, pid_out, latch_out)
-        # budget: once spent, the inner controller is not stepped and the output is 0
-        budget, steered = tl.load(base + BUDGET), tl.load(base + STEERED)
-        spent = (budget >= 0.0) & (steered >= budget)
-        step = go & (kind > 0.0) & (spent == 0)
-        out = tl.where(spent, 0.0, out)
-        tl.store(base + LATCH_ON, tl.where(latch_on2, 1.0, 0.0), mask=step & (is_pid == 0))
-        tl.store(base + EMA, new_ema, mask=step & is_ema & finite)
-        tl.store(base + HAS_EMA, 1.0, mask=step & is_ema & finite)
-        tl.store(base + INTEGRAL, integ2, mask=step & is_pid & finite)
-        tl.store(base + PREV_ERR, e, mask=step & is_pid & finite)
-        tl.store(base + HAS_PREV, 1.0, mask=step & is_pid & finite)
-        tl.store(base + PID_SCALE, pid_scale, mask=step & is_pid & finite)
-        tl.store(base + STEERED, steered + tl.where(out != 0.0, 1.0, 0.0), mask=step & (budget >= 0.0))
-        tl.store(base + SCALE_NOW, out, mask=go & (kind > 0.0))
-        tl.store(base + LAST_POS, pos, mask=go)
-        tl.store(base + STEPS, tl.load(base + STEPS) + 1.0, mask=go)
+    c = tl.load(ctl_ptr + t)
+    s = tl.maximum(c, 0).to(tl.int64)
+    base = st_ptr + s * F
+    pos = tl.load(pos_ptr + t).to(tl.float64)
+    last = tl.load(base + LAST_POS)
+    go = (c >= 0) & (pos > last)
+    # gates of every slot, in float32 like the forward's kernel: σ(k·(score − th)), 0 below the floor
+    x = tl.load(sc_ptr + g * N + t, mask=gm, other=0.0).to(tl.float32)
+    k = tl.load(base + FIXED + G + g, mask=gm, other=0.0).to(tl.float32)
+    th = tl.load(base + FIXED + 2 * G + g, mask=gm, other=0.0).to(tl.float32)
+    fl = tl.load(base + FIXED + 3 * G + g, mask=gm, other=0.0).to(tl.float32)
+    raw = 1.0 / (1.0 + tl.exp(-(k * (x - th))))
+    raw = tl.where(raw >= fl, raw, 0.0)
+    was = tl.load(base + FIXED + 5 * G + g, mask=gm, other=0.0)
+    now = tl.where((raw >= FIRE) & (raw > 0.0), 1.0, was)
+    tl.store(base + FIXED + 4 * G + g, raw.to(tl.float64), mask=gm & go)
+    tl.store(base + FIXED + 5 * G + g, now, mask=gm & go)
+    # the controller, when the request has one
+    kind = tl.load(base + KIND)
+    ctrl = tl.maximum(tl.load(base + CTRL), 0.0).to(tl.int64)
+    score = tl.load(sc_ptr + ctrl * N + t).to(tl.float64)
+    finite = (score == score) & (tl.abs(score) <= 1.7976931348623157e308)
+    on, off, scale = tl.load(base + ON), tl.load(base + OFF), tl.load(base + SCALE)
+    alpha = tl.load(base + ALPHA)
+    latch_on = tl.load(base + LATCH_ON) > 0
+    ema, has_ema = tl.load(base + EMA), tl.load(base + HAS_EMA) > 0
+    is_ema = kind == 2.0
+    new_ema = tl.where(has_ema, alpha * score + (1.0 - alpha) * ema, score)
+    value = tl.where(is_ema, new_ema, score)
+    engaged = tl.where(latch_on, value > off, value >= on)
+    latch_on2 = tl.where(finite, engaged, latch_on)
+    latch_out = tl.where(latch_on2, scale, 0.0)
+    # PID (conditional-integration anti-windup)
+    target, kp, ki, kd = tl.load(base + TARGET), tl.load(base + KP), tl.load(base + KI), tl.load(base + KD)
+    lo, hi = tl.load(base + MIN), tl.load(base + MAX)
+    integ, prev_e = tl.load(base + INTEGRAL), tl.load(base + PREV_ERR)
+    has_prev = tl.load(base + HAS_PREV) > 0
+    e = score - target
+    de = tl.where(has_prev, e - prev_e, 0.0)
+    integ2 = integ + e
+    u = kp * e + ki * integ2 + kd * de
+    pid_scale = tl.minimum(tl.maximum(u, lo), hi)
+    integ2 = tl.where(((u > hi) & (e > 0.0)) | ((u < lo) & (e < 0.0)), integ, integ2)
+    pid_prev = tl.load(base + PID_SCALE)
+    pid_out = tl.where(finite, pid_scale, pid_prev)
+    is_pid = kind == 3.0
+    out = tl.where(is_pid, pid_out, latch_out)
+    # budget: once spent, the inner controller is not stepped and the output is 0
+    budget, steered = tl.load(base + BUDGET), tl.load(base + STEERED)
+    spent = (budget >= 0.0) & (steered >= budget)
+    step = go & (kind > 0.0) & (spent == 0)
+    out = tl.where(spent, 0.0, out)
+    tl.store(base + LATCH_ON, tl.where(latch_on2, 1.0, 0.0), mask=step & (is_pid == 0))
+    tl.store(base + EMA, new_ema, mask=step & is_ema & finite)
+    tl.store(base + HAS_EMA, 1.0, mask=step & is_ema & finite)
+    tl.store(base + INTEGRAL, integ2, mask=step & is_pid & finite)
+    tl.store(base + PREV_ERR, e, mask=step & is_pid & finite)
+    tl.store(base + HAS_PREV, 1.0, mask=step & is_pid & finite)
+    tl.store(base + PID_SCALE, pid_scale, mask=step & is_pid & finite)
+    tl.store(base + STEERED, steered + tl.where(out != 0.0, 1.0, 0.0), mask=step & (budget >= 0.0))
+    tl.store(base + SCALE_NOW, out, mask=go & (kind > 0.0))
+    tl.store(base + LAST_POS, pos, mask=go)
+    tl.store(base + STEPS, tl.load(base + STEPS) + 1.0, mask=go)
 
 
 def _gb(G: int) -> int:

@@ -197,9 +197,7 @@ class SteeringRuntime:
 
     def _stop(self, req_id: str, error: Any) -> str:
         """Record that ``req_id`` must stop: a validation error names its field; anything else is internal."""
-        if isinstance(error, SteeringValidationError):
-            message = str(error)
-        elif isinstance(error, (RowsExhausted, ControllerFault)):
+        if isinstance(error, (SteeringValidationError, RowsExhausted, ControllerFault)):
             message = str(error)
         else:
             message = f"internal error while admitting the request: {error!r}"
