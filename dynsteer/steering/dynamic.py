@@ -34,6 +34,7 @@ import torch
 from dynsteer.controllers.registry import ControllerFault
 from dynsteer.spec import ModelShape, SteeringValidationError, resolve_vector
 from dynsteer.steering.compile import Clamp, MonitorProgram, SiteKey, SiteProgram, max_abs
+from dynsteer.steering.readback import ReadbackStore
 from dynsteer.steering.staging import StagingRing
 
 if TYPE_CHECKING:
@@ -148,13 +149,13 @@ class DynState:
     sync: bool = False  # in a sync tier (device or host)
     device_slot: int | None = None
     tier: str = ""  # set by the driver once: "plain" (no sync tier), "device" or "host"
-    last_pos: int = -1  # the last position read back
-    sched_pos: int = -1  # the last position staged as a fresh token
+    keep: bool = False  # the caller asked for the trace
+    # The request's slot in the driver's ReadbackStore (its read-back values, appended a step at a time): kept for a
+    # trace, and in the device tier, where a position computed again after preemption replays its first values.
+    record: int | None = None
+    last_pos: int = -1  # host tier: the last position its controller observed
     # host tier: position -> (mul, add, scale) staged for it; a recomputed position (after preemption) replays it
     staged: dict[int, tuple[list[float], list[float], float]] = field(default_factory=dict)
-    # device tier: position -> (read-back block, column) of the token that first computed it (replays read it)
-    computed: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)
-    refs: list[tuple[np.ndarray, int, int]] = field(default_factory=list)  # (block, column, position)
     # float32 (sharpness, threshold, floor) per slot: the kernel's gate parameters, for raw_gates
     params: np.ndarray = field(default_factory=lambda: np.zeros((3, 0), np.float32))
 
@@ -197,14 +198,9 @@ class DynState:
         return mul, add
 
     def observe(self, block: np.ndarray, col: int, position: int) -> None:
-        """Record one computed decode token; in the host tier, advance the carried state and the controller."""
-        self.refs.append((block, col, position))
+        """Host tier: advance the carried state and the controller from one computed decode token (column ``col``
+        of a read-back block)."""
         self.last_pos = position
-        if self.tier == "device":
-            self.computed.setdefault(position, (block, col))
-            return
-        if self.tier != "host":
-            return
         from dynsteer.controllers.sync import StepObservation
 
         scores = block[:len(self.slots), col]
@@ -218,18 +214,16 @@ class DynState:
             self.scale = float(scale)
         self.steps += 1
 
-    def trace(self) -> dict[str, list]:
-        """The trace fields (see :class:`dynsteer.trace.DynamicTrace`)."""
+    def trace(self, positions: np.ndarray, values: np.ndarray) -> dict[str, list]:
+        """The trace fields (see :class:`dynsteer.trace.DynamicTrace`) from the request's record: ``positions [T]``
+        and read-back ``values [T, 4G+1]``."""
         g = len(self.slots)
-        if not self.refs:
-            return {"position": [], "score": [], "gate": [], "applied": [], "scale": []}
-        G = (self.refs[0][0].shape[0] - 1) // 4
-        scores = np.stack([b[:g, c] for b, c, _ in self.refs]).astype(np.float32)
-        applied = np.stack([b[G:G + g, c] for b, c, _ in self.refs])
-        gate = raw_gates(scores, self.params)
-        return {"position": [p for _, _, p in self.refs], "score": scores.astype(np.float64).tolist(),
-                "gate": gate.astype(np.float64).tolist(), "applied": applied.astype(np.float64).tolist(),
-                "scale": [float(b[4 * G, c]) for b, c, _ in self.refs]}
+        G = (values.shape[1] - 1) // 4
+        scores = values[:, :g]
+        gate = raw_gates(scores, self.params) if len(values) else scores
+        return {"position": positions.tolist(), "score": scores.astype(np.float64).tolist(),
+                "gate": gate.astype(np.float64).tolist(), "applied": values[:, G:G + g].astype(np.float64).tolist(),
+                "scale": values[:, 4 * G].astype(np.float64).tolist()}
 
 
 def _has_custom(spec: Any) -> bool:
@@ -252,15 +246,30 @@ def raw_gates(scores: np.ndarray, params: np.ndarray) -> np.ndarray:
 # ---- the per-step driver ------------------------------------------------------------------------------------------------
 @dataclass
 class StepTokens:
-    """This step's dynamic decode tokens: batch index, position and owning request (index into ``req_ids``)."""
+    """This step's dynamic decode tokens, one array entry per token: owning request (index into ``req_ids``),
+    batch index, position, and the request's device slot (-1: none), sync tier, record slot (-1: none) and host
+    tier (the runtime keeps these per request and gathers them for the batch)."""
 
-    req_ids: list[str]
+    req_ids: tuple[str, ...]
     req: np.ndarray
     index: np.ndarray
     position: np.ndarray
+    slot: np.ndarray
+    sync: np.ndarray
+    record: np.ndarray
+    host: np.ndarray
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def subset(self, k: np.ndarray) -> "StepTokens":
+        return StepTokens(self.req_ids, self.req[k], self.index[k], self.position[k], self.slot[k], self.sync[k],
+                          self.record[k], self.host[k])
+
+    @classmethod
+    def empty(cls) -> "StepTokens":
+        i, b = np.zeros(0, np.int64), np.zeros(0, bool)
+        return cls((), i, i, i, i, b, i, b)
 
 
 @dataclass
@@ -316,6 +325,8 @@ class DynamicDriver:
                                  pin_memory=self.cuda)
         self.max_slots = max_slots
         self._free_slots = list(range(max_slots - 1, -1, -1))
+        self.sched_pos = np.full(max(max_slots, 1), -1, np.int64)  # by device slot: the last position staged fresh
+        self.records = ReadbackStore(self.layout.G * 4 + 1)
         self.scale_used = torch.ones(N, dtype=torch.float32, device=dev)
         self.words = torch.full((4, N), -1, dtype=torch.int32, device=dev)
         self.replay = torch.zeros(N, 2 * G + 1, dtype=torch.float32, device=dev)
@@ -346,21 +357,23 @@ class DynamicDriver:
             return
         if not st.sync:
             st.tier = "plain"
-            return
-        if not st.device_eligible or not self._free_slots:
+        elif not st.device_eligible or not self._free_slots:
             self.stats.device_slots_exhausted += int(st.device_eligible and self.max_slots > 0)
             self.host_tier += 1
             st.tier = "host"
-            return
-        from dynsteer.kernels.controller_reference import controller_row
+        else:
+            from dynsteer.kernels.controller_reference import controller_row
 
-        s = self._free_slots.pop()
-        self._init[s] = torch.tensor(controller_row(self.layout, st.slots, st.ctrl_slot, st.ctrl_spec),
-                                     dtype=torch.float64)
-        # Ordered on the compute stream after every step that used the slot before (its last update included).
-        self.state[s].copy_(self._init[s], non_blocking=self.cuda)
-        st.device_slot, st.tier = s, "device"
-        self.stats.device_slots_in_use += 1
+            s = self._free_slots.pop()
+            self._init[s] = torch.tensor(controller_row(self.layout, st.slots, st.ctrl_slot, st.ctrl_spec),
+                                         dtype=torch.float64)
+            # Ordered on the compute stream after every step that used the slot before (its last update included).
+            self.state[s].copy_(self._init[s], non_blocking=self.cuda)
+            self.sched_pos[s] = -1
+            st.device_slot, st.tier = s, "device"
+            self.stats.device_slots_in_use += 1
+        if st.keep or st.tier == "device":
+            st.record = self.records.acquire()
 
     def free(self, st: DynState) -> None:
         """The request finished (or its policy was replaced): release its slot or its host-tier place, once."""
@@ -371,6 +384,13 @@ class DynamicDriver:
             self._free_slots.append(st.device_slot)
             st.device_slot = None
             self.stats.device_slots_in_use -= 1
+
+    def retire(self, st: DynState) -> None:
+        """The request's record is no longer needed (its trace was taken, or nobody asked for one): its slot is
+        reused once the read-backs in flight, which may name it, have landed."""
+        if st.record is not None:
+            self.records.retire(st.record, self.enqueued)
+            st.record = None
 
     # ---- per step ----------------------------------------------------------------------------------------------------
     def plan(self, states: dict[str, DynState], lookup: Any, tokens: StepTokens, upto: int) -> None:
@@ -389,38 +409,36 @@ class DynamicDriver:
         if host_tier:
             self.stats.wait_ms += (t1 - t0) * 1e3
             self.stats.host_sync_steps += 1
-        m = len(tokens)
         self._step = None
-        if not m:
+        if not len(tokens):
             return
         self.stats.dynamic_steps += 1
+        # Read back only what someone reads: a record (a trace, device-tier replays) or a host-tier controller.
+        # Plain in-graph gates nobody traces (HTTP traffic) cost no host work at all.
+        read = np.flatnonzero((tokens.record >= 0) | tokens.host)
+        if not len(read) and not self._dirty and not tokens.sync.any():
+            return
+        m = len(read)
         # Columns up to the last sync step's extent may hold its multipliers: they get words (-1: defaults) too.
         span = max(upto, self._dirty)
         words = self._words.next()
         words[CTL, :span] = -1
-        words[COLS, :m] = tokens.index
-        n_req = len(tokens.req_ids)
-        in_sync = np.zeros(n_req, bool)
-        slot_of = np.full(n_req, -1, np.int64)  # device tier: the request's slot
-        sched_of = np.full(n_req, -1, np.int64)  # device tier: the last position staged as fresh
-        for i in np.unique(tokens.req):  # the step's dynamic requests (not every token)
-            st = states.get(tokens.req_ids[i])
-            if st is not None and st.sync:
-                in_sync[i] = True
-                if st.device_slot is not None:
-                    slot_of[i], sched_of[i] = st.device_slot, st.sched_pos
-        req = tokens.req
-        dev = (slot_of[req] >= 0) & (tokens.position > sched_of[req])  # fresh device-tier tokens
-        upd = tokens.index[dev]
-        words[CTL, upd] = slot_of[req[dev]]
-        words[POS, upd] = tokens.position[dev]
+        words[COLS, :m] = tokens.index[read]
+        slot, position = tokens.slot, tokens.position
+        dev = (slot >= 0) & (position > self.sched_pos[np.maximum(slot, 0)])  # fresh device-tier tokens
+        d = np.flatnonzero(dev)
+        upd = tokens.index[d]
+        words[CTL, upd] = slot[d]
+        words[POS, upd] = position[d]
         words[UPD, :len(upd)] = upd
-        for k in np.flatnonzero(dev):
-            st = states[tokens.req_ids[req[k]]]
-            st.sched_pos = max(st.sched_pos, int(tokens.position[k]))
+        if len(d):
+            sd, pd = slot[d], position[d]
+            last = np.ones(len(d), bool)  # each request's last fresh token (its highest position)
+            last[:-1] = sd[1:] != sd[:-1]
+            self.sched_pos[sd[last]] = pd[last]
         # host-tier tokens, and recomputed positions of device-tier requests, take staged replay rows
-        replays = [(int(k), int(req[k])) for k in np.flatnonzero(in_sync[req] & ~dev)]
-        if replays:
+        replays = np.flatnonzero(tokens.sync & ~dev)
+        if len(replays):
             self._stage_replays(states, lookup, tokens, replays, words)
         n_sync = len(upd) + len(replays)
         if n_sync:
@@ -430,29 +448,30 @@ class DynamicDriver:
             self.control(self.words[CTL], self.state, self.replay, self.gate_mul, self.gate_add, self.scale_used,
                          span)
             self._dirty = span if n_sync else 0
-        self._step = (tokens, len(upd), m)
+        self._step = (tokens.subset(read), len(upd), m)
         self.stats.host_ms += (time.perf_counter() - t1) * 1e3
 
     def _stage_replays(self, states: dict[str, DynState], lookup: Any, tokens: StepTokens,
-                       replays: list[tuple[int, int]], words: np.ndarray) -> None:
+                       replays: np.ndarray, words: np.ndarray) -> None:
         """Tokens whose multipliers come from the host: host-tier requests, and recomputed positions of
         device-tier ones (after a preemption: the values they had when first computed)."""
         rows = self._replay.next()
         G = self.layout.G
         waited = False
-        for j, (k, i) in enumerate(replays):
-            st = states[tokens.req_ids[i]]
+        for j, k in enumerate(replays.tolist()):
+            st = states[tokens.req_ids[tokens.req[k]]]
             pos = int(tokens.position[k])
             if st.device_slot is not None:
-                if pos not in st.computed and not waited:
+                values = self.records.at(st.record, pos)
+                if values is None and not waited:
                     self.poll(lookup, block=True)  # rare (resumed after preemption): its earlier steps are long done
                     waited = True
-                block, col = st.computed.get(pos, (None, 0))
-                if block is None:  # never read back (cannot happen for a position computed before): defaults
+                    values = self.records.at(st.record, pos)
+                if values is None:  # never read back (cannot happen for a position computed before): defaults
                     mul, add, scale = [1.0] * G, [0.0] * G, 1.0
                 else:
-                    mul, add = block[2 * G:3 * G, col].tolist(), block[3 * G:4 * G, col].tolist()
-                    scale = float(block[4 * G, col])
+                    mul, add = values[2 * G:3 * G].tolist(), values[3 * G:4 * G].tolist()
+                    scale = float(values[4 * G])
             else:
                 kept = st.staged.get(pos)
                 if kept is None:
@@ -474,7 +493,9 @@ class DynamicDriver:
         tokens, n_upd, m = step
         if n_upd:
             self.update(self.words[UPD], self.words[CTL], self.words[POS], self.scores, self.state, n_upd)
-        cols = self.words[COLS, :m].long()
+        if not m:
+            return
+        cols = self.words[COLS, :m]
         both = torch.cat([self.scores.index_select(1, cols), self.gates.index_select(1, cols),
                           self.gate_mul.index_select(1, cols), self.gate_add.index_select(1, cols),
                           self.scale_used.index_select(0, cols).unsqueeze(0)])
@@ -503,14 +524,16 @@ class DynamicDriver:
             self._pending.pop(0)
             t0 = time.perf_counter()
             host, tok = pend.host.numpy(), pend.tokens
-            self.completed += 1
-            for k in range(len(tok)):
+            self.records.append(tok.record, tok.position, host)  # one vectorised scatter for the whole step
+            for k in np.flatnonzero(tok.host).tolist():  # host-tier controllers run in Python, token by token
                 st = lookup(tok.req_ids[tok.req[k]])
                 pos = int(tok.position[k])
-                if st is None or pos <= st.last_pos:
+                if st is None or st.tier != "host" or pos <= st.last_pos:
                     continue  # finished meanwhile, or a recomputed position (already observed)
                 try:
                     st.observe(host, k, pos)
                 except ControllerFault as exc:
                     self.faults.setdefault(tok.req_ids[tok.req[k]], str(exc))
+            self.completed += 1
+            self.records.reclaim(self.completed)
             self.stats.controller_ms += (time.perf_counter() - t0) * 1e3

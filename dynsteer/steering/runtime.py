@@ -77,6 +77,23 @@ PayloadLookup = Callable[[str], Any]
 _KEEP = object()
 
 
+@dataclass
+class _Batch:
+    """Per-request arrays of one batch composition, gathered once and reused while the composition and the
+    runtime's request state are unchanged (a steady decode step does no per-request Python)."""
+
+    ids: tuple[str, ...]
+    version: int
+    rows: np.ndarray  # [n, 2] prefill and decode row
+    prompt_lens: np.ndarray
+    steered: bool  # any row is not 0
+    dyn: np.ndarray  # a dynamic policy steers its decode tokens
+    slot: np.ndarray  # device sync-tier slot (-1: none)
+    sync: np.ndarray
+    record: np.ndarray  # read-back record slot (-1: none)
+    host: np.ndarray  # host sync tier
+
+
 class SteeringRuntime:
     """Owns the device tables of one model instance in one worker process."""
 
@@ -110,6 +127,9 @@ class SteeringRuntime:
         self._finishing: dict[str, tuple[DynState, RequestEntry | None, int]] = {}
         # finished requests' traces by tag, until taken or expired: (monotonic time stored, trace)
         self.traces: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
+        self._version = 0  # bumped whenever a request's rows or dynamic state change (invalidates _batch)
+        self._batch: _Batch | None = None
+        self._arange = np.arange(tables.row_index.shape[0])
 
     # ---- control plane (collective_rpc, between steps) -------------------------------------------------------
     def register_vector(self, name: str, vector: np.ndarray) -> None:
@@ -148,6 +168,7 @@ class SteeringRuntime:
         A preempted request keeps its capture record (its ledger skips the positions it recomputes); a finished one
         hands the record to its consumers.
         """
+        self._version += 1
         for req_id in req_ids:
             entry = self.requests.pop(req_id, None)
             if entry is not None:
@@ -155,7 +176,7 @@ class SteeringRuntime:
             if finished and req_id in self._dyn:
                 # Its last steps' read-backs may still be in flight: the trace is completed once they land (the
                 # host does not wait here); its device slot is free at once (reuse is ordered on the stream).
-                st = self._drop_dyn(req_id)
+                st = self._drop_dyn(req_id, retire=False)
                 self._finishing[req_id] = (st, entry, self.dynamic.enqueued)
             if finished and self.capture is not None:
                 self._deliver(self.capture.finish(req_id))
@@ -208,50 +229,71 @@ class SteeringRuntime:
     def plan(self, view: BatchView, payload_of: PayloadLookup) -> None:
         """Fill ``row_index`` for this step (padding and unsteered tokens read row 0).
 
-        Per-request work is a dict lookup; per-token work is vectorised. The index reaches the device through a
-        pinned staging ring with a non-blocking copy, so the host never waits for the GPU here (a blocking copy
-        would serialise vLLM's asynchronous scheduling with the forward).
+        Per-request arrays are gathered only when the batch's composition or a request's state changed (admission
+        happens then); per-token work is vectorised. An unsteered batch after an unsteered step writes nothing.
+        The index reaches the device through a pinned staging ring with a non-blocking copy, so the host never
+        waits for the GPU here (a blocking copy would serialise vLLM's asynchronous scheduling with the forward).
         """
         self.stats.steps += 1
         n_req = len(view.req_ids)
-        qsl = np.asarray(view.query_start_loc[: n_req + 1], dtype=np.int64)
-        rows = np.empty((n_req, 2), np.int32)
-        prompt_lens = np.empty(n_req, np.int64)
-        dyn_req = np.zeros(n_req, bool)
-        for i, req_id in enumerate(view.req_ids):
-            entry = self.requests.get(req_id)
-            if entry is None:
-                entry = self.admit(req_id, payload_of(req_id), int(view.prompt_lens[i]))
-            rows[i] = entry.rows
-            prompt_lens[i] = entry.prompt_len
-            dyn_req[i] = entry.dyn is not None
+        ids = tuple(view.req_ids[:n_req])
+        b = self._batch
+        if b is None or b.version != self._version or b.ids != ids:
+            b = self._batch = self._gather(ids, view, payload_of)
+        qsl = view.query_start_loc
         if self.capture is not None and self.capture.needs_plan:
-            self.capture.plan(view.req_ids[:n_req], qsl, view.num_computed)
+            self.capture.plan(ids, np.asarray(qsl[: n_req + 1], np.int64), view.num_computed)
         n = view.num_tokens
-        upto = max(n, self._high_water, view.num_tokens_padded)
-        idx = self._staging.next()
-        if n_req:
+        if n == n_req:  # one token per request (a decode step)
+            req_of_token = self._arange[:n]
+            position = np.asarray(view.num_computed[:n_req], np.int64)
+        else:
+            qsl = np.asarray(qsl[: n_req + 1], np.int64)
             counts = np.diff(qsl)
-            req_of_token = np.repeat(np.arange(n_req), counts)
-            offset = np.arange(n) - np.repeat(qsl[:-1], counts)
-            position = np.asarray(view.num_computed[:n_req], np.int64)[req_of_token] + offset
-            is_decode = position >= prompt_lens[req_of_token]
-            idx[:n] = rows[req_of_token, is_decode.astype(np.int64)]
-        idx[n:upto] = 0
-        self._high_water = n
-        self._staging.copy_to(upto)
+            req_of_token = np.repeat(self._arange[:n_req], counts)
+            position = np.asarray(view.num_computed[:n_req], np.int64)[req_of_token] + (
+                self._arange[:n] - np.repeat(qsl[:-1], counts))
+        is_decode = position >= b.prompt_lens[req_of_token]
+        if b.steered or self._high_water:  # else row_index is 0 on the device already
+            upto = max(n, self._high_water, view.num_tokens_padded)
+            idx = self._staging.next()
+            idx[:n] = b.rows[req_of_token, is_decode.astype(np.int64)]
+            idx[n:upto] = 0
+            self._high_water = n if b.steered else 0
+            self._staging.copy_to(upto)
         if self.dynamic is not None and self._dyn:
-            if n_req:
-                picked = np.flatnonzero(is_decode & dyn_req[req_of_token] & (rows[req_of_token, 1] != 0))
-                tokens = StepTokens(list(view.req_ids[:n_req]), req_of_token[picked], picked, position[picked])
+            upto = max(n, view.num_tokens_padded)
+            if b.dyn.any():
+                picked = np.flatnonzero(is_decode & b.dyn[req_of_token])
+                r = req_of_token[picked]
+                tokens = StepTokens(ids, r, picked, position[picked], b.slot[r], b.sync[r], b.record[r], b.host[r])
             else:
-                empty = np.zeros(0, np.int64)
-                tokens = StepTokens([], empty, empty, empty)
+                tokens = StepTokens.empty()
             self.dynamic.plan(self._dyn, self._state_of, tokens, upto)
             if self.dynamic.faults:
                 self._stop_faulted()
         if self._finishing:
             self._complete_traces()
+
+    def _gather(self, ids: tuple[str, ...], view: BatchView, payload_of: PayloadLookup) -> _Batch:
+        """Admit the batch's new requests and gather every request's arrays (once per batch composition)."""
+        n = len(ids)
+        entries = []
+        for i, req_id in enumerate(ids):
+            entry = self.requests.get(req_id)
+            if entry is None:
+                entry = self.admit(req_id, payload_of(req_id), int(view.prompt_lens[i]))
+            entries.append(entry)
+        rows = np.array([e.rows for e in entries], np.int32).reshape(n, 2)
+        dyn = [e.dyn if e.dyn is not None and e.rows[1] != 0 else None for e in entries]
+        return _Batch(
+            ids=ids, version=self._version, rows=rows,
+            prompt_lens=np.fromiter((e.prompt_len for e in entries), np.int64, n), steered=bool(rows.any()),
+            dyn=np.array([st is not None for st in dyn], bool).reshape(n),
+            slot=np.array([-1 if st is None or st.device_slot is None else st.device_slot for st in dyn], np.int64),
+            sync=np.array([st is not None and st.sync for st in dyn], bool).reshape(n),
+            record=np.array([-1 if st is None or st.record is None else st.record for st in dyn], np.int64),
+            host=np.array([st is not None and st.tier == "host" for st in dyn], bool).reshape(n))
 
     def _state_of(self, req_id: str) -> DynState | None:
         """A request's dynamic state, live or finishing (read-backs land after the request finished)."""
@@ -266,6 +308,7 @@ class SteeringRuntime:
         for req_id in [r for r, (_, _, seq) in self._finishing.items() if self.dynamic.completed >= seq]:
             st, entry, _ = self._finishing.pop(req_id)
             self._store_trace(req_id, st, entry)
+            self.dynamic.retire(st)
 
     def _stop_faulted(self) -> None:
         """Requests whose custom controller failed: stop them, and steer them no further meanwhile (their decode
@@ -308,7 +351,8 @@ class SteeringRuntime:
         if self.dynamic is not None:
             self.dynamic.poll(self._state_of, block=True)
             for req_id in done:
-                self._finishing[req_id] = (self._drop_dyn(req_id), self.requests[req_id], self.dynamic.enqueued)
+                self._finishing[req_id] = (self._drop_dyn(req_id, retire=False), self.requests[req_id],
+                                           self.dynamic.enqueued)
             self._complete_traces()
         self._expire_traces()
         return [tr[1] for tag in tags if (tr := self.traces.pop(tag, None)) is not None]
@@ -320,15 +364,20 @@ class SteeringRuntime:
             self.traces.popitem(last=False)
             self.stats.traces_dropped += 1
 
-    def _drop_dyn(self, req_id: str) -> DynState | None:
-        """Forget a request's dynamic state (its device slot is freed)."""
+    def _drop_dyn(self, req_id: str, retire: bool = True) -> DynState | None:
+        """Forget a request's dynamic state (its device slot is freed; its record too unless its trace is still
+        to be completed)."""
+        self._version += 1
         st = self._dyn.pop(req_id, None)
         if st is not None and self.dynamic is not None:
             self.dynamic.free(st)
+            if retire:
+                self.dynamic.retire(st)
         return st
 
     def _set_dyn(self, req_id: str, entry: RequestEntry, fresh: bool) -> None:
         """Give the request its dynamic state (a resumed request keeps the one it had before preemption)."""
+        self._version += 1
         policy = self._effective_policy(entry)
         if policy is None or self.dynamic is None:
             self._drop_dyn(req_id)
@@ -341,6 +390,7 @@ class SteeringRuntime:
         if st is None:
             try:
                 st = DynState.for_policy(policy, self.controllers, self.shape.max_dyn_scale)
+                st.keep = entry.trace
             except Exception as exc:  # noqa: BLE001 - a custom controller's factory is operator code
                 where = f"extra_args.{PAYLOAD_KEY}.policy" if entry.policy is not None else "global_policy"
                 entry.error = self._stop(req_id, SteeringValidationError(f"{where}.controller.options: {exc}"))
@@ -357,7 +407,7 @@ class SteeringRuntime:
         return policy if policy is not None and (policy.rules or policy.controller) else None
 
     def _store_trace(self, req_id: str, st: DynState, entry: RequestEntry | None) -> None:
-        if entry is None or not entry.trace:
+        if entry is None or not entry.trace or st.record is None:
             return  # nobody asked to keep it (e.g. an HTTP request): keeping it would only grow memory
         tag = entry.tag or req_id
         self._expire_traces()
@@ -365,7 +415,8 @@ class SteeringRuntime:
             self.traces.popitem(last=False)
             self.stats.traces_dropped += 1
         self.traces[tag] = (time.monotonic(), {"tag": tag, "monitors": [s.monitor for s in st.slots],
-                                               "scopes": [s.scope for s in st.slots], **st.trace()})
+                                               "scopes": [s.scope for s in st.slots],
+                                               **st.trace(*self.dynamic.records.record(st.record))})
 
     def attach_capture(self, collector: CaptureCollector, consumers: dict[str, Any]) -> None:
         self.capture, self.consumers = collector, consumers
@@ -412,6 +463,7 @@ class SteeringRuntime:
         return cached
 
     def _assign_rows(self, req_id: str, entry: RequestEntry) -> None:
+        self._version += 1
         if entry.error is not None:  # stopped: it runs unsteered until the scheduler finishes it
             entry.prefill, entry.decode, entry.rows = EMPTY, EMPTY, (0, 0)
             return
@@ -461,6 +513,7 @@ class SteeringRuntime:
             raise
 
     def _release_rows(self, entry: RequestEntry) -> None:
+        self._version += 1
         self.pool.release(entry.prefill.digest)
         self.pool.release(entry.decode.digest)
         entry.prefill = entry.decode = EMPTY

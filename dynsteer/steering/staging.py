@@ -18,6 +18,7 @@ class StagingRing:
         # device="cpu" explicitly: this runs during model construction, under vLLM's default-device context.
         self.slots = [torch.zeros(target.shape, dtype=target.dtype, device="cpu", pin_memory=self.cuda)
                       for _ in range(depth if self.cuda else 1)]
+        self.views = [slot.numpy() for slot in self.slots]  # made once: Tensor.numpy() costs microseconds a call
         self.events: list[Any] = [None] * len(self.slots)
         self.i = 0
 
@@ -25,7 +26,7 @@ class StagingRing:
         self.i = (self.i + 1) % len(self.slots)
         if self.events[self.i] is not None:
             self.events[self.i].synchronize()
-        return self.slots[self.i].numpy()
+        return self.views[self.i]
 
     def copy_to(self, upto: int | None = None) -> None:
         """Send the current slot's first ``upto`` entries (``None``: all of it) to the device buffer (non-blocking

@@ -1,0 +1,152 @@
+"""Host time per decode step of the worker-side steering runtime, without a model.
+
+The runtime's per-step work (``plan``: row index, gate words, capture slots; ``after_forward``: read-backs; the
+next ``plan``'s poll of finished read-backs) runs on the host while the GPU runs earlier steps. This benchmark drives a
+:class:`dynsteer.steering.runtime.SteeringRuntime` through a steady decode (every request one token per step, batch
+composition fixed, then one request replaced every ``--churn`` steps) on tables of an 8B-like shape, and reports
+microseconds of host time per step for each mode and batch size. On a CPU box the torch ops of the read-back and the
+controller kernels would run synchronously (their torch references loop over tokens in Python), so they are skipped
+unless ``--kernels run``; on CUDA they are launches, always run.
+
+    .venv/bin/python benchmarks/host_step.py --batches 1 16 64 --steps 400
+
+Modes: ``idle`` (nothing set), ``per-request static`` (every request its own vector), ``per-request dynamic`` (four
+policies spread over the batch; HTTP-like: nobody keeps the trace), ``per-request dynamic traced`` (the same, each
+request's trace kept, as the offline API does), ``sync`` (per-request + EMA-latch controller, device tier), ``capture`` (every
+generated token at one place).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec  # noqa: E402
+from dynsteer.capture.consumers import MemoryConsumer  # noqa: E402
+from dynsteer.capture.spec import CaptureSpec  # noqa: E402
+from dynsteer.capture.store import CaptureCollector  # noqa: E402
+from dynsteer.payload import encode_payload  # noqa: E402
+from dynsteer.spec import ModelShape, SteeringSpec  # noqa: E402
+from dynsteer.steering.runtime import BatchView, SteeringRuntime  # noqa: E402
+from dynsteer.steering.tables import SteeringTables  # noqa: E402
+
+MODES = ["idle", "per-request static", "per-request dynamic", "per-request dynamic traced", "sync", "capture"]
+
+
+def build(layers: int, hidden: int, max_tokens: int, device: str, kernels: str) -> SteeringRuntime:
+    shape = ModelShape(num_layers=layers, hidden_size=hidden, sites=("post_block",), max_gates=2)
+    tables = SteeringTables([(l, "post_block") for l in range(layers)], hidden, num_rows=80, max_clamps=1,
+                            max_tokens=max_tokens, device=device, max_gates=2)
+    rt = SteeringRuntime(shape, tables, sync_slots=256)
+    if device == "cpu" and kernels == "skip":  # the CPU references are per-token Python; on CUDA they are launches
+        rt.dynamic.control = rt.dynamic.update = lambda *a: None
+    place = (layers // 2, "post_block")
+    buf = torch.zeros(max_tokens, hidden, device=device)
+    rt.attach_capture(CaptureCollector({place: buf}, engine_places={place}), {"memory": MemoryConsumer()})
+    return rt
+
+
+def payloads(mode: str, batch: int, layers: int, hidden: int, rng: np.random.Generator) -> list[str | None]:
+    def unit() -> np.ndarray:
+        v = rng.standard_normal(hidden)
+        return (v / np.linalg.norm(v)).astype(np.float32)
+
+    if mode == "idle":
+        return [None] * batch
+    if mode == "per-request static":
+        return [encode_payload(SteeringSpec.model_validate({"vectors": [
+            {"layer": layers // 2, "site": "post_block", "vector": unit() * 0.01, "tier": "decode"}]})) for _ in range(batch)]
+    if mode == "capture":
+        cap = CaptureSpec(layers=(layers // 2,), positions="all_generated")
+        return [encode_payload(capture=cap) for _ in range(batch)]
+    ctrl = (SyncControllerSpec(kind="ema_latch", alpha=0.3, on=0.2, off=0.0, scale=1.5, monitor="m")
+            if mode == "sync" else None)
+    pols = [DynamicSteeringPolicy(
+        monitors=[Monitor(name="m", layer=layers // 2, direction=unit(), sharpness=4.0, threshold=0.1 * k)],
+        rules=[Rule(monitor="m", actions=[Action(kind="add", layer=layers // 2 + 2, vector=unit() * 0.01)])],
+        controller=ctrl) for k in range(4)]
+    return [encode_payload(policy=pols[i % 4], trace=mode.endswith("traced")) for i in range(batch)]
+
+
+def run(rt: SteeringRuntime, mode: str, batch: int, steps: int, churn: int, layers: int, hidden: int,
+        prompt_len: int = 32) -> dict[str, float]:
+    rng = np.random.default_rng(0)
+    pool = payloads(mode, batch, layers, hidden, rng)
+    serial = iter(range(10**9))
+    live = [f"r{next(serial)}" for _ in range(batch)]
+    payload = {r: pool[i] for i, r in enumerate(live)}
+    computed = {r: prompt_len for r in live}
+    # the prefill step (not timed)
+    qsl = np.arange(batch + 1, dtype=np.int64) * prompt_len
+    rt.plan(BatchView(live, qsl, np.zeros(batch, np.int64), np.full(batch, prompt_len), batch * prompt_len,
+                      batch * prompt_len), payload.__getitem__)
+    rt.after_forward()
+    times, fwd = [], []
+    qsl = np.arange(batch + 1, dtype=np.int64)
+    for step in range(steps):
+        if churn and step and step % churn == 0:  # one request finishes, a new one takes its place (decoding)
+            done = live.pop(0)
+            rt.release([done])
+            new = f"r{next(serial)}"
+            live.append(new)
+            payload[new], computed[new] = payload.pop(done), prompt_len
+            computed.pop(done)
+        view = BatchView(list(live), qsl, np.array([computed[r] for r in live], np.int64),
+                         np.full(batch, prompt_len), batch, batch)
+        t0 = time.perf_counter()
+        rt.plan(view, payload.__getitem__)
+        t1 = time.perf_counter()
+        rt.after_forward()
+        t2 = time.perf_counter()
+        times.append(t1 - t0)
+        fwd.append(t2 - t1)
+        for r in live:
+            computed[r] += 1
+    rt.release(live)
+    if rt.dynamic is not None:
+        rt.dynamic.poll(rt._state_of, block=True)
+    skip = steps // 10
+    return {"plan_us": statistics.median(times[skip:]) * 1e6, "after_forward_us": statistics.median(fwd[skip:]) * 1e6,
+            "mean_total_us": (sum(times[skip:]) + sum(fwd[skip:])) / (steps - skip) * 1e6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--churn", type=int, default=0, help="replace one request every N steps (0: fixed batch)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--kernels", choices=["skip", "run"], default="skip",
+                    help="on CPU, skip the sync tier's controller kernels (their torch references loop in Python; "
+                         "on CUDA they are single launches, always run)")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    print("| mode | " + " | ".join(f"batch {b}: plan / after / mean total µs" for b in args.batches) + " |")
+    print("|---" * (len(args.batches) + 1) + "|")
+    for mode in args.modes:
+        results[mode] = {}
+        for batch in args.batches:
+            rt = build(args.layers, args.hidden, max(512, batch * 32), args.device, args.kernels)
+            results[mode][str(batch)] = run(rt, mode, batch, args.steps, args.churn, args.layers, args.hidden)
+        cells = [f"{r['plan_us']:.0f} / {r['after_forward_us']:.0f} / {r['mean_total_us']:.0f}"
+                 for r in results[mode].values()]
+        print(f"| {mode} | " + " | ".join(cells) + " |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

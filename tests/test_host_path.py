@@ -1,0 +1,161 @@
+"""The step-batched host path: per-request arrays gathered once per batch composition, read-backs appended a step at
+a time. Both must give exactly what the per-request, per-token version gave."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dynsteer import (Action, AddVector, DynamicSteeringPolicy, ModelShape, Monitor, Rule, SteeringSpec,
+                      SyncControllerSpec)
+from dynsteer.payload import encode_payload
+from dynsteer.steering.readback import ReadbackStore
+from dynsteer.steering.runtime import BatchView, SteeringRuntime
+from dynsteer.steering.tables import SteeringTables
+
+H = 8
+SHAPE = ModelShape(num_layers=3, hidden_size=H, max_gates=2)
+
+
+# ---- ReadbackStore against a dictionary model --------------------------------------------------------------------
+@st.composite
+def steps(draw):
+    """Steps of read-backs: each a list of (request, [positions]) runs, positions possibly recomputed."""
+    n_req = draw(st.integers(1, 5))
+    frontier = [0] * n_req
+    out = []
+    for _ in range(draw(st.integers(1, 25))):
+        runs = []
+        for r in draw(st.permutations(range(n_req))):
+            if draw(st.booleans()):
+                start = draw(st.integers(max(0, frontier[r] - 3), frontier[r]))  # recompute a few, or go on
+                length = draw(st.integers(1, 4))
+                runs.append((r, list(range(start, start + length))))
+                frontier[r] = max(frontier[r], start + length)
+        out.append(runs)
+    return n_req, out
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=steps())
+def test_readback_store_keeps_each_position_once_in_order(case):
+    n_req, schedule = case
+    store = ReadbackStore(width=3, slots=2, length=2)  # tiny: both dimensions must grow
+    slot = [store.acquire() for _ in range(n_req)]
+    model: dict[int, dict[int, list[float]]] = {r: {} for r in range(n_req)}
+    rng = np.random.default_rng(0)
+    for runs in schedule:
+        s = np.array([slot[r] for r, ps in runs for _ in ps], np.int64)
+        pos = np.array([p for _, ps in runs for p in ps], np.int64)
+        block = rng.standard_normal((3, len(pos))).astype(np.float32)
+        store.append(s, pos, block)
+        k = 0
+        for r, ps in runs:
+            last = max(model[r], default=-1)
+            for p in ps:
+                if p > last:  # the first computation of a position is the one kept
+                    model[r][p] = block[:, k].tolist()
+                k += 1
+    for r in range(n_req):
+        positions, values = store.record(slot[r])
+        assert positions.tolist() == sorted(model[r])
+        assert values.tolist() == [model[r][p] for p in sorted(model[r])]
+        for p, v in model[r].items():
+            assert store.at(slot[r], p).tolist() == v
+
+
+def test_retired_record_slots_wait_for_their_read_backs():
+    store = ReadbackStore(width=1, slots=1)
+    a = store.acquire()
+    store.retire(a, after=5)
+    store.reclaim(4)
+    b = store.acquire()
+    assert b != a  # read-back 5 may still name slot a
+    store.reclaim(5)
+    assert store.acquire() == a
+
+
+# ---- the runtime's per-batch arrays --------------------------------------------------------------------------------
+def _unit(seed: int) -> np.ndarray:
+    v = np.random.default_rng(seed).standard_normal(H)
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+def _runtime() -> SteeringRuntime:
+    sites = [(l, "post_block") for l in range(3)]
+    return SteeringRuntime(SHAPE, SteeringTables(sites, H, 16, 1, max_tokens=64, max_gates=2))
+
+
+PAYLOADS = [
+    None,
+    encode_payload(SteeringSpec(vectors=[AddVector(layer=1, vector=_unit(1), tier="decode")])),
+    encode_payload(SteeringSpec(vectors=[AddVector(layer=0, vector=_unit(2))])),
+    encode_payload(policy=DynamicSteeringPolicy(
+        monitors=[Monitor(name="m", layer=0, direction=_unit(3), sharpness=2.0, threshold=0.0)],
+        rules=[Rule(monitor="m", actions=[Action(kind="add", layer=2, vector=_unit(4))])]), trace=True),
+    encode_payload(policy=DynamicSteeringPolicy(  # the device sync tier
+        monitors=[Monitor(name="m", layer=0, direction=_unit(5), sharpness=2.0, threshold=0.0)],
+        rules=[Rule(monitor="m", actions=[Action(kind="add", layer=2, vector=_unit(6))], scope="next_step")],
+        controller=SyncControllerSpec(kind="ema_latch", alpha=0.5, on=0.1, off=0.0, scale=2.0, monitor="m")),
+        trace=True),
+]
+
+
+@st.composite
+def traffic(draw):
+    """Steps of a batch that changes (joins, finishes, preemptions) or stays, and global spec changes."""
+    ops = draw(st.lists(st.sampled_from(["step", "step", "step", "join", "finish", "preempt", "global"]),
+                        min_size=5, max_size=40))
+    return ops, draw(st.lists(st.integers(0, len(PAYLOADS) - 1), min_size=40, max_size=40))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=traffic())
+def test_cached_batch_arrays_plan_exactly_like_a_fresh_gather(case):
+    """Two runtimes see the same traffic; one gathers its per-request arrays afresh every step. Their row index
+    and their dynamic tokens' control words must be identical at every step."""
+    ops, kinds = case
+    cached, fresh = _runtime(), _runtime()
+    live: dict[str, list[int]] = {}  # req_id -> [prompt_len, computed]
+    payload: dict[str, str | None] = {}
+    serial = 0
+    for op in ops:
+        if op == "join" or not live:
+            req = f"r{serial}"
+            payload[req] = PAYLOADS[kinds[serial % len(kinds)]]
+            live[req] = [3 + serial % 4, 0]
+            serial += 1
+        elif op == "finish":
+            req = next(iter(live))
+            del live[req]
+            for rt in (cached, fresh):
+                rt.release([req])
+        elif op == "preempt":
+            req = next(reversed(live))
+            live[req][1] = 0  # it recomputes its prompt and what it generated
+            for rt in (cached, fresh):
+                rt.release([req], finished=False)
+        elif op == "global":
+            spec = SteeringSpec(vectors=[AddVector(layer=2, vector=_unit(serial), tier="decode")] if serial % 2
+                                else [])
+            for rt in (cached, fresh):
+                rt.set_global(spec)
+        ids = list(live)
+        counts = [max(1, live[r][0] - live[r][1]) if live[r][1] < live[r][0] else 1 for r in ids]
+        qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        view = BatchView(ids, qsl, np.array([live[r][1] for r in ids], np.int64),
+                         np.array([live[r][0] for r in ids], np.int64), int(qsl[-1]), int(qsl[-1]) + 2)
+        fresh._batch = None
+        for rt in (cached, fresh):
+            rt.plan(view, payload.__getitem__)
+            rt.after_forward()
+        n = int(qsl[-1]) + 2
+        assert torch.equal(cached.tables.row_index[:n], fresh.tables.row_index[:n])
+        assert torch.equal(cached.dynamic.words, fresh.dynamic.words)
+        for r, c in zip(ids, counts):
+            live[r][1] += c
+    for rt in (cached, fresh):
+        rt.release(list(live))
+    assert cached.take_traces([r for r in payload]) == fresh.take_traces([r for r in payload])
