@@ -90,6 +90,8 @@ def _runtime_for_current_model() -> SteeringRuntime:
                              # live and preempted sync-tier requests; none: every one in the host tier
                              sync_slots=4 * int(sched.max_num_seqs) + 8 if cfg.sync_tier == "device" else 0)
         rt.inline_forward = cfg.forward == "inline"
+        if rt.dynamic is not None:  # where dynamic steering acted decides which generated blocks may be shared
+            rt.dynamic.report_acts = bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False))
         places = cfg.capture_places(num_layers)
         if places:
             emit = _rank_and_size("tp")[0] == 0  # residuals are identical on every TP rank: one rank publishes

@@ -10,6 +10,7 @@ decode-only steering keeps its cache hits.
 from __future__ import annotations
 
 import functools
+import hashlib
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,8 @@ from dynsteer.steering.compile import compile_phase
 
 SALT_TAG = "dynsteer:"
 DECODE_KEY = "dynsteer_decode_fp"  # set by admission, read by the engine core's block hasher
+DYNAMIC_KEY = "dynsteer_dynamic"  # set by admission when a dynamic policy steers the request's decode tokens
+ACTED_TAG = "dynsteer:acted:"
 ROWS_KEY = "dynsteer_rows"  # set by admission: the table rows a request takes, read by the scheduler (it waits)
 
 
@@ -76,16 +79,17 @@ class FrontendState:
         """Nothing global: requests without a payload need no admission."""
         return self.global_spec.is_empty() and self.global_policy is None
 
-    def admit(self, payload: Any) -> tuple[str, str, str]:
+    def admit(self, payload: Any) -> tuple[str, str, str, bool]:
         """Validate ``payload`` (None: no per-request steering).
 
         Returns:
-            hex fingerprints of the effective prefill and decode configurations ('' where that phase is unsteered),
-            and the table rows the request takes (``"prefill,decode"`` digests, for the scheduler).
+            hex fingerprints of the effective prefill and the *static* decode configuration ('' where that phase is
+            unsteered), the table rows the request takes (``"prefill,decode"`` digests, for the scheduler), and
+            whether a dynamic policy may steer its decode tokens.
             A request that captures prompt positions gets a unique prefill fingerprint: prefix-cache hits skip
-            the forward for cached tokens, and there would be nothing to capture for them. A dynamic policy is part
-            of the decode fingerprint: its gates are a deterministic function of the tokens, so blocks generated
-            under the same policy may be shared, and no other request ever reuses them (DESIGN §5).
+            the forward for cached tokens, and there would be nothing to capture for them. A dynamic policy is not
+            part of the decode fingerprint: the workers report where it acted, and the engine core folds that into
+            the hashes of the blocks from there on (:func:`patch_block_hashing`, DESIGN §5).
         """
         cacheable = payload is None or isinstance(payload, str)  # JSON-object payloads are not hashable
         key = (self.version, payload_body(payload))  # tags differ per request; the configuration does not
@@ -101,13 +105,12 @@ class FrontendState:
             size = 256 + (len(key[1]) if isinstance(key[1], str) else 0)
             if cacheable and size <= self.limits.cache_bytes:
                 self._memo[key] = (size, cached)
-        prefill, decode, recompute_prompt = cached
-        rows = f"{prefill},{decode}"
+        prefill, decode, rows, dynamic, recompute_prompt = cached
         if recompute_prompt:
             prefill = f"{prefill}capture-{uuid.uuid4().hex}"
-        return prefill, decode, rows
+        return prefill, decode, rows, dynamic
 
-    def _admit(self, payload: Any) -> tuple[str, str, bool]:
+    def _admit(self, payload: Any) -> tuple[str, str, str, bool, bool]:
         specs = [("global.", self.global_spec)]
         policy = None if self.global_policy is None else ("global_policy.", self.global_policy)
         recompute_prompt = False
@@ -128,7 +131,9 @@ class FrontendState:
             raise SteeringValidationError(
                 f"extra_args.{PAYLOAD_KEY}: this configuration needs {needed} steering rows (its prefill and decode "
                 f"phases differ); the engine has {self.capacity} (raise DynsteerConfig.max_rows)")
-        return prefill, decode, recompute_prompt
+        dynamic = policy is not None and bool(policy[1].rules or policy[1].controller)
+        static_decode = compile_phase(specs, "decode", self.shape, self.named).digest.hex() if dynamic else decode
+        return prefill, static_decode, f"{prefill},{decode}", dynamic, recompute_prompt
 
 
 def shape_from_vllm_config(vllm_config: Any) -> ModelShape:
@@ -200,13 +205,16 @@ def patch_input_processor(cls: type) -> None:
         payload = extra.get(PAYLOAD_KEY)
         if payload is None and state.idle:
             return orig(self, request_id, prompt, params, *args, **kwargs)
-        prefill_fp, decode_fp, rows = state.admit(payload)  # raises SteeringValidationError naming the field
+        # raises SteeringValidationError naming the field
+        prefill_fp, decode_fp, rows, dynamic = state.admit(payload)
         request = orig(self, request_id, prompt, params, *args, **kwargs)
         request.cache_salt = salted(request.cache_salt, prefill_fp)
         if request.sampling_params is not None:
             extra = {**(request.sampling_params.extra_args or {}), ROWS_KEY: rows}
             if decode_fp:
                 extra[DECODE_KEY] = decode_fp
+            if dynamic:
+                extra[DYNAMIC_KEY] = 1
             request.sampling_params.extra_args = extra
         return request
 
@@ -214,11 +222,13 @@ def patch_input_processor(cls: type) -> None:
 
 
 def patch_block_hashing(module: Any) -> None:
-    """Engine core: blocks holding tokens generated under decode steering hash with the decode fingerprint.
+    """Engine core: blocks holding tokens generated under steering hash with what steered them.
 
-    ``cache_salt`` only reaches the first block; generated tokens join the hash chain later, so a block that
-    contains any token decoded under steering gets the fingerprint as an extra key. The chain then forks from that
-    block on, while pure prompt blocks keep their (shareable) hashes.
+    ``cache_salt`` only reaches the first block; generated tokens join the hash chain later. So a block containing
+    a token decoded under static decode steering gets the admission's decode fingerprint as an extra key, and a
+    block containing a token at or after the first position where a dynamic policy acted gets the fold of what
+    acted (:class:`ActedState`, from the workers' reports). The chain then forks from that block on, while pure
+    prompt blocks, and blocks generated while nothing acted, keep their (shareable) hashes.
     """
     orig = module.generate_block_hash_extra_keys
 
@@ -226,12 +236,91 @@ def patch_block_hashing(module: Any) -> None:
     def generate_block_hash_extra_keys(request: Any, start_token_idx: int, end_token_idx: int, *a: Any, **k: Any):
         extra_keys, mm_idx = orig(request, start_token_idx, end_token_idx, *a, **k)
         if end_token_idx > request.num_prompt_tokens:
-            fp = ((request.sampling_params and request.sampling_params.extra_args) or {}).get(DECODE_KEY)
+            extra = (request.sampling_params and request.sampling_params.extra_args) or {}
+            fp = extra.get(DECODE_KEY)
             if fp:
                 extra_keys = (*(extra_keys or ()), f"{SALT_TAG}decode:{fp}")
+            acted = getattr(request, "_dynsteer_acted", None) if DYNAMIC_KEY in extra else None
+            fold = acted.fold_at(end_token_idx - 1) if acted is not None else ""
+            if fold:
+                extra_keys = (*(extra_keys or ()), f"{ACTED_TAG}{fold}")
         return extra_keys, mm_idx
 
     module.generate_block_hash_extra_keys = generate_block_hash_extra_keys
+
+
+@dataclass
+class ActedState:
+    """Engine core, per request with a dynamic policy: how far the workers have reported, and where steering acted.
+
+    ``reported``: tokens whose KV the workers computed and reported on (a block is hashed only once all its tokens
+    are, so a block is never cached before its step's report: with asynchronous scheduling too). ``events``:
+    ``(position, fold)`` where what acts changed; the fold chains every signature so far (forward only), so a block's
+    hash carries the history up to its last token. Lives on the ``Request`` (preemption keeps it; it goes with the
+    request).
+    """
+
+    reported: int = 0
+    events: list[tuple[int, str]] = field(default_factory=list)
+    last_signature: str = ""
+
+    def report(self, upto: int, acted_at: int, signature: str) -> None:
+        """Positions ``< upto`` are computed and reported; steering acted at ``acted_at`` (``-1``: not in this
+        report) under ``signature``."""
+        self.reported = max(self.reported, upto)
+        if acted_at >= 0 and signature != self.last_signature:
+            if self.events and acted_at <= self.events[-1][0]:
+                acted_at = self.events[-1][0]  # a recomputed position (preemption): history stays in order
+            self.events.append((acted_at, fold(self.events[-1][1] if self.events else "", signature)))
+            self.last_signature = signature
+
+    def fold_at(self, position: int) -> str:
+        """The fold in effect at ``position`` ('' if nothing acted at or before it)."""
+        out = ""
+        for pos, f in self.events:
+            if pos > position:
+                break
+            out = f
+        return out
+
+
+def fold(previous: str, signature: str) -> str:
+    """Chain ``signature`` onto ``previous`` (deterministic on every process and rank)."""
+    return hashlib.sha256(f"{previous}|{signature}".encode()).hexdigest()[:32]
+
+
+class _Upto:
+    """A request seen by vLLM's block hasher as if it had only ``num_tokens`` tokens."""
+
+    def __init__(self, request: Any, num_tokens: int) -> None:
+        self.__dict__["_request"], self.__dict__["num_tokens"] = request, num_tokens
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_request"], name)
+
+
+def patch_request(cls: type) -> None:
+    """Engine core: a request with a dynamic policy hashes a block only once the workers reported on all its
+    tokens (prompt tokens need no report: dynamic steering acts on decode tokens)."""
+    orig = cls.update_block_hashes
+
+    @functools.wraps(orig)
+    def update_block_hashes(self: Any) -> None:
+        params = getattr(self, "sampling_params", None)
+        if self._block_hasher is None or DYNAMIC_KEY not in ((params and params.extra_args) or {}):
+            return orig(self)
+        acted = self.__dict__.setdefault("_dynsteer_acted", ActedState())
+        limit = min(self.num_tokens, max(self.num_prompt_tokens, acted.reported))
+        self.block_hashes.extend(self._block_hasher(_Upto(self, limit)))
+
+    cls.update_block_hashes = update_block_hashes
+
+
+def hashed_tokens(request: Any, hash_block_size: int) -> int | None:
+    """Tokens of ``request`` covered by block hashes, when a dynamic policy holds its hashing back (else None)."""
+    if "_dynsteer_acted" not in request.__dict__:
+        return None
+    return len(request.block_hashes) * hash_block_size
 
 
 def state_of(llm: Any) -> FrontendState:

@@ -84,4 +84,5 @@ def register() -> None:
     when_imported("vllm.v1.worker.worker_base", lambda m: worker_ext.install(m.WorkerWrapperBase))
     when_imported("vllm.v1.engine.input_processor", lambda m: apc.patch_input_processor(m.InputProcessor))
     when_imported("vllm.v1.core.kv_cache_utils", apc.patch_block_hashing)
+    when_imported("vllm.v1.request", lambda m: apc.patch_request(m.Request))
     when_imported("vllm.v1.core.sched.scheduler", lambda m: scheduler.patch_scheduler(m.Scheduler))

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from dynsteer.engine.adapters import find_runtime
-from dynsteer.engine.scheduler import attach_stops
+from dynsteer.engine.scheduler import ACTS_ATTR, STOPS_ATTR, attach
 from dynsteer.payload import PAYLOAD_KEY
 from dynsteer.steering.runtime import BatchView, SteeringRuntime
 
@@ -39,12 +39,18 @@ def _payload(sampling_params: Any) -> Any:
     return extra.get(PAYLOAD_KEY)
 
 
-def _report_stops(runner: Any, output: Any) -> Any:
-    """Attach the requests this rank stopped to the step's output (the scheduler finishes them)."""
+def _report(runner: Any, output: Any) -> Any:
+    """Attach to the step's output the requests this rank stopped (the scheduler finishes them) and where dynamic
+    steering acted (the scheduler folds it into block hashes)."""
     rt = runtime_of(runner)
-    if rt is None or not rt.stops or output is None:
+    if rt is None or output is None:
         return output
-    return attach_stops(output, rt.take_stops())
+    acts = rt.take_acts()
+    if acts:
+        output = attach(output, ACTS_ATTR, acts)
+    if rt.stops:
+        output = attach(output, STOPS_ATTR, rt.take_stops())
+    return output
 
 
 def _zero_on_reuse(runner: Any) -> None:
@@ -64,7 +70,7 @@ def _patch_outputs(cls: type) -> None:
 
     @functools.wraps(orig_sample)
     def sample_tokens(self: Any, *a: Any, **k: Any) -> Any:
-        return _report_stops(self, orig_sample(self, *a, **k))
+        return _report(self, orig_sample(self, *a, **k))
 
     @functools.wraps(orig_init_kv)
     def initialize_kv_cache(self: Any, *a: Any, **k: Any) -> Any:

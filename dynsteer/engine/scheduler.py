@@ -26,12 +26,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynsteer.config import DynsteerConfig
-from dynsteer.engine.apc import ROWS_KEY
+from dynsteer.engine.apc import ROWS_KEY, ActedState, hashed_tokens
 
 logger = logging.getLogger("dynsteer")
 
 STOPS_ATTR = "dynsteer_stops"
 """Attribute of a ``ModelRunnerOutput``: ``{request id: reason}`` of requests the workers stopped at that step."""
+ACTS_ATTR = "dynsteer_acts"
+"""Attribute of a ``ModelRunnerOutput``: a list of ``(request ids, upto, acted_at, signature)`` columns (one per
+read-back): the workers computed and read back every decode position ``< upto`` of a request with a dynamic policy;
+steering first acted in that read-back (under ``signature``) at ``acted_at`` (``-1``: it did not). Folded into block
+hashes by ``engine.apc``."""
 
 
 @dataclass
@@ -105,6 +110,17 @@ def patch_scheduler(cls: type) -> None:
             return out
 
         kvm.allocate_slots = allocate_slots
+        coordinator = kvm.coordinator
+        orig_cache = coordinator.cache_blocks
+        hash_block_size = getattr(coordinator.block_pool, "hash_block_size", None) or self.block_size
+
+        @functools.wraps(orig_cache)
+        def cache_blocks(request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
+            # A request with a dynamic policy has hashes only for blocks the workers reported on: cache no further.
+            hashed = hashed_tokens(request, hash_block_size)
+            return orig_cache(request, num_tokens if hashed is None else min(num_tokens, hashed), *args, **kwargs)
+
+        coordinator.cache_blocks = cache_blocks
 
     @functools.wraps(orig_schedule)
     def schedule(self: Any, *a: Any, **k: Any) -> Any:
@@ -121,6 +137,7 @@ def patch_scheduler(cls: type) -> None:
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         state = self._dynsteer
         state.stops = dict(getattr(model_runner_output, STOPS_ATTR, None) or {})
+        _apply_acts(self, getattr(model_runner_output, ACTS_ATTR, None))
         try:
             outputs = orig_update(self, scheduler_output, model_runner_output)
             # Stopped requests that produced no token this step (still prefilling): finish them here.
@@ -163,6 +180,23 @@ def patch_scheduler(cls: type) -> None:
     cls._dynsteer_patched = True
 
 
+def _apply_acts(scheduler: Any, acts: Any) -> None:
+    """Fold the workers' reports into their requests' hashing state, and hash the blocks they complete (before
+    this step's new tokens are appended, which hashes again up to what is reported)."""
+    if not acts:
+        return
+    touched = {}
+    for ids, upto, acted_at, signature in acts:
+        for req_id, u, a, sig in zip(ids, upto, acted_at, signature):
+            request = scheduler.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            request.__dict__.setdefault("_dynsteer_acted", ActedState()).report(int(u), int(a), str(sig))
+            touched[req_id] = request
+    for request in touched.values():
+        request.update_block_hashes()
+
+
 def _mark_stopped(scheduler: Any, request: Any, reason: str) -> None:
     request.stop_reason = reason
     scheduler._dynsteer.stopped.add(request.request_id)
@@ -186,8 +220,8 @@ def _quarantine_blocks(scheduler: Any, request: Any) -> None:
         scheduler._dynsteer.to_zero.extend(sorted(own))
 
 
-def attach_stops(output: Any, stops: dict[str, str]) -> Any:
-    """``output`` (a runner's step output, possibly async-wrapped) carrying ``stops`` for the scheduler.
+def attach(output: Any, attr: str, value: Any) -> Any:
+    """``output`` (a runner's step output, possibly async-wrapped) carrying ``value`` as ``attr`` for the scheduler.
 
     Returns the object to hand back to vLLM: the shared empty output is copied rather than mutated.
     """
@@ -195,13 +229,13 @@ def attach_stops(output: Any, stops: dict[str, str]) -> Any:
 
     if output is EMPTY_MODEL_RUNNER_OUTPUT:
         output = copy.copy(output)
-    for attr in ("_model_runner_output", "model_runner_output"):  # v1 async / v2 async wrappers
-        inner = getattr(output, attr, None)
+    for wrapped in ("_model_runner_output", "model_runner_output"):  # v1 async / v2 async wrappers
+        inner = getattr(output, wrapped, None)
         if inner is not None:
             if inner is EMPTY_MODEL_RUNNER_OUTPUT:
                 inner = copy.copy(inner)
-                setattr(output, attr, inner)
-            setattr(inner, STOPS_ATTR, stops)
+                setattr(output, wrapped, inner)
+            setattr(inner, attr, value)
             return output
-    setattr(output, STOPS_ATTR, stops)
+    setattr(output, attr, value)
     return output

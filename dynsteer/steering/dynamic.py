@@ -176,6 +176,11 @@ class DynState:
                    params=np.array([[s.sharpness, s.threshold, s.floor] for s in slots], np.float32).T.copy())
 
     @property
+    def act_mask(self) -> int:
+        """Bitmask of the gate slots whose gate steers (a rule's slot; a controller-only monitor's does not)."""
+        return sum(1 << i for i, slot in enumerate(self.slots) if slot.scope != "monitor")
+
+    @property
     def host_tier(self) -> bool:
         return self.tier == "host"
 
@@ -226,6 +231,22 @@ class DynState:
                 "scale": values[:, 4 * G].astype(np.float64).tolist()}
 
 
+def acted_report(tok: StepTokens, host: np.ndarray, G: int) -> tuple[list[str], list[int], list[int], list[str]]:
+    """Per request of one read-back: ``(ids, upto, acted_at, signature)``: every position ``< upto`` is reported;
+    ``acted_at`` is the first position at which a steering gate was applied non-zero (``-1``: none). Vectorised
+    over the step's tokens (a request's tokens are contiguous)."""
+    bits = ((host[G:2 * G] != 0) * (1 << np.arange(G, dtype=np.int64))[:, None]).sum(0)
+    acted = (bits & tok.act) != 0
+    req = tok.req
+    starts = np.flatnonzero(np.r_[True, req[1:] != req[:-1]])
+    upto = np.maximum.reduceat(tok.position, starts) + 1
+    never = np.iinfo(np.int64).max
+    first = np.minimum.reduceat(np.where(acted, tok.position, never), starts)
+    first[first == never] = -1
+    ids = [tok.req_ids[i] for i in req[starts].tolist()]
+    return ids, upto.tolist(), first.tolist(), tok.signature[starts].tolist()
+
+
 def _has_custom(spec: Any) -> bool:
     while spec is not None:
         if spec.kind == "custom":
@@ -258,18 +279,20 @@ class StepTokens:
     sync: np.ndarray
     record: np.ndarray
     host: np.ndarray
+    act: np.ndarray  # bitmask of the gate slots whose gate steers (rules with actions)
+    signature: np.ndarray  # object: the request's decode configuration digest (what acts, for prefix caching)
 
     def __len__(self) -> int:
         return len(self.index)
 
     def subset(self, k: np.ndarray) -> "StepTokens":
         return StepTokens(self.req_ids, self.req[k], self.index[k], self.position[k], self.slot[k], self.sync[k],
-                          self.record[k], self.host[k])
+                          self.record[k], self.host[k], self.act[k], self.signature[k])
 
     @classmethod
     def empty(cls) -> "StepTokens":
         i, b = np.zeros(0, np.int64), np.zeros(0, bool)
-        return cls((), i, i, i, i, b, i, b)
+        return cls((), i, i, i, i, b, i, b, i, np.zeros(0, object))
 
 
 @dataclass
@@ -343,6 +366,9 @@ class DynamicDriver:
             self.control(self.words[CTL], self.state, self.replay, gate_mul, gate_add, self.scale_used, 1)
             self.update(self.words[UPD], self.words[CTL], self.words[POS], scores, self.state, 1)
             gate_mul.fill_(1.0)
+        self.report_acts = False  # report where dynamic steering acted (the engine core's prefix-cache hashing)
+        # per completed read-back: (request ids, upto, first acted position or -1, signature) by request run
+        self.acts: list[tuple[list[str], list[int], list[int], list[str]]] = []
         self.enqueued = 0  # read-backs started
         self.completed = 0  # read-backs fed to their requests
         self.host_tier = 0  # live requests in the host tier (their steps wait for the previous one)
@@ -413,9 +439,10 @@ class DynamicDriver:
         if not len(tokens):
             return
         self.stats.dynamic_steps += 1
-        # Read back only what someone reads: a record (a trace, device-tier replays) or a host-tier controller.
-        # Plain in-graph gates nobody traces (HTTP traffic) cost no host work at all.
-        read = np.flatnonzero((tokens.record >= 0) | tokens.host)
+        # Read back only what someone reads: a record (a trace, device-tier replays), a host-tier controller, or
+        # the prefix cache (where steering acted). Untraced plain gates without prefix caching cost no host work.
+        read = (np.arange(len(tokens)) if self.report_acts
+                else np.flatnonzero((tokens.record >= 0) | tokens.host))
         if not len(read) and not self._dirty and not tokens.sync.any():
             return
         m = len(read)
@@ -525,6 +552,8 @@ class DynamicDriver:
             t0 = time.perf_counter()
             host, tok = pend.host.numpy(), pend.tokens
             self.records.append(tok.record, tok.position, host)  # one vectorised scatter for the whole step
+            if self.report_acts and len(tok):
+                self.acts.append(acted_report(tok, host, self.layout.G))
             for k in np.flatnonzero(tok.host).tolist():  # host-tier controllers run in Python, token by token
                 st = lookup(tok.req_ids[tok.req[k]])
                 pos = int(tok.position[k])

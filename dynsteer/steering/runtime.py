@@ -92,6 +92,8 @@ class _Batch:
     sync: np.ndarray
     record: np.ndarray  # read-back record slot (-1: none)
     host: np.ndarray  # host sync tier
+    act: np.ndarray  # bitmask of gate slots that steer (rules with actions)
+    signature: np.ndarray  # object: decode configuration digest (hex)
 
 
 class SteeringRuntime:
@@ -210,6 +212,15 @@ class SteeringRuntime:
         self.stats.admitted += 1
         return entry
 
+    def take_acts(self) -> list[tuple[list[str], list[int], list[int], list[str]]]:
+        """Where dynamic steering acted, from the read-backs landed since the last call (see
+        ``engine.scheduler.ACTS_ATTR``); polls without waiting first."""
+        if self.dynamic is None or not self.dynamic.report_acts:
+            return []
+        self.dynamic.poll(self._state_of)
+        acts, self.dynamic.acts = self.dynamic.acts, []
+        return acts
+
     def take_stops(self) -> dict[str, str]:
         """Requests to stop since the last call, with their reasons (the runner glue reports them with the step's
         output; the scheduler finishes them and never shares their KV blocks)."""
@@ -266,7 +277,8 @@ class SteeringRuntime:
             if b.dyn.any():
                 picked = np.flatnonzero(is_decode & b.dyn[req_of_token])
                 r = req_of_token[picked]
-                tokens = StepTokens(ids, r, picked, position[picked], b.slot[r], b.sync[r], b.record[r], b.host[r])
+                tokens = StepTokens(ids, r, picked, position[picked], b.slot[r], b.sync[r], b.record[r], b.host[r],
+                                    b.act[r], b.signature[r])
             else:
                 tokens = StepTokens.empty()
             self.dynamic.plan(self._dyn, self._state_of, tokens, upto)
@@ -293,7 +305,9 @@ class SteeringRuntime:
             slot=np.array([-1 if st is None or st.device_slot is None else st.device_slot for st in dyn], np.int64),
             sync=np.array([st is not None and st.sync for st in dyn], bool).reshape(n),
             record=np.array([-1 if st is None or st.record is None else st.record for st in dyn], np.int64),
-            host=np.array([st is not None and st.tier == "host" for st in dyn], bool).reshape(n))
+            host=np.array([st is not None and st.tier == "host" for st in dyn], bool).reshape(n),
+            act=np.array([0 if st is None else st.act_mask for st in dyn], np.int64),
+            signature=np.array([e.decode.digest.hex() for e in entries] + [None], object)[:n])
 
     def _state_of(self, req_id: str) -> DynState | None:
         """A request's dynamic state, live or finishing (read-backs land after the request finished)."""

@@ -1,0 +1,139 @@
+"""Prefix caching under dynamic steering: the workers report where steering acted, the engine core folds it into the
+hashes of the blocks from there on. Blocks generated while nothing acted stay shareable; none computed under steering
+is served to a request that would compute it differently."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import dynsteer
+from dynsteer import DynsteerConfig
+from dynsteer.engine.apc import ActedState, fold
+from dynsteer.steering.dynamic import StepTokens, acted_report
+from tests.conftest import make_llm, token_ids
+from tests.test_dynamic import ALWAYS, NEVER, policy
+
+BLOCK = 16
+
+
+# ---- the fold ------------------------------------------------------------------------------------------------------
+def test_fold_is_forward_only_and_chained():
+    s = ActedState()
+    s.report(40, -1, "")
+    assert s.fold_at(39) == "" and s.reported == 40  # nothing acted: plain hashes
+    s.report(41, 40, "policy-a")
+    assert s.fold_at(39) == "" and s.fold_at(40) == fold("", "policy-a") == s.fold_at(10_000)
+    s.report(42, 41, "policy-a")  # the same thing acting again changes nothing
+    assert len(s.events) == 1
+    s.report(60, 55, "policy-b")  # something else acts (a command): chained onto the history
+    assert s.fold_at(54) == fold("", "policy-a")
+    assert s.fold_at(55) == fold(fold("", "policy-a"), "policy-b") != fold("", "policy-b")
+    s.report(45, 44, "policy-c")  # a recomputed position after preemption: history stays in order
+    assert [p for p, _ in s.events] == [40, 55, 55] and s.reported == 60
+
+
+def test_fold_is_deterministic_across_processes():
+    """Every rank and the engine core compute the same fold (no per-process hash seed)."""
+    code = "from dynsteer.engine.apc import fold; print(fold(fold('', 'a'), 'b'))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert other == fold(fold("", "a"), "b")
+
+
+def test_acted_report_finds_each_requests_first_steering_position():
+    G = 2
+    # tokens of requests 0 (positions 7, 8, 9: resumed), 2 (position 20); request 2's slot 1 only monitors
+    req, pos = np.array([0, 0, 0, 2]), np.array([7, 8, 9, 20])
+    tok = StepTokens(("a", "b", "c"), req, np.arange(4), pos, np.full(4, -1), np.zeros(4, bool), np.full(4, -1),
+                     np.zeros(4, bool), np.array([0b11, 0b11, 0b11, 0b01]), np.array(["sa"] * 3 + ["sc"], object))
+    host = np.zeros((4 * G + 1, 4), np.float32)
+    host[G + 1, 1] = 0.3  # request a: slot 1 applied at position 8
+    host[G + 1, 3] = 0.9  # request c: slot 1 is a monitor without actions: not steering
+    assert acted_report(tok, host, G) == (["a", "c"], [10, 21], [8, -1], ["sa", "sc"])
+
+
+# ---- multi-turn through a real engine ------------------------------------------------------------------------------
+def hits(llm) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+
+
+PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 5)
+
+
+def _turns(llm, st, pol, n1: int = 5 * BLOCK):
+    """Turn 1 under ``pol``; turn 2's prompt holds turn 1's prompt and output. Returns both turns' tokens, the
+    cache hits of turn 2, the first position where turn 1's gate acted (None: never) and turn 1's prompt length."""
+    from vllm import SamplingParams
+
+    llm.reset_prefix_cache()
+    first = st.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=n1, ignore_eos=True), policy=pol)[0]
+    fired = None
+    if pol is not None:
+        applied = first.trace.applied_gates()
+        on = np.flatnonzero(applied != 0)
+        fired = int(first.trace.position[on[0]]) if len(on) else None
+    turn2 = {"prompt_token_ids": list(first.prompt_token_ids) + list(first.outputs[0].token_ids) + [11, 12, 13]}
+    h0 = hits(llm)
+    second = st.generate([turn2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), policy=pol)[0]
+    return (list(first.outputs[0].token_ids), list(second.outputs[0].token_ids), hits(llm) - h0, fired,
+            len(first.prompt_token_ids))
+
+
+@pytest.fixture(scope="module")
+def multi_turn(tiny_llama_path):
+    """Each case on an engine with prefix caching on and one with it off."""
+    cfg = DynsteerConfig(max_gates=2)
+    out = {}
+    for caching in (True, False):
+        with make_llm(tiny_llama_path, enable_prefix_caching=caching, block_size=BLOCK, disable_log_stats=False,
+                      **cfg.engine_kwargs()) as llm:
+            st = dynsteer.attach(llm)
+            probe = st.generate([PROMPT], _params(), policy=policy(st, NEVER, sharpness=1.0))[0].trace
+            scores, positions = probe.scores(), probe.position
+            # a threshold first crossed about midway through turn 1 (the gate is 0 below its floor before)
+            k = len(scores) // 2 + int(np.argmax(scores[len(scores) // 2:]))
+            thr = float((scores[k] + scores[:k].max()) / 2) if scores[k] > scores[:k].max() else None
+            cases = {"unsteered": None, "never": policy(st, NEVER), "always": policy(st, ALWAYS)}
+            if thr is not None:
+                cases["midway"] = policy(st, thr, sharpness=1e4, floor=0.5)
+            out[caching] = {name: _turns(llm, st, pol) for name, pol in cases.items()}
+            out[caching]["_midway_at"] = int(positions[k]) if thr is not None else None
+    return out
+
+
+def _params():
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=5 * BLOCK, ignore_eos=True)
+
+
+@pytest.mark.parametrize("case", ["unsteered", "never", "always", "midway"])
+def test_multi_turn_outputs_with_prefix_caching_equal_outputs_without(multi_turn, case):
+    if case not in multi_turn[True]:
+        pytest.skip("no clean midway crossing in this prompt's scores")
+    cached, uncached = multi_turn[True][case], multi_turn[False][case]
+    assert cached[:2] == uncached[:2]  # both turns' tokens
+
+
+def test_a_gate_that_never_fires_keeps_every_hit(multi_turn):
+    runs = multi_turn[True]
+    assert runs["never"][3] is None
+    unsteered_hits = runs["unsteered"][2]
+    assert unsteered_hits >= (runs["unsteered"][4] // BLOCK + 4) * BLOCK  # turn 1's generated blocks are reused
+    assert runs["never"][2] == unsteered_hits
+
+
+def test_blocks_after_the_first_firing_are_never_served(multi_turn):
+    runs = multi_turn[True]
+    prompt_len = runs["always"][4]
+    assert runs["always"][3] == prompt_len  # it acts on the first generated token
+    assert runs["always"][2] <= prompt_len // BLOCK * BLOCK  # only blocks wholly in the prompt are reused
+    if "midway" not in runs:
+        pytest.skip("no clean midway crossing in this prompt's scores")
+    fired = runs["midway"][3]
+    assert fired is not None and fired > prompt_len + BLOCK
+    # every block before the one holding the first firing is reused; none from it on
+    assert runs["midway"][2] == fired // BLOCK * BLOCK
