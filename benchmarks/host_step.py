@@ -12,8 +12,8 @@ unless ``--kernels run``; on CUDA they are launches, always run.
 
 Modes: ``idle`` (nothing set), ``per-request static`` (every request its own vector), ``per-request dynamic`` (four
 policies spread over the batch; HTTP-like: nobody keeps the trace), ``per-request dynamic traced`` (the same, each
-request's trace kept, as the offline API does), ``sync`` (per-request + EMA-latch controller, device tier), ``capture`` (every
-generated token at one place).
+request's trace kept, as the offline API does), ``sync`` (per-request + EMA-latch controller, device tier),
+``capture`` (every generated token at one place).
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def payloads(mode: str, batch: int, layers: int, hidden: int, rng: np.random.Gen
         return [None] * batch
     if mode == "per-request static":
         return [encode_payload(SteeringSpec.model_validate({"vectors": [
-            {"layer": layers // 2, "site": "post_block", "vector": unit() * 0.01, "tier": "decode"}]})) for _ in range(batch)]
+            {"layer": layers // 2, "site": "post_block", "vector": unit() * 0.01, "tier": "decode"}]}))
+            for _ in range(batch)]
     if mode == "capture":
         cap = CaptureSpec(layers=(layers // 2,), positions="all_generated")
         return [encode_payload(capture=cap) for _ in range(batch)]
