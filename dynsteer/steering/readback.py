@@ -46,10 +46,6 @@ class ReadbackStore:
                 self._retired = [(seq, s) for seq, s in self._retired if seq > completed]
                 self._free.extend(done)
 
-    @property
-    def in_use(self) -> int:
-        return len(self.count) - len(self._free)
-
     # ---- data --------------------------------------------------------------------------------------------------------
     def append(self, slot: np.ndarray, position: np.ndarray, block: np.ndarray) -> np.ndarray:
         """Append read-back columns: token ``k`` (``slot[k] >= 0``) at ``position[k]`` with values ``block[:, k]``.
@@ -108,6 +104,3 @@ class ReadbackStore:
             self.count = np.r_[self.count, np.zeros(S2 - S, np.int64)]
             self.last = np.r_[self.last, np.full(S2 - S, -1, np.int64)]
             self._free.extend(range(S2 - 1, S - 1, -1))
-
-    def nbytes(self) -> int:
-        return self.values.nbytes + self.positions.nbytes
