@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from dynsteer.spec import NAME_PATTERN, SITES, Site
+from dynsteer.streams.security import CurveKeys, check_endpoint, default_endpoint
 
 CONFIG_KEY = "dynsteer"
 
@@ -56,6 +57,91 @@ class Limits(BaseModel):
     max_traces: StrictInt = Field(default=4096, ge=1)
 
 
+class StreamSpec(BaseModel):
+    """One activation stream of the async tier: which places, requests and positions each step publishes.
+
+    Args:
+        places: ``"layer.site"`` names (``"12.post_block"``); each must have a capture buffer
+            (``DynsteerConfig.capture_sites``/``capture_layers``).
+        requests: ``all``; ``tagged`` (requests whose payload has a tag, optionally starting with ``tag_prefix``);
+            ``dynamic`` (requests a dynamic policy steers).
+        positions: ``generated`` tokens, ``prompt`` tokens, or ``both``.
+        dtype: of the published rows (``bfloat16`` is rounded on the device and sent as float32).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    places: tuple[str, ...] = Field(min_length=1, max_length=64)
+    requests: Literal["all", "tagged", "dynamic"] = "all"
+    tag_prefix: str | None = Field(default=None, max_length=128)
+    positions: Literal["generated", "prompt", "both"] = "generated"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @field_validator("places")
+    @classmethod
+    def _places(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for i, key in enumerate(v):
+            layer, _, site = key.partition(".")
+            if not layer.isdigit() or site not in SITES:
+                raise ValueError(f"places[{i}]: {key!r} is not '<layer>.<site>' (site one of {', '.join(SITES)})")
+        return v
+
+    def place_tuples(self) -> list[tuple[int, Site]]:
+        return [(int(k.partition(".")[0]), k.partition(".")[2]) for k in self.places]  # type: ignore[misc]
+
+
+class MonitorConfig(BaseModel):
+    """The async tier: activation streams to external monitor services and their commands back (``dynsteer.monitor``).
+
+    The endpoints are given explicitly because every vLLM process reads this config on its own: use
+    :meth:`private` for fresh ``ipc://`` endpoints in a directory only this user can enter.
+
+    Args:
+        endpoint: where TP rank 0 of each worker publishes streams (under pipeline parallelism stage ``k > 0``
+            binds ``<endpoint>.pp<k>``); ``ipc://`` or loopback ``tcp://`` unless ``curve`` is set.
+        command_endpoint: where the engine core takes commands (same rule).
+        streams: streams declared at engine start; subscribers may declare more over the same places
+            (``allow_declare``).
+        replay_bytes / replay_messages: per stream, the newest messages kept for a restarted monitor to resume.
+        spill_dir / spill_bytes: where ``spill`` subscribers' backlog goes (default: a private temp dir), bounded.
+        curve: CURVE keys; required for any endpoint that is not ipc or loopback.
+        max_commands_per_step: commands the engine core takes per scheduler step (the rest wait for the next).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    endpoint: str
+    command_endpoint: str
+    streams: dict[str, StreamSpec] = Field(default_factory=dict)
+    allow_declare: StrictBool = True
+    replay_bytes: StrictInt = Field(default=256 << 20, ge=0)
+    replay_messages: StrictInt = Field(default=4096, ge=1)
+    spill_dir: str | None = None
+    spill_bytes: StrictInt = Field(default=1 << 30, ge=0)
+    curve: CurveKeys | None = None
+    max_commands_per_step: StrictInt = Field(default=256, ge=1, le=65536)
+
+    @field_validator("streams")
+    @classmethod
+    def _stream_names(cls, v: dict[str, StreamSpec]) -> dict[str, StreamSpec]:
+        for name in v:
+            if not NAME_PATTERN.fullmatch(name):
+                raise ValueError(f"streams[{name!r}]: not a valid name")
+        return v
+
+    @model_validator(mode="after")
+    def _endpoints(self) -> "MonitorConfig":
+        for field in ("endpoint", "command_endpoint"):
+            check_endpoint(getattr(self, field), curve=self.curve is not None, field=field)
+        return self
+
+    @classmethod
+    def private(cls, **kwargs: Any) -> "MonitorConfig":
+        """A config with fresh ``ipc://`` endpoints in a new directory of mode 0700."""
+        base = default_endpoint("streams")
+        return cls(endpoint=base, command_endpoint=base.rsplit("/", 1)[0] + "/commands", **kwargs)
+
+
 class DynsteerConfig(BaseModel):
     """Engine settings.
 
@@ -84,6 +170,7 @@ class DynsteerConfig(BaseModel):
         probes: probe files requests may use as monitors, ``{name: path}``, loaded at start-up in every process;
             a monitor names one with ``Monitor(probe=name, ...)``. Requests never carry file paths.
         limits: bounds on request payloads and on what the engine keeps (:class:`Limits`).
+        monitor: the async tier's streams and command channel (:class:`MonitorConfig`; None: off).
         sync_tier: where built-in sync controllers and carried scopes run: ``"device"`` (a kernel after each
             forward; the host never waits) or ``"host"`` (the Python controllers on read-back scores; the host waits
             for every step: for comparison and debugging). Custom controllers always run on the host.
@@ -106,6 +193,19 @@ class DynsteerConfig(BaseModel):
     probes: dict[str, str] = Field(default_factory=dict)
     limits: Limits = Field(default_factory=Limits)
     sync_tier: Literal["device", "host"] = "device"
+    monitor: MonitorConfig | None = None
+
+    @model_validator(mode="after")
+    def _stream_places(self) -> "DynsteerConfig":
+        if self.monitor is not None:
+            for name, stream in self.monitor.streams.items():
+                for i, (layer, site) in enumerate(stream.place_tuples()):
+                    if site not in self.capture_sites or site not in self.sites or (
+                            self.capture_layers is not None and layer not in self.capture_layers) or (
+                            self.layers is not None and layer not in self.layers):
+                        raise ValueError(f"monitor.streams[{name!r}].places[{i}]: {layer}.{site} has no capture "
+                                         f"buffer (add the site to capture_sites and the layer to capture_layers)")
+        return self
 
     @field_validator("controllers", "probes", "vectors")
     @classmethod

@@ -315,6 +315,8 @@ class Rule(_Model):
         actions: one or more actions.
         scope: ``this_token``, ``next_step`` or ``rest_of_request`` (see the module docstring).
         gate_floor: gate values below it count as 0, in ``[0, 1]``.
+        enabled: ``False`` keeps computing the rule's gate (its trace and controller see it) but applies none of
+            its actions; a monitor's ``rule`` command switches it.
 
     Example:
         >>> Rule(monitor="m", actions=[Action(kind="ablate", layer=5, vector="dir")]).scope
@@ -325,6 +327,7 @@ class Rule(_Model):
     actions: tuple[Action, ...] = Field(min_length=1)
     scope: Scope = "this_token"
     gate_floor: Real = Field(default=0.0, ge=0.0, le=1.0)
+    enabled: StrictBool = True
 
 
 _CONTROLLER_REQUIRED = {"latch": ("on", "off", "scale"), "ema_latch": ("alpha", "on", "off", "scale"),

@@ -153,11 +153,27 @@ class CaptureRecord:
 
 
 @dataclass
+class StreamSelection:
+    """One stream's rows of one step (the async tier): batch tokens ``tokens`` of requests ``req_ids[req]``."""
+
+    name: str
+    step: int
+    places: tuple[Place, ...]
+    dtype: str
+    tokens: np.ndarray  # batch token indices (int64)
+    req: np.ndarray  # int32 index into req_ids, per token
+    positions: np.ndarray  # int64 absolute positions
+    req_ids: list[str]
+    rows: np.ndarray | None = None  # capture rows of the step, set by the collector
+
+
+@dataclass
 class _Pending:
     event: Any
     host: dict[tuple[Place, str], torch.Tensor]  # (place, spec dtype) -> rows of this step (pinned on GPU)
     positions: np.ndarray
     segments: list[tuple[CaptureRecord, int, int]]  # (record, start, end) into the step's rows
+    streams: list[StreamSelection] = field(default_factory=list)
 
 
 class CaptureCollector:
@@ -187,6 +203,9 @@ class CaptureCollector:
         self._dirty = 0  # slot entries [0, _dirty) may hold rows from the last capturing step
         # Called with (record, positions, {place: values}) as chunks land, for records with ``streaming`` set.
         self.on_chunk: Callable[[CaptureRecord, np.ndarray, dict[Place, np.ndarray]], None] | None = None
+        # Called with (selection, {place: rows}) once a stream's rows of a step have landed (async tier).
+        self.on_stream: Callable[[StreamSelection, dict[Place, np.ndarray]], None] | None = None
+        self._streams: list[StreamSelection] = []
         self.streams: Callable[[CaptureSpec], bool] = lambda spec: False
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
@@ -200,9 +219,11 @@ class CaptureCollector:
         if rec.places:  # another pipeline stage holds every place this request asks for
             self.records[req_id] = rec
 
-    def plan(self, req_ids: list[str] | tuple[str, ...], query_start: np.ndarray, num_computed: np.ndarray) -> None:
+    def plan(self, req_ids: list[str] | tuple[str, ...], query_start: np.ndarray, num_computed: np.ndarray,
+             streams: list[StreamSelection] = ()) -> None:
         """Select this step's rows of every capturing request in the batch (request ``i`` owns batch rows
-        ``query_start[i]:query_start[i+1]``, its first at absolute position ``num_computed[i]``)."""
+        ``query_start[i]:query_start[i+1]``, its first at absolute position ``num_computed[i]``), and of every
+        stream (a token that a record and streams select takes one capture row)."""
         records = self.records
         rows, pos, segments = self._rows, self._pos, self._segments
         for i, req_id in enumerate(req_ids):
@@ -223,12 +244,34 @@ class CaptureCollector:
                     pos.extend(fresh.tolist())
             if len(pos) > before:
                 segments.append((rec, before, len(pos)))
+        if streams:
+            self._plan_streams(streams, rows, pos)
         self._stage_slots(rows)
+
+    def _plan_streams(self, streams: list[StreamSelection], rows: list[int], pos: list[int]) -> None:
+        """Give each stream's tokens capture rows, reusing the rows of tokens that records (or earlier streams)
+        already took; vectorised per stream."""
+        high = max([int(sel.tokens.max()) + 1 for sel in streams if sel.tokens.size] + [max(rows) + 1 if rows else 0])
+        row_of = np.full(high, -1, np.int64)
+        if rows:
+            row_of[np.asarray(rows, np.int64)] = np.arange(len(rows))
+        for sel in streams:
+            fresh = sel.tokens[row_of[sel.tokens] < 0]
+            if fresh.size:
+                row_of[fresh] = np.arange(len(rows), len(rows) + fresh.size)
+                rows.extend(fresh.tolist())
+                pos.extend(sel.positions[np.searchsorted(sel.tokens, fresh)].tolist())
+            sel.rows = row_of[sel.tokens]
+            self._streams.append(sel)
 
     @property
     def needs_plan(self) -> bool:
         """Whether this step must be planned: a request captures, or the last step's slots must be cleared."""
         return bool(self.records) or self._dirty > 0
+
+    def wait_streams(self) -> None:
+        """Land every copy in flight (the step's streams are published from ``poll``)."""
+        self.poll(block=True)
 
     def _stage_slots(self, rows: list[int]) -> None:
         """Give batch row ``rows[j]`` capture row ``j`` (every other token: -1), before the forward reads it."""
@@ -243,13 +286,15 @@ class CaptureCollector:
 
     def after_forward(self) -> None:
         """Convert the step's captured rows (compute stream) and start their copy to host (side stream)."""
-        if not self._segments:
+        if not self._segments and not self._streams:
             self.poll()
             return
         n, positions, segments = len(self._rows), np.array(self._pos, dtype=np.int64), self._segments
-        self._rows, self._pos, self._segments = [], [], []
+        streams = self._streams
+        self._rows, self._pos, self._segments, self._streams = [], [], [], []
         specs = {id(rec.spec): rec for rec, _, _ in segments}.values()  # requests sharing a payload share its spec
         wanted = {(place, rec.spec.dtype) for rec in specs for place in rec.places}
+        wanted |= {(place, sel.dtype) for sel in streams for place in sel.places}
         gathered: dict[tuple[Place, str], torch.Tensor] = {}
         for place, dtype in wanted:
             rows_at = self.stages[place][:n]
@@ -267,9 +312,9 @@ class CaptureCollector:
                 for g in gathered.values():
                     g.record_stream(self._side)
                 done.record(self._side)
-            self._pending.append(_Pending(done, host, positions, segments))
+            self._pending.append(_Pending(done, host, positions, segments, streams))
         else:  # fresh tensors already: the staging buffers may be overwritten by the next step
-            self._pending.append(_Pending(None, gathered, positions, segments))
+            self._pending.append(_Pending(None, gathered, positions, segments, streams))
         self.poll()
 
     def poll(self, block: bool = False) -> None:
@@ -294,6 +339,12 @@ class CaptureCollector:
                 rec.add_chunk(pend.positions[s:e], arrays, s, e)
                 if rec.streaming and self.on_chunk is not None:
                     self.on_chunk(rec, pend.positions[s:e], rec.chunk())
+            for sel in pend.streams:
+                if self.on_stream is not None:
+                    rows, arrays = sel.rows, by_dtype[sel.dtype]
+                    contiguous = rows.size and rows[0] + rows.size - 1 == rows[-1] and bool((np.diff(rows) == 1).all())
+                    pick = slice(int(rows[0]), int(rows[0]) + rows.size) if contiguous else rows
+                    self.on_stream(sel, {place: arrays[place][pick] for place in sel.places})
 
     def finish(self, req_id: str) -> CaptureRecord | None:
         """The request is done: complete its copies and hand the record out (None if it captured nothing)."""

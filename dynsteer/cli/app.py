@@ -25,6 +25,41 @@ def demo(
 
 
 @app.command()
+def monitor(
+    probe_file: Path = typer.Argument(..., help="probe file (safetensors, from dynsteer's probe training)"),
+    stream: list[str] = typer.Option(["resid"], "--stream", help="stream(s) to watch"),
+    endpoint: str = typer.Option(..., help="the engine's stream endpoint (MonitorConfig.endpoint)"),
+    command_endpoint: str = typer.Option(..., help="the engine's command endpoint"),
+    action: str = typer.Option("abort", help="steer | abort"),
+    vector: Optional[str] = typer.Option(None, help="steer: a registered vector name added to flagged requests"),
+    scale: float = typer.Option(-1.0, help="steer: scale of --vector"),
+    threshold: Optional[float] = typer.Option(None, help="decision threshold (default: the probe's calibrated one)"),
+    name: str = typer.Option("probe-monitor", help="this monitor's name (abort reasons name it; resume uses it)"),
+    policy: str = typer.Option("drop", help="overload policy: drop | block | spill"),
+    timeout: Optional[float] = typer.Option(None, help="exit after this many seconds without a frame"),
+) -> None:
+    """Watch a stream with a probe file and steer or abort the requests it flags."""
+    from dynsteer.monitor.client import Monitor
+    from dynsteer.monitor.probe_monitor import run_probe_monitor
+    from dynsteer.probes.fileformat import load_probe
+    from dynsteer.spec import AddVector, SteeringSpec
+
+    if action not in ("steer", "abort"):
+        raise typer.BadParameter("--action: steer or abort")
+    probe = load_probe(probe_file)
+    spec = None
+    if action == "steer":
+        if vector is None:
+            raise typer.BadParameter("--vector: required with --action steer")
+        spec = SteeringSpec(vectors=[AddVector(layer=probe.layer, site=probe.site, vector=vector, scale=scale,
+                                               tier="decode")])
+    with Monitor(endpoint, command_endpoint, name=name, streams=stream, policy=policy) as mon:
+        stats = run_probe_monitor(mon, probe, action=action, steer_spec=spec, threshold=threshold, timeout_s=timeout)
+    typer.echo(f"{stats.frames} frames, {stats.rows} rows; {len(stats.flagged)} requests flagged, "
+               f"{stats.rejected} commands rejected")
+
+
+@app.command()
 def version() -> None:
     """Print dynsteer's and vLLM's versions."""
     import dynsteer

@@ -104,10 +104,27 @@ def _runtime_for_current_model() -> SteeringRuntime:
             consumers = ({name: build_consumer(name, _stage_options(opts, name, pp_rank, pp_size))
                           for name, opts in cfg.capture_consumers.items()} if emit else {})
             rt.attach_capture(CaptureCollector(stages, emit=emit, engine_places=set(places)), consumers)
+            if cfg.monitor is not None and emit:
+                _attach_hub(rt, cfg, pp_rank)
         for name, ref in cfg.vectors.items():
             rt.register_vector(name, load_named_vector(ref, shape.hidden_size))
         _building[key] = rt
     return rt
+
+
+def _attach_hub(rt: SteeringRuntime, cfg: DynsteerConfig, pp_rank: int) -> None:
+    """TP rank 0 publishes the async tier's streams (each pipeline stage its own layers, at its own endpoint)."""
+    import weakref
+
+    from dynsteer.streams.hub import StreamHub
+
+    mon = cfg.monitor
+    endpoint = mon.endpoint if pp_rank == 0 else f"{mon.endpoint}.pp{pp_rank}"
+    hub = StreamHub(endpoint, curve=mon.curve, replay_bytes=mon.replay_bytes, replay_messages=mon.replay_messages,
+                    spill_dir=mon.spill_dir, spill_bytes=mon.spill_bytes,
+                    on_declare=rt.stream_validator(mon.allow_declare))
+    rt.attach_hub(hub, mon.streams)
+    weakref.finalize(rt, hub.close)
 
 
 def _rank_and_size(kind: str) -> tuple[int, int]:

@@ -240,7 +240,10 @@ def patch_block_hashing(module: Any) -> None:
             fp = extra.get(DECODE_KEY)
             if fp:
                 extra_keys = (*(extra_keys or ()), f"{SALT_TAG}decode:{fp}")
-            acted = getattr(request, "_dynsteer_acted", None) if DYNAMIC_KEY in extra else None
+            # a dynamic policy's reports, or monitors' commands (engine.commands) on any request
+            acted = request.__dict__.get("_dynsteer_acted") if hasattr(request, "__dict__") else None
+            if acted is None and isinstance(request, _Upto):
+                acted = request.__dict__["_request"].__dict__.get("_dynsteer_acted")
             fold = acted.fold_at(end_token_idx - 1) if acted is not None else ""
             if fold:
                 extra_keys = (*(extra_keys or ()), f"{ACTED_TAG}{fold}")
@@ -273,6 +276,12 @@ class ActedState:
                 acted_at = self.events[-1][0]  # a recomputed position (preemption): history stays in order
             self.events.append((acted_at, fold(self.events[-1][1] if self.events else "", signature)))
             self.last_signature = signature
+
+    def command(self, position: int, signature: str) -> None:
+        """A monitor's command changes what positions ``>= position`` compute (forward only, like a report)."""
+        if self.events and position <= self.events[-1][0]:
+            position = self.events[-1][0]
+        self.events.append((position, fold(self.events[-1][1] if self.events else "", f"command|{signature}")))
 
     def fold_at(self, position: int) -> str:
         """The fold in effect at ``position`` ('' if nothing acted at or before it)."""
@@ -314,6 +323,20 @@ def patch_request(cls: type) -> None:
         self.block_hashes.extend(self._block_hasher(_Upto(self, limit)))
 
     cls.update_block_hashes = update_block_hashes
+
+
+def command_event(request: Any, signature: str, hash_block_size: int) -> None:
+    """Engine core, when a command is taken at a step: positions from the first one that step computes (decode
+    positions only: prompt KV is never recomputed for a command) hash with the command's fold. Hashes of blocks
+    holding such positions are dropped and recomputed (none of them is cached yet: a block is cached only once all
+    its tokens were scheduled, and the command precedes this step's scheduling)."""
+    acted = request.__dict__.setdefault("_dynsteer_acted", ActedState())
+    position = max(int(request.num_computed_tokens), int(request.num_prompt_tokens))
+    acted.command(position, signature)
+    keep = position // hash_block_size
+    if len(request.block_hashes) > keep:
+        del request.block_hashes[keep:]
+        request.update_block_hashes()
 
 
 def hashed_tokens(request: Any, hash_block_size: int) -> int | None:

@@ -71,7 +71,7 @@ def register() -> None:
     if _registered or os.environ.get("DYNSTEER_DISABLE") == "1":
         return
     _registered = True
-    from dynsteer.engine import adapters, apc, runner, scheduler, worker_ext
+    from dynsteer.engine import adapters, apc, commands, runner, scheduler, worker_ext
 
     if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImportFinder())
@@ -86,3 +86,4 @@ def register() -> None:
     when_imported("vllm.v1.core.kv_cache_utils", apc.patch_block_hashing)
     when_imported("vllm.v1.request", lambda m: apc.patch_request(m.Request))
     when_imported("vllm.v1.core.sched.scheduler", lambda m: scheduler.patch_scheduler(m.Scheduler))
+    when_imported("vllm.v1.engine.core", lambda m: commands.patch_engine_core(m.EngineCore))

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from dynsteer.engine.adapters import find_runtime
-from dynsteer.engine.scheduler import ACTS_ATTR, STOPS_ATTR, attach
+from dynsteer.engine.scheduler import ACTS_ATTR, COMMANDS_ATTR, STEP_ATTR, STOPS_ATTR, attach
 from dynsteer.payload import PAYLOAD_KEY
 from dynsteer.steering.runtime import BatchView, SteeringRuntime
 
@@ -82,9 +82,14 @@ def _patch_outputs(cls: type) -> None:
 
 
 def _release(rt: SteeringRuntime, scheduler_output: Any) -> None:
+    """Start of a step on this worker: drop finished/preempted requests, apply the step's monitor commands."""
     rt.release(scheduler_output.finished_req_ids, finished=True)
     if scheduler_output.preempted_req_ids:
         rt.release(scheduler_output.preempted_req_ids, finished=False)
+    step = getattr(scheduler_output, STEP_ATTR, None)
+    commands = getattr(scheduler_output, COMMANDS_ATTR, None)
+    if step is not None or commands:
+        rt.begin_step(step, commands)
 
 
 # ---- v1 runner (CPU, and GPU with VLLM_USE_V2_MODEL_RUNNER=0) ---------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any
 
 from dynsteer.config import DynsteerConfig
 from dynsteer.engine.apc import ROWS_KEY, ActedState, hashed_tokens
+from dynsteer.engine.commands import COMMANDS_ATTR, STEP_ATTR
 
 logger = logging.getLogger("dynsteer")
 
@@ -51,6 +52,10 @@ class SchedulerState:
     stopped: set[str] = field(default_factory=set)  # stopped requests whose blocks are not freed yet
     waits: int = 0  # allocations refused for lack of rows (a request waited a step)
     stopped_total: int = 0
+    aborts: dict[str, str] = field(default_factory=dict)  # monitors' aborts, finished at the next output
+    step: int = 0  # schedule() calls so far: the step number acks and stream frames name
+    desk: Any = None  # the async tier's command desk (engine.commands), when a monitor channel is configured
+    hash_block_size: int = 16
 
     def fits(self, rows: tuple[str, ...]) -> bool:
         new = sum(1 for d in set(rows) if d not in self.live)
@@ -93,6 +98,10 @@ def patch_scheduler(cls: type) -> None:
         orig_init(self, *a, **k)
         cfg = DynsteerConfig.from_additional(self.vllm_config.additional_config)
         state = self._dynsteer = SchedulerState(capacity=cfg.max_rows - 1)
+        if cfg.monitor is not None:
+            from dynsteer.engine.commands import CommandDesk
+
+            state.desk = CommandDesk(cfg, self.vllm_config)
         kvm = self.kv_cache_manager
         orig_alloc = kvm.allocate_slots
 
@@ -112,7 +121,8 @@ def patch_scheduler(cls: type) -> None:
         kvm.allocate_slots = allocate_slots
         coordinator = kvm.coordinator
         orig_cache = coordinator.cache_blocks
-        hash_block_size = getattr(coordinator.block_pool, "hash_block_size", None) or self.block_size
+        hash_block_size = state.hash_block_size = (getattr(coordinator.block_pool, "hash_block_size", None)
+                                                   or self.block_size)
 
         @functools.wraps(orig_cache)
         def cache_blocks(request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
@@ -124,8 +134,14 @@ def patch_scheduler(cls: type) -> None:
 
     @functools.wraps(orig_schedule)
     def schedule(self: Any, *a: Any, **k: Any) -> Any:
-        out = orig_schedule(self, *a, **k)
         state = self._dynsteer
+        state.step += 1
+        # Commands are taken before vLLM schedules (and caches blocks for) this step: see engine.commands.
+        commands = state.desk.take(self, state.step) if state.desk is not None else None
+        out = orig_schedule(self, *a, **k)
+        setattr(out, STEP_ATTR, state.step)
+        if commands:
+            setattr(out, COMMANDS_ATTR, commands)
         if state.to_zero:
             # Blocks freed by stopped requests: the workers zero them before this step's forward (ordered after any
             # step still writing them), so nothing they computed is read through a reused block.
@@ -137,15 +153,21 @@ def patch_scheduler(cls: type) -> None:
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         state = self._dynsteer
         state.stops = dict(getattr(model_runner_output, STOPS_ATTR, None) or {})
+        aborts, state.aborts = state.aborts, {}
         _apply_acts(self, getattr(model_runner_output, ACTS_ATTR, None))
         try:
             outputs = orig_update(self, scheduler_output, model_runner_output)
-            # Stopped requests that produced no token this step (still prefilling): finish them here.
-            for req_id, reason in state.stops.items():
+            # Stopped requests that produced no token this step (still prefilling), and monitors' aborts (after
+            # this output's tokens were delivered): finish them here.
+            for req_id, reason in [*state.stops.items(), *((r, m) for r, m in aborts.items() if r not in state.stops)]:
                 request = self.requests.get(req_id)
                 if request is None or request.is_finished():
                     continue
-                _mark_stopped(self, request, reason)
+                if req_id in aborts:  # what it computed is sound: its blocks stay shareable
+                    request.stop_reason = reason
+                    logger.info("dynsteer: request %s aborted: %s", req_id, reason)
+                else:
+                    _mark_stopped(self, request, reason)
                 for req in self.finish_requests([req_id], RequestStatus.FINISHED_ABORTED):
                     eco = outputs.setdefault(req.client_index, EngineCoreOutputs())
                     eco.outputs.append(EngineCoreOutput(request_id=req_id, new_token_ids=[],
@@ -175,9 +197,45 @@ def patch_scheduler(cls: type) -> None:
             _quarantine_blocks(self, request)
         return orig_free_blocks(self, request)
 
-    cls.__init__, cls.update_from_output, cls.schedule = __init__, update_from_output, schedule
+    orig_shutdown = cls.shutdown
+
+    @functools.wraps(orig_shutdown)
+    def shutdown(self: Any) -> None:
+        desk = getattr(getattr(self, "_dynsteer", None), "desk", None)
+        if desk is not None:
+            desk.close()
+        return orig_shutdown(self)
+
+    cls.__init__, cls.update_from_output, cls.schedule, cls.shutdown = __init__, update_from_output, schedule, shutdown
     cls._update_request_with_output, cls._free_request_blocks = _update_request_with_output, _free_request_blocks
     cls._dynsteer_patched = True
+
+
+def swap_decode_row(scheduler: Any, request: Any, decode: str) -> None:
+    """A command gives ``request`` a new decode configuration (digest ``decode``, '' if unsteered): move it to that
+    row in the scheduler's mirror of the workers' row pool.
+
+    Raises:
+        SteeringValidationError: no row is free for it (the command is rejected; nothing changed).
+    """
+    from dynsteer.spec import SteeringValidationError
+
+    state: SchedulerState = scheduler._dynsteer
+    params = request.sampling_params
+    extra = dict((params.extra_args if params is not None else None) or {})
+    prefill = (extra.get(ROWS_KEY) or ",").split(",", 1)[0]
+    rows = tuple(d for d in (prefill, decode) if d)
+    if request.request_id in state.holding:
+        old = state.holding[request.request_id]
+        state.release(request.request_id)
+        if not state.fits(rows):
+            state.take(request.request_id, old)
+            raise SteeringValidationError(f"command: no free steering row for the new configuration (all "
+                                          f"{state.capacity} in use; raise DynsteerConfig.max_rows)")
+        state.take(request.request_id, rows)
+    if params is not None:
+        extra[ROWS_KEY] = f"{prefill},{decode}"
+        params.extra_args = extra
 
 
 def _apply_acts(scheduler: Any, acts: Any) -> None:

@@ -53,6 +53,7 @@ class SlotPlan:
     threshold: float
     floor: float
     scope: str  # a rule's scope; "monitor" for a controller-only slot (no actions)
+    acts: bool = True  # its rule is enabled (a disabled rule's gate is computed; its actions are not applied)
 
 
 def policy_slots(policy: "DynamicSteeringPolicy") -> tuple[list[SlotPlan], int | None]:
@@ -61,7 +62,8 @@ def policy_slots(policy: "DynamicSteeringPolicy") -> tuple[list[SlotPlan], int |
     slots = []
     for rule in policy.rules:
         m = policy.monitor(rule.monitor)
-        slots.append(SlotPlan(m.name, float(m.sharpness), float(m.threshold), rule.gate_floor, rule.scope))
+        slots.append(SlotPlan(m.name, float(m.sharpness), float(m.threshold), rule.gate_floor, rule.scope,
+                              rule.enabled))
     ctrl_slot = None
     cm = policy.controller_monitor()
     if cm is not None:
@@ -102,7 +104,7 @@ def compile_policy(policy: "DynamicSteeringPolicy", shape: ModelShape, named: di
         prog = sites.setdefault((m.layer, m.site), SiteProgram())
         prog.monitors[s] = MonitorProgram(probe.astype(np.float32), slot.sharpness, slot.threshold, slot.floor)
     for s, rule in enumerate(policy.rules):
-        for j, a in enumerate(rule.actions):
+        for j, a in enumerate(rule.actions if rule.enabled else ()):
             v = resolve_vector(a.vector, f"{prefix}rules[{s}].actions[{j}].vector", shape, named)
             prog = sites.setdefault((a.layer, a.site), SiteProgram())
             if a.kind == "add":
@@ -178,7 +180,7 @@ class DynState:
     @property
     def act_mask(self) -> int:
         """Bitmask of the gate slots whose gate steers (a rule's slot; a controller-only monitor's does not)."""
-        return sum(1 << i for i, slot in enumerate(self.slots) if slot.scope != "monitor")
+        return sum(1 << i for i, slot in enumerate(self.slots) if slot.scope != "monitor" and slot.acts)
 
     @property
     def host_tier(self) -> bool:

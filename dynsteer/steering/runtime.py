@@ -61,6 +61,8 @@ class RequestEntry:
     policy: Any = None  # the request's own DynamicSteeringPolicy (overrides the global one)
     dyn: DynState | None = None
     trace: bool = False  # keep the trace for the caller (payload's ``trace`` flag)
+    cmd_spec: SteeringSpec | None = None  # a monitor's ``steer`` command: added to its decode tokens
+    cmd_policy: Any = None  # its dynamic policy as monitors' threshold/rule commands patched it
 
 
 @dataclass
@@ -70,6 +72,7 @@ class RuntimeStats:
     rejected: int = 0  # requests stopped by dynsteer (bad payload, rows exhausted, controller fault)
     rows_exhausted: int = 0
     traces_dropped: int = 0  # traces not taken within Limits.trace_ttl_s, or over Limits.max_traces
+    stream_errors: int = 0  # stream messages that could not be published (logged)
     errors: list[str] = field(default_factory=list)
 
 
@@ -94,6 +97,7 @@ class _Batch:
     host: np.ndarray  # host sync tier
     act: np.ndarray  # bitmask of gate slots that steer (rules with actions)
     signature: np.ndarray  # object: decode configuration digest (hex)
+    streams: dict[str, np.ndarray] = field(default_factory=dict)  # stream -> which requests it publishes
 
 
 class SteeringRuntime:
@@ -130,6 +134,14 @@ class SteeringRuntime:
         # finished requests' traces by tag, until taken or expired: (monotonic time stored, trace)
         self.traces: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
         self._version = 0  # bumped whenever a request's rows or dynamic state change (invalidates _batch)
+        self.step = 0  # the engine core's step number (scheduler output), named by stream frames
+        # monitors' commands per request id, kept across preemption (a resumed request is admitted again)
+        self._cmd_specs: dict[str, SteeringSpec] = {}
+        self._cmd_policies: dict[str, Any] = {}
+        self._deferred: dict[str, list[Any]] = {}  # commands for requests not admitted on this worker yet
+        self.hub: Any = None  # the async tier's StreamHub (TP rank 0 of a worker with a monitor config)
+        self.stream_specs: dict[str, Any] = {}  # stream name -> StreamSpec, refreshed from the hub
+        self._hub_version = -1
         self._batch: _Batch | None = None
         self._arange = np.arange(tables.row_index.shape[0])
 
@@ -180,6 +192,10 @@ class SteeringRuntime:
                 # host does not wait here); its device slot is free at once (reuse is ordered on the stream).
                 st = self._drop_dyn(req_id, retire=False)
                 self._finishing[req_id] = (st, entry, self.dynamic.enqueued)
+            if finished:
+                self._cmd_specs.pop(req_id, None)
+                self._cmd_policies.pop(req_id, None)
+                self._deferred.pop(req_id, None)
             if finished and self.capture is not None:
                 self._deliver(self.capture.finish(req_id))
 
@@ -203,7 +219,13 @@ class SteeringRuntime:
             except Exception as exc:  # noqa: BLE001 - the frontend validates too; this catches what bypassed it
                 error = self._stop(req_id, exc)
         entry = RequestEntry(prompt_len=prompt_len, spec=spec, tag=tag, error=error, policy=policy, trace=trace,
-                             payload_key=payload_body(payload) if isinstance(payload, str) else None)
+                             payload_key=payload_body(payload) if isinstance(payload, str) else None,
+                             cmd_spec=self._cmd_specs.get(req_id), cmd_policy=self._cmd_policies.get(req_id))
+        for cmd in self._deferred.pop(req_id, ()):
+            try:
+                self._command_entry(req_id, entry, cmd)
+            except Exception as exc:  # noqa: BLE001
+                entry.error = self._stop(req_id, exc)
         self._set_dyn(req_id, entry, fresh=False)
         self._assign_rows(req_id, entry)
         if self.capture is not None:
@@ -211,6 +233,54 @@ class SteeringRuntime:
         self.requests[req_id] = entry
         self.stats.admitted += 1
         return entry
+
+    def begin_step(self, step: int | None, commands: list[dict[str, Any]] | None) -> None:
+        """Start engine step ``step`` (the scheduler output's number): apply the monitors' commands the engine core
+        took at this step, before the step is planned (every TP rank does the same at the same step)."""
+        if step is not None:
+            self.step = step
+        for wire in commands or ():
+            try:
+                self.apply_command(wire["command"])
+            except Exception as exc:  # noqa: BLE001 - validated by the engine core; never take the worker down
+                self._record_error(f"command {wire!r} could not be applied: {exc!r}")
+
+    def apply_command(self, raw: dict[str, Any]) -> None:
+        """Apply one command (already validated by the engine core against the same configuration). A request
+        not admitted on this worker yet (new in this step, or preempted) gets it when it is admitted."""
+        from dynsteer.commands import COMMAND_ADAPTER
+
+        cmd = COMMAND_ADAPTER.validate_python(raw)
+        entry = self.requests.get(cmd.request)
+        if entry is None:
+            self._deferred.setdefault(cmd.request, []).append(cmd)
+            return
+        self._command_entry(cmd.request, entry, cmd)
+        if entry.error is None:
+            self._release_rows(entry)
+            self._assign_rows(cmd.request, entry)
+
+    def _command_entry(self, req_id: str, entry: RequestEntry, cmd: Any) -> None:
+        """Record a command on the request (kept across preemption) and on its live entry."""
+        from dynsteer.commands import SteerCommand, patch_policy
+        from dynsteer.steering.dynamic import policy_slots
+
+        if isinstance(cmd, SteerCommand):
+            spec = None if cmd.spec is None or cmd.spec.is_empty() else cmd.spec
+            if spec is None:
+                self._cmd_specs.pop(req_id, None)
+            else:
+                self._cmd_specs[req_id] = spec
+            entry.cmd_spec = spec
+            return
+        current = self._cmd_policies.get(req_id)
+        if current is None:
+            current = entry.policy if entry.policy is not None else self.global_policy
+        patched = self._cmd_policies[req_id] = entry.cmd_policy = patch_policy(current, cmd)
+        st = self._dyn.get(req_id)
+        if st is not None:  # same slots, new thresholds/switches: the controller state is kept
+            st.slots, _ = policy_slots(patched)
+            st.params = np.array([[p.sharpness, p.threshold, p.floor] for p in st.slots], np.float32).T.copy()
 
     def take_acts(self) -> list[tuple[list[str], list[int], list[int], list[str]]]:
         """Where dynamic steering acted, from the read-backs landed since the last call (see
@@ -249,11 +319,11 @@ class SteeringRuntime:
         n_req = len(view.req_ids)
         ids = tuple(view.req_ids[:n_req])
         b = self._batch
+        if self.hub is not None and self.hub.version != self._hub_version:
+            self._refresh_streams()
         if b is None or b.version != self._version or b.ids != ids:
             b = self._batch = self._gather(ids, view, payload_of)
         qsl = view.query_start_loc
-        if self.capture is not None and self.capture.needs_plan:
-            self.capture.plan(ids, np.asarray(qsl[: n_req + 1], np.int64), view.num_computed)
         n = view.num_tokens
         if n == n_req:  # one token per request (a decode step)
             req_of_token = self._arange[:n]
@@ -265,6 +335,11 @@ class SteeringRuntime:
             position = np.asarray(view.num_computed[:n_req], np.int64)[req_of_token] + (
                 self._arange[:n] - np.repeat(qsl[:-1], counts))
         is_decode = position >= b.prompt_lens[req_of_token]
+        if self.capture is not None:
+            streams = self._select_streams(b, req_of_token, position, is_decode) if b.streams else []
+            if streams or self.capture.needs_plan:
+                self.capture.plan(ids, np.asarray(view.query_start_loc[: n_req + 1], np.int64), view.num_computed,
+                                  streams)
         if b.steered or self._high_water:  # else row_index is 0 on the device already
             upto = max(n, self._high_water, view.num_tokens_padded)
             idx = self._staging.next()
@@ -307,7 +382,84 @@ class SteeringRuntime:
             record=np.array([-1 if st is None or st.record is None else st.record for st in dyn], np.int64),
             host=np.array([st is not None and st.tier == "host" for st in dyn], bool).reshape(n),
             act=np.array([0 if st is None else st.act_mask for st in dyn], np.int64),
-            signature=np.array([e.decode.digest.hex() for e in entries] + [None], object)[:n])
+            signature=np.array([e.decode.digest.hex() for e in entries] + [None], object)[:n],
+            streams={name: _stream_mask(spec, entries) for name, spec in self.stream_specs.items()})
+
+    # ---- async tier: streams ---------------------------------------------------------------------------------------
+    def stream_validator(self, allow_declare: bool) -> Callable[[str, dict[str, Any]], None]:
+        """What checks a stream a subscriber declares (runs on the hub's I/O thread; raises ValueError naming the
+        field)."""
+        from dynsteer.config import StreamSpec
+
+        def on_declare(name: str, raw: dict[str, Any]) -> None:
+            if not allow_declare:
+                raise ValueError("declare: this engine does not let subscribers declare streams "
+                                 "(MonitorConfig.allow_declare)")
+            spec = StreamSpec.model_validate(raw)
+            engine = self.capture.engine_places if self.capture is not None else set()
+            for i, place in enumerate(spec.place_tuples()):
+                if place not in engine:
+                    raise ValueError(f"declare[{name!r}].places[{i}]: {place[0]}.{place[1]} has no capture buffer")
+
+        return on_declare
+
+    def attach_hub(self, hub: Any, declared: dict[str, Any]) -> None:
+        """Publish streams through ``hub`` (a ``StreamHub``); ``declared``: the engine's streams (StreamSpec)."""
+        self.hub = hub
+        for name, spec in declared.items():
+            hub.declare(name, spec.model_dump(mode="json"))
+        if self.capture is not None:
+            self.capture.on_stream = self._publish
+
+    def _refresh_streams(self) -> None:
+        from dynsteer.config import StreamSpec
+
+        self._hub_version = self.hub.version
+        mine = self.capture.places if self.capture is not None else set()
+        specs = {}
+        for name, raw in self.hub.streams().items():
+            spec = StreamSpec.model_validate(raw)
+            if any(p in mine for p in spec.place_tuples()):  # a pipeline stage publishes its own layers
+                specs[name] = spec
+        self.stream_specs = specs
+        self._version += 1
+
+    def _select_streams(self, b: _Batch, req_of_token: np.ndarray, position: np.ndarray,
+                        is_decode: np.ndarray) -> list[Any]:
+        """This step's tokens of every stream that has a subscriber (vectorised per stream)."""
+        from dynsteer.capture.store import StreamSelection
+
+        out = []
+        mine = self.capture.places
+        for name, mask in b.streams.items():
+            if not self.hub.subscribed(name):
+                continue
+            spec = self.stream_specs[name]
+            keep = mask[req_of_token]
+            if spec.positions == "generated":
+                keep &= is_decode
+            elif spec.positions == "prompt":
+                keep &= ~is_decode
+            tokens = np.flatnonzero(keep)
+            if tokens.size:
+                out.append(StreamSelection(name, self.step, tuple(p for p in spec.place_tuples() if p in mine),
+                                           spec.dtype, tokens, req_of_token[tokens], position[tokens], b.ids))
+        return out
+
+    def _publish(self, sel: Any, values: dict[Any, np.ndarray]) -> None:
+        """One stream's rows of one step have landed: one message (header + raw frames)."""
+        from dynsteer.capture.store import place_key
+
+        uniq, inverse = np.unique(sel.req, return_inverse=True)
+        meta = {"step": int(sel.step), "req_ids": [sel.req_ids[i] for i in uniq.tolist()],
+                "places": [place_key(p) for p in sel.places], "dtype": sel.dtype}
+        arrays = [inverse.astype(np.int32), np.ascontiguousarray(sel.positions, np.int64),
+                  *(np.ascontiguousarray(values[p]) for p in sel.places)]
+        try:
+            self.hub.publish(sel.name, meta, arrays)
+        except Exception as exc:  # noqa: BLE001 - a stream never aborts generation; the loss is logged and counted
+            self.stats.stream_errors += 1
+            logger.error("dynsteer: stream %r: publishing step %d failed: %r", sel.name, sel.step, exc)
 
     def _state_of(self, req_id: str) -> DynState | None:
         """A request's dynamic state, live or finishing (read-backs land after the request finished)."""
@@ -417,7 +569,8 @@ class SteeringRuntime:
     def _effective_policy(self, entry: RequestEntry) -> Any:
         if entry.error is not None:
             return None
-        policy = entry.policy if entry.policy is not None else self.global_policy
+        policy = entry.cmd_policy if entry.cmd_policy is not None else (
+            entry.policy if entry.policy is not None else self.global_policy)
         return policy if policy is not None and (policy.rules or policy.controller) else None
 
     def _store_trace(self, req_id: str, st: DynState, entry: RequestEntry | None) -> None:
@@ -465,13 +618,16 @@ class SteeringRuntime:
                     memory.on_finish(record)  # keep the data reachable rather than losing it
 
     # ---- internals ----------------------------------------------------------------------------------------------
-    def _compile(self, specs: list[tuple[str, SteeringSpec]], key: Any, policy: Any = None) -> list[RowContent]:
+    def _compile(self, specs: list[tuple[str, SteeringSpec]], key: Any, policy: Any = None,
+                 decode_extra: list[tuple[str, SteeringSpec]] = ()) -> list[RowContent]:
         """Both phases' contents, memoised per payload (most traffic repeats a few configurations; compiling
-        hashes every vector, which would otherwise run for each admitted request)."""
+        hashes every vector, which would otherwise run for each admitted request). ``decode_extra``: specs added
+        to the decode phase only (a monitor's ``steer`` command)."""
         cached = self._compiled.get(key) if key is not None else None
         if cached is None:
             pol = None if policy is None else (f"extra_args.{PAYLOAD_KEY}.policy.", policy)
-            cached = [compile_phase(specs, phase, self.shape, self.named, pol) for phase in ("prefill", "decode")]
+            cached = [compile_phase(specs, "prefill", self.shape, self.named, pol),
+                      compile_phase([*specs, *decode_extra], "decode", self.shape, self.named, pol)]
             if key is not None and _compiled_size(cached) <= self.limits.cache_bytes:
                 self._compiled[key] = cached
         return cached
@@ -489,8 +645,13 @@ class SteeringRuntime:
         policy = self._effective_policy(entry)
         if entry.policy is not None and policy is not None:
             key = entry.payload_key
+        extra = []
+        if entry.cmd_spec is not None or entry.cmd_policy is not None:
+            key = None  # commanded: not worth memoising
+            if entry.cmd_spec is not None:
+                extra = [("command.spec.", entry.cmd_spec)]
         try:
-            contents = self._compile(specs, key, policy)
+            contents = self._compile(specs, key, policy, extra)
             rows = self._acquire(contents)
         except Exception as exc:  # noqa: BLE001
             # The frontend validates at admission and the scheduler holds requests until rows are free, so this is
@@ -542,6 +703,16 @@ class SteeringRuntime:
                 "dynamic": None if self.dynamic is None else {
                     "live": len(self._dyn), "global_policy": self.global_policy is not None,
                     **vars(self.dynamic.stats)}}
+
+
+def _stream_mask(spec: Any, entries: list[RequestEntry]) -> np.ndarray:
+    """Which of a batch's requests a stream publishes (its ``requests`` filter)."""
+    if spec.requests == "all":
+        return np.ones(len(entries), bool)
+    if spec.requests == "dynamic":
+        return np.array([e.dyn is not None for e in entries], bool).reshape(len(entries))
+    prefix = spec.tag_prefix or ""
+    return np.array([e.tag is not None and e.tag.startswith(prefix) for e in entries], bool).reshape(len(entries))
 
 
 def _compiled_size(contents: list[RowContent]) -> int:

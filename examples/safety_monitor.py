@@ -1,0 +1,23 @@
+"""A safety monitor service in ~20 lines: watch a stream with a probe file, steer or abort flagged requests.
+
+Run an engine with a monitor channel, e.g. ``DynsteerConfig(capture_sites=("post_block",), capture_layers=(12,),
+monitor=MonitorConfig.private(streams={"resid": StreamSpec(places=("12.post_block",))}))``, then:
+
+    python examples/safety_monitor.py probe.safetensors STREAM_ENDPOINT COMMAND_ENDPOINT [--steer VECTOR_NAME]
+"""
+
+import sys
+
+from dynsteer.monitor.client import Monitor
+from dynsteer.monitor.probe_monitor import run_probe_monitor
+from dynsteer.probes.fileformat import load_probe
+from dynsteer.spec import AddVector, SteeringSpec
+
+probe_file, stream_ep, command_ep = sys.argv[1:4]
+steer = sys.argv[5] if len(sys.argv) > 5 and sys.argv[4] == "--steer" else None
+probe = load_probe(probe_file)
+spec = SteeringSpec(vectors=[AddVector(layer=probe.layer, vector=steer, scale=-1.0, tier="decode")]) if steer else None
+
+with Monitor(stream_ep, command_ep, name="safety", streams=["resid"], policy="drop") as monitor:
+    stats = run_probe_monitor(monitor, probe, action="steer" if steer else "abort", steer_spec=spec)
+print(f"{stats.frames} frames, {stats.rows} rows, flagged {len(stats.flagged)} requests: {stats.flagged}")

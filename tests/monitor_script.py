@@ -1,0 +1,49 @@
+"""A monitor service in its own process, for tests/test_async_tier.py: watches a stream, fires a command on the
+first probe crossing, logs every frame it saw (JSON lines) to a file.
+
+Usage: python monitor_script.py STREAM_EP COMMAND_EP PROBE.npy THRESHOLD steer|abort|none LOG [VECTOR.npy]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+from dynsteer.monitor.client import Monitor
+from dynsteer.spec import AddVector, SteeringSpec
+
+
+def main() -> None:
+    stream_ep, command_ep, probe_file, threshold, action, log_file = sys.argv[1:7]
+    probe, threshold = np.load(probe_file), float(threshold)
+    vector = np.load(sys.argv[7]) if len(sys.argv) > 7 else None
+    fired = False
+    with open(log_file, "w") as log, Monitor(stream_ep, command_ep, name="probe-mon", streams=["resid"],
+                                              policy="drop", max_pending=4096) as mon:
+        print("ready", flush=True)
+        for frame in mon.frames(timeout_s=5.0):
+            place = next(iter(frame.values))
+            scores = frame.values[place] @ probe
+            log.write(json.dumps({"step": frame.step, "seq": frame.seq, "req_ids": frame.req_ids,
+                                  "request": frame.request.tolist(), "positions": frame.positions.tolist(),
+                                  "scores": scores.tolist()}) + "\n")
+            log.flush()
+            if fired or action == "none":
+                continue
+            hits = frame.requests_where(scores > threshold)
+            if not hits:
+                continue
+            fired = True
+            if action == "abort":
+                ack = mon.abort(hits[0], reason="probe crossed")
+            else:
+                spec = SteeringSpec(vectors=[AddVector(layer=1, vector=vector, scale=1.0, tier="decode")])
+                ack = mon.steer(hits[0], spec)
+            log.write(json.dumps({"ack": ack.model_dump(), "request_id": hits[0], "at_seq": frame.seq}) + "\n")
+            log.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""The async tier on a real CPU engine: activation streams to a monitor in another process, its commands back.
+
+A monitor process watches the ``resid`` stream (layer 1, generated tokens of requests tagged ``target*``), fires on
+the first probe crossing and sends a command. The targeted request's tokens change from the step the ack names on;
+every other request is byte-identical to an unmonitored run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dynsteer
+from dynsteer import steer_params
+from dynsteer.capture.spec import CaptureSpec
+from dynsteer.config import DynsteerConfig, MonitorConfig, StreamSpec
+from tests.conftest import make_llm, token_ids
+
+PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning"]
+MAX_TOKENS = 40
+SCRIPT = Path(__file__).with_name("monitor_script.py")
+
+
+def _config() -> DynsteerConfig:
+    mon = MonitorConfig.private(streams={"resid": StreamSpec(places=("1.post_block",), requests="tagged",
+                                                             tag_prefix="target")})
+    return DynsteerConfig(capture_sites=("post_block",), capture_layers=(1,), monitor=mon)
+
+
+def _params():
+    from vllm import SamplingParams
+
+    base = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [steer_params(base, None, tag="target-0"), base, base]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_path):
+    cfg = _config()
+    with make_llm(tiny_llama_path, **cfg.engine_kwargs()) as llm:
+        yield llm, cfg
+
+
+class _Collector(threading.Thread):
+    """An in-process subscriber (the engine runs in this process too: generate blocks the main thread)."""
+
+    def __init__(self, cfg: DynsteerConfig, name: str = "collector") -> None:
+        super().__init__(daemon=True)
+        from dynsteer.monitor.client import Monitor
+
+        self.mon = Monitor(cfg.monitor.endpoint, cfg.monitor.command_endpoint, name=name, streams=["resid"],
+                           policy="drop", max_pending=100000)
+        self.frames: list = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            frame = self.mon.recv(timeout_s=0.1)
+            if frame is not None:
+                self.frames.append(frame)
+
+    def finish(self, expect: int, timeout_s: float = 10.0) -> list:
+        deadline = time.monotonic() + timeout_s
+        while sum(len(f.positions) for f in self.frames) < expect and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.stop.set()
+        self.join()
+        self.mon.close()
+        return self.frames
+
+
+@pytest.fixture(scope="module")
+def baseline(engine):
+    """Unmonitored outputs, the stream's frames of the same run and the target's capture."""
+    llm, cfg = engine
+    st = dynsteer.attach(llm)
+    st.set_capture(CaptureSpec(layers=(1,), positions="all_generated"))
+    col = _Collector(cfg)
+    col.start()
+    time.sleep(0.5)  # subscribed before the run starts
+    outs = llm.generate(PROMPTS, _params())
+    frames = col.finish(expect=MAX_TOKENS - 1)
+    st.set_capture(None)
+    capture = st.take_captures(["target-0"])["target-0"]
+    return token_ids(outs), frames, capture, outs[0].prompt_token_ids
+
+
+def test_stream_frames_hold_the_target_rows_once_in_order_and_equal_its_capture(baseline):
+    base, frames, capture, prompt = baseline
+    assert frames, "no frame arrived"
+    seqs = [f.seq for f in frames]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # contiguous, in order
+    steps = [f.step for f in frames]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)  # one message per step
+    assert all(len(f.req_ids) == 1 for f in frames)  # only the tagged request
+    positions = np.concatenate([f.positions for f in frames])
+    values = np.concatenate([f.values["1.post_block"] for f in frames])
+    n = len(prompt)
+    np.testing.assert_array_equal(positions, np.arange(n, n + MAX_TOKENS - 1))
+    np.testing.assert_array_equal(capture.positions, positions)
+    np.testing.assert_array_equal(capture.arrays[(1, "post_block")], values)
+
+
+def _probe_for(frames, prompt_len: int) -> tuple[np.ndarray, float, int]:
+    """A unit probe and threshold whose first crossing on the baseline falls mid-generation."""
+    values = np.concatenate([f.values["1.post_block"] for f in frames])
+    for seed in range(200):
+        probe = np.random.default_rng(seed).standard_normal(values.shape[1]).astype(np.float32)
+        probe /= np.linalg.norm(probe)
+        scores = values @ probe
+        thr = float(scores[:6].max()) + 1e-3
+        later = np.flatnonzero(scores[6:20] > thr)
+        if later.size:
+            return probe, thr, 6 + int(later[0])
+    raise AssertionError("no probe crosses mid-generation")
+
+
+def _run_monitored(engine, baseline, action: str, tmp_path: Path):
+    llm, cfg = engine
+    base, frames, _, prompt = baseline
+    probe, thr, _ = _probe_for(frames, len(prompt))
+    np.save(tmp_path / "probe.npy", probe)
+    vec = np.random.default_rng(7).standard_normal(probe.size).astype(np.float32) * 8
+    np.save(tmp_path / "vec.npy", vec)
+    log = tmp_path / f"{action}.jsonl"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), cfg.monitor.endpoint, cfg.monitor.command_endpoint,
+                             str(tmp_path / "probe.npy"), repr(thr), action, str(log), str(tmp_path / "vec.npy")],
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        outs = llm.generate(PROMPTS, _params())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and '"ack"' not in log.read_text():
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    acks = [l for l in lines if "ack" in l]
+    assert len(acks) == 1, lines[-3:]
+    return outs, acks[0], [l for l in lines if "ack" not in l], len(prompt)
+
+
+def test_a_monitor_process_steers_the_flagged_request_from_the_acked_step(engine, baseline, tmp_path):
+    outs, ack, frames, n = _run_monitored(engine, baseline, "steer", tmp_path)
+    base = baseline[0]
+    assert ack["ack"]["status"] == "applied", ack
+    step = ack["ack"]["step"]
+    fired_at = next(f for f in frames if f["seq"] == ack["at_seq"])
+    assert fired_at["step"] < step
+    # the first position computed at or after the acked step: tokens sampled from there on may differ
+    first = min(p for f in frames if f["step"] >= step for p in f["positions"])
+    k0 = first - n + 1
+    got = token_ids(outs)
+    assert got[0][:k0] == base[0][:k0]
+    assert got[0][k0:] != base[0][k0:]
+    assert got[1:] == base[1:]  # byte-identical: the other requests
+
+
+def test_a_monitor_process_aborts_the_flagged_request(engine, baseline, tmp_path):
+    outs, ack, frames, n = _run_monitored(engine, baseline, "abort", tmp_path)
+    base = baseline[0]
+    assert ack["ack"]["status"] == "applied", ack
+    got = token_ids(outs)
+    assert outs[0].outputs[0].finish_reason == "abort"
+    assert "probe-mon" in str(outs[0].outputs[0].stop_reason) and "probe crossed" in str(outs[0].outputs[0].stop_reason)
+    assert 0 < len(got[0]) < MAX_TOKENS and got[0] == base[0][:len(got[0])]
+    assert got[1:] == base[1:]
+
+
+def test_fuzzed_command_messages_during_generation_change_nothing(engine, baseline):
+    """Garbage, truncated and ill-typed commands (and valid ones naming no live request) sent while the engine
+    generates: every one is answered with a rejection naming a field; every output is byte-identical."""
+    import msgspec
+    import zmq
+
+    llm, cfg = engine
+    base = baseline[0]
+    rng = np.random.default_rng(0)
+    valid = msgspec.msgpack.encode({"id": "x", "monitor": "fz", "command": {"op": "abort", "request": "r"}})
+    messages = []
+    for i in range(400):
+        kind = i % 4
+        if kind == 0:
+            messages.append(rng.bytes(int(rng.integers(0, 64))))
+        elif kind == 1:
+            messages.append(valid[: int(rng.integers(0, len(valid)))])
+        elif kind == 2:
+            obj = {"id": f"f{i}", "monitor": "fz", "command": {
+                "op": str(rng.choice(["abort", "steer", "threshold", "rule", "?"])), "request": f"nope-{i}",
+                "rule": int(rng.integers(-3, 80)), "enabled": bool(rng.integers(0, 2)),
+                "threshold": float(rng.choice([np.nan, np.inf, 1.0])), "monitor": "m",
+                "spec": {"vectors": [{"layer": int(rng.integers(-2, 9)), "vector": "nope", "tier": "prefill"}]}}}
+            messages.append(msgspec.msgpack.encode(obj))
+        else:
+            messages.append(msgspec.msgpack.encode({"id": f"f{i}", "monitor": "fz",
+                                                    "command": {"op": "abort", "request": f"nope-{i}"}}))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(cfg.monitor.command_endpoint)
+    replies = []
+
+    def blast() -> None:
+        time.sleep(0.05)
+        for m in messages:
+            sock.send(m)
+        deadline = time.monotonic() + 20
+        while len(replies) < len(messages) and time.monotonic() < deadline:
+            if sock.poll(100):
+                replies.append(msgspec.msgpack.decode(sock.recv()))
+
+    t = threading.Thread(target=blast)
+    t.start()
+    outs = llm.generate(PROMPTS, _params())
+    while t.is_alive():  # keep the engine stepping until every message was answered
+        llm.generate(PROMPTS[:1], _params()[:1])
+    t.join()
+    sock.close(0)
+    assert token_ids(outs) == base
+    assert len(replies) == len(messages)
+    assert all(r["status"] == "rejected" and ":" in r["error"] for r in replies)
+    heads = {r["error"].split(":", 1)[0].split(".")[0].split("[")[0] for r in replies}
+    assert heads <= {"message", "command", "id", "monitor", "v"}, heads
