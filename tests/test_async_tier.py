@@ -41,11 +41,22 @@ def _params():
     return [steer_params(base, None, tag="target-0"), base, base]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_path):
+@pytest.fixture(scope="module", params=["in-process", "multiprocess"])
+def engine(request, tiny_llama_path):
+    """The fast in-process engine, and vLLM's default layout (engine core in its own process)."""
+    import os
+
     cfg = _config()
-    with make_llm(tiny_llama_path, **cfg.engine_kwargs()) as llm:
-        yield llm, cfg
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if request.param == "multiprocess" else "0"
+    try:
+        with make_llm(tiny_llama_path, **cfg.engine_kwargs()) as llm:
+            yield llm, cfg
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
 
 
 class _Collector(threading.Thread):
@@ -228,3 +239,11 @@ def test_fuzzed_command_messages_during_generation_change_nothing(engine, baseli
     assert all(r["status"] == "rejected" and ":" in r["error"] for r in replies)
     heads = {r["error"].split(":", 1)[0].split(".")[0].split("[")[0] for r in replies}
     assert heads <= {"message", "command", "id", "monitor", "v"}, heads
+
+
+def test_the_engine_core_runs_where_the_mode_says(engine):
+    llm, _ = engine
+    inproc = hasattr(llm.llm_engine.engine_core, "engine_core")  # InprocClient holds the EngineCore itself
+    import os
+
+    assert inproc == (os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0")
