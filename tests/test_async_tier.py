@@ -247,3 +247,34 @@ def test_the_engine_core_runs_where_the_mode_says(engine):
     import os
 
     assert inproc == (os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0")
+
+
+def test_stream_accounting_is_exported_as_prometheus_metrics(engine):
+    """The frontend process (where vLLM serves /metrics) exports the hub's per-subscriber accounting."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    llm, cfg = engine
+    col = _Collector(cfg, name="metrics-sub")
+    col.start()
+    time.sleep(0.5)
+    llm.generate(PROMPTS, _params())
+    deadline = time.monotonic() + 10
+    while sum(len(f.positions) for f in col.frames) < MAX_TOKENS - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    values: dict[str, float] = {}
+    up = None
+    for fam in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+        for sample in fam.samples:
+            if sample.labels.get("endpoint") != cfg.monitor.endpoint:
+                continue
+            if sample.name == "dynsteer_stream_hub_up":
+                up = sample.value
+            if sample.labels.get("subscriber") == "metrics-sub" and sample.labels.get("stream") == "resid":
+                values[sample.name.removesuffix("_total")] = sample.value
+    col.finish(expect=0)
+    assert up == 1.0
+    n = {k.removeprefix("dynsteer_stream_"): v for k, v in values.items()}
+    assert n["published"] >= MAX_TOKENS - 1 - 1  # one message per decode step of the tagged request
+    assert n["published"] == n["delivered"] + n["dropped"] + n["spilled"] + n["pending"]
+    assert n["dropped"] == 0

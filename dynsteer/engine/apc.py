@@ -195,6 +195,11 @@ def patch_input_processor(cls: type) -> None:
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         check_engine_config(vllm_config)
         orig_init(self, vllm_config, *args, **kwargs)
+        cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
+        if cfg.monitor is not None and cfg.monitor.curve is None:  # the frontend serves /metrics
+            from dynsteer.streams.metrics import register_stream_metrics
+
+            register_stream_metrics(cfg.monitor.endpoint)
 
     cls.__init__ = __init__
 

@@ -1,0 +1,92 @@
+"""Prometheus metrics of the async tier's streams, for the process that serves ``/metrics`` (the OpenAI server).
+
+The hub lives in a worker process; this collector asks it for its counters (the ``stats`` request of the stream
+protocol, bounded by a short timeout) on every scrape, so the figures are one consistent instant of the hub's
+accounting: ``published = delivered + dropped + spilled + pending`` per stream and subscriber.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Iterator
+
+import msgspec
+import zmq
+
+logger = logging.getLogger("dynsteer")
+_lock = threading.Lock()
+_collector: "StreamMetricsCollector | None" = None
+
+
+class StreamMetricsCollector:
+    """A ``prometheus_client`` collector querying the hubs at ``endpoints`` (one per engine of this process; every
+    series is labelled with its ``endpoint``)."""
+
+    def __init__(self, endpoints: list[str] | None = None, timeout_ms: int = 500) -> None:
+        self.endpoints, self.timeout_ms = list(endpoints or []), timeout_ms
+
+    def query(self, endpoint: str) -> dict[str, Any] | None:
+        """The hub's stats, or None when it does not answer in time (a scrape never hangs)."""
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(endpoint)
+            sock.send(msgspec.msgpack.encode({"op": "stats"}))
+            if not sock.poll(self.timeout_ms):
+                return None
+            reply = msgspec.msgpack.decode(sock.recv())
+            return reply.get("stats") if isinstance(reply, dict) else None
+        except zmq.ZMQError:
+            return None
+        finally:
+            sock.close(0)
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["endpoint", "stream", "subscriber"]
+        up = GaugeMetricFamily("dynsteer_stream_hub_up", "Whether the stream hub answered this scrape",
+                               labels=["endpoint"])
+        head = GaugeMetricFamily("dynsteer_stream_head", "Next sequence number of the stream",
+                                 labels=["endpoint", "stream"])
+        families = {
+            "published": CounterMetricFamily("dynsteer_stream_published", "Messages published to the subscriber",
+                                             labels=labels),
+            "delivered": CounterMetricFamily("dynsteer_stream_delivered", "Messages the subscriber acknowledged",
+                                             labels=labels),
+            "dropped": CounterMetricFamily("dynsteer_stream_dropped", "Messages lost for the subscriber",
+                                           labels=labels),
+            "spilled": GaugeMetricFamily("dynsteer_stream_spilled", "Messages waiting on disk", labels=labels),
+            "pending": GaugeMetricFamily("dynsteer_stream_pending", "Messages waiting in memory", labels=labels),
+        }
+        for endpoint in list(self.endpoints):
+            stats = self.query(endpoint)
+            up.add_metric([endpoint], 0.0 if stats is None else 1.0)
+            for stream, st in (stats or {}).items():
+                if stream.startswith("_") or not isinstance(st, dict):
+                    continue
+                head.add_metric([endpoint, stream], float(st.get("head", 0)))
+                for name, counters in (st.get("subscribers") or {}).items():
+                    for key, fam in families.items():
+                        fam.add_metric([endpoint, stream, name], float(counters.get(key, 0)))
+        yield up
+        yield head
+        yield from families.values()
+
+
+def register_stream_metrics(endpoint: str) -> None:
+    """Add the collector for ``endpoint`` to prometheus_client's default registry (once per endpoint).
+
+    vLLM serves that registry on ``/metrics`` unless ``PROMETHEUS_MULTIPROC_DIR`` is set (then the stream metrics
+    are not exported: multi-process registries only aggregate files written by prometheus_client itself).
+    """
+    from prometheus_client import REGISTRY
+
+    global _collector
+    with _lock:
+        if _collector is None:
+            _collector = StreamMetricsCollector()
+            REGISTRY.register(_collector)
+        if endpoint not in _collector.endpoints:
+            _collector.endpoints.append(endpoint)
