@@ -1,0 +1,56 @@
+"""A command that changes a request's decode steering forks the prefix-cache hash of its blocks from the position
+the acked step computes first: a later unsteered request whose prompt is that conversation never reads KV computed
+under the command (outputs equal an uncached run), while the blocks before it stay shareable."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from dynsteer.commands import SteerCommand
+from dynsteer.config import DynsteerConfig, MonitorConfig
+from dynsteer.monitor.client import CommandClient
+from dynsteer.spec import AddVector, SteeringSpec
+from tests.conftest import make_llm
+
+PROMPT = "the quick brown fox jumps over the lazy dog and then"
+
+
+def test_commanded_blocks_are_never_served_to_a_request_that_would_compute_them_differently(tiny_llama_path):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cfg = DynsteerConfig(monitor=MonitorConfig.private())
+    with make_llm(tiny_llama_path, enable_prefix_caching=True, block_size=16, **cfg.engine_kwargs()) as llm:
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+        vec = np.random.default_rng(1).standard_normal(128).astype(np.float32) * 8
+        acks = []
+
+        def monitor() -> None:
+            client = CommandClient(cfg.monitor.command_endpoint, "apc")
+            while not sched.requests:
+                time.sleep(0.001)
+            req_id = next(iter(sched.requests))
+            while sched.requests.get(req_id) is not None and sched.requests[req_id].num_output_tokens < 40:
+                time.sleep(0.001)  # command mid-generation: a few blocks are generated before it
+            spec = SteeringSpec(vectors=[AddVector(layer=1, vector=vec, tier="decode")])
+            acks.append(client.wait(client.send(SteerCommand(request=req_id, spec=spec)), 30))
+            client.close()
+
+        t = threading.Thread(target=monitor)
+        t.start()
+        first = llm.generate([PROMPT], long)[0]
+        t.join()
+        assert acks and acks[0].status == "applied", acks
+        conversation = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
+        follow = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        cached = llm.generate([TokensPrompt(prompt_token_ids=conversation)], follow)[0]
+        hit = cached.num_cached_tokens
+        llm.reset_prefix_cache()
+        fresh = llm.generate([TokensPrompt(prompt_token_ids=conversation)], follow)[0]
+    assert list(cached.outputs[0].token_ids) == list(fresh.outputs[0].token_ids)
+    # the prompt and the blocks generated before the command were reused; nothing computed under it was
+    assert len(first.prompt_token_ids) <= hit < len(conversation) - 16
