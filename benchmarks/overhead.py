@@ -139,6 +139,7 @@ MODES = [
     Mode("hwload", "dynsteer on hotwire's workload", "dynsteer", True, 0.0, vs="hwsteered"),
     Mode("capidle", "capture-enabled idle", "dynsteer-capture", False),
     Mode("capture", "capture every generated token, 1 layer", "dynsteer-capture", False, 2.0),
+    Mode("stream", "stream every generated token, 1 layer, to a monitor", "dynsteer-capture", False, 3.0),
     Mode("hwidle", "hotwire-vllm idle", "hotwire", False),
     Mode("hwsteered", "hotwire-vllm steered, 1 layer", "hotwire", True),
     Mode("eager", "eager peer, no hook", "hook", False),
@@ -146,7 +147,7 @@ MODES = [
 ]
 BY_KEY = {m.key: m for m in MODES}
 # Informative pairs besides "vs absent" and each mode's own target (no target of their own).
-EXTRA_PAIRS = [("hwsteered", "hwidle"), ("hook", "eager"), ("capture", "capidle")]
+EXTRA_PAIRS = [("hwsteered", "hwidle"), ("hook", "eager"), ("capture", "capidle"), ("stream", "capidle")]
 ENGINES = ["absent", "absent2", "dynsteer", "hotwire", "hook", "dynsteer-capture"]  # start / keep priority
 ENGINE_KIND = {"absent": "absent", "absent2": "absent", "dynsteer": "dynsteer", "dynsteer-capture": "dynsteer",
                "hotwire": "hotwire", "hook": "hook"}
@@ -299,6 +300,42 @@ class Workload:
                 return outs
 
             return call, None
+        elif key == "stream":
+            import threading
+
+            from dynsteer.monitor.client import Monitor
+
+            mcfg = self.cfg["dynsteer"]["monitor"]
+            mon = Monitor(mcfg["endpoint"], mcfg["command_endpoint"], name="bench", streams=["resid"],
+                          policy="drop", max_pending=1 << 20, window=1024)
+            rows, stop = [0], threading.Event()
+
+            def read() -> None:  # a monitor that never fires: it reads and scores every frame
+                while not stop.is_set():
+                    frame = mon.recv(timeout_s=0.05)
+                    if frame is not None:
+                        next(iter(frame.values.values())).sum()
+                        rows[0] += len(frame.positions)
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            want = len(prompts) * (base.max_tokens - 1)
+
+            def call():
+                start = rows[0]
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                deadline = time.perf_counter() + 30
+                while rows[0] - start < want and time.perf_counter() < deadline:
+                    time.sleep(0.0005)
+                assert rows[0] - start == want, f"stream rows {rows[0] - start} != {want}"
+                return outs
+
+            def teardown() -> None:
+                stop.set()
+                reader.join()
+                mon.close()
+
+            return call, teardown
         # per-request params are fresh clones every call (vLLM may annotate a request's params: never reuse them)
         return (lambda: llm.generate(prompts, params, use_tqdm=False)), teardown
 
@@ -959,7 +996,14 @@ class Bench:
                 # default DynsteerConfig but for rows: 64 distinct per-request configs need 64 (default: 63)
                 dyn = {"max_rows": max(64, max(args.batches) + 2)}
                 if e == "dynsteer-capture":
-                    dyn.update(capture_sites=["post_block"], capture_layers=[steer_layer(self.num_layers)])
+                    from dynsteer.config import MonitorConfig
+
+                    layer = steer_layer(self.num_layers)
+                    # the async tier's stream of the same place: costs nothing until a monitor subscribes (mode
+                    # "stream" runs one in the engine's process, reading every frame)
+                    mon = MonitorConfig.private(streams={"resid": {"places": [f"{layer}.post_block"]}})
+                    dyn.update(capture_sites=["post_block"], capture_layers=[layer],
+                               monitor=mon.model_dump(mode="json"))
             self.cfgs[e] = dict(base, engine=e, kind=ENGINE_KIND[e], dynsteer=dyn,
                                 profile_dir=str(self.work_dir / "profile" / e) if args.profile else None)
         failed: dict[str, str] = {}
