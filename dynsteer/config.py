@@ -98,7 +98,8 @@ class MonitorConfig(BaseModel):
 
     Args:
         endpoint: where TP rank 0 of each worker publishes streams (under pipeline parallelism stage ``k > 0``
-            binds ``<endpoint>.pp<k>``); ``ipc://`` or loopback ``tcp://`` unless ``curve`` is set.
+            binds ``<endpoint>.pp<k>``, or the tcp port plus ``k``); ``ipc://`` or loopback ``tcp://`` unless
+            ``curve`` is set.
         command_endpoint: where the engine core takes commands (same rule).
         streams: streams declared at engine start; subscribers may declare more over the same places
             (``allow_declare``).

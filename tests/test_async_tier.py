@@ -271,7 +271,7 @@ def test_stream_accounting_is_exported_as_prometheus_metrics(engine):
             if sample.name == "dynsteer_stream_hub_up":
                 up = sample.value
             if sample.labels.get("subscriber") == "metrics-sub" and sample.labels.get("stream") == "resid":
-                values[sample.name.removesuffix("_total")] = sample.value
+                values[sample.name.removesuffix("_total")] = sample.value  # counters: _total
     col.finish(expect=0)
     assert up == 1.0
     n = {k.removeprefix("dynsteer_stream_"): v for k, v in values.items()}

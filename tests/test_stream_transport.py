@@ -116,18 +116,18 @@ def drain(sub: StreamSubscriber, quiet_s: float = 0.5) -> list[Any]:
 def test_round_trip_bit_identical(hubs: Callable[..., StreamHub]) -> None:
     hub = hubs()
     rng = np.random.default_rng(0)
-    sent = []
+    sent: list[tuple[dict[str, Any], list[np.ndarray]]] = []
     with StreamSubscriber(hub.endpoint, "rt", ["a"]) as sub:
         assert hub.subscribed("a") and not hub.subscribed("b")
         for i in range(200):
-            arrays = [rng.standard_normal((int(rng.integers(0, 9)), 32)).astype(np.float32),
+            arrays: list[np.ndarray] = [rng.standard_normal((int(rng.integers(0, 9)), 32)).astype(np.float32),
                       rng.integers(-2**62, 2**62, size=int(rng.integers(1, 50)), dtype=np.int64),
                       rng.integers(0, 2**16, size=(3, 5), dtype=np.uint16),  # bfloat16 bits
                       np.asarray(rng.standard_normal(), dtype=np.float64)]  # 0-d
             meta = {"i": i, "nested": {"x": [1.5, "y", None]}, "req_ids": [f"q{i}"]}
             assert hub.publish("a", meta, arrays) == i
             sent.append((meta, arrays))
-        frames = [sub.recv(5.0) for _ in range(200)]
+        frames = [f for _ in range(200) if (f := sub.recv(5.0)) is not None]
         assert sub.recv(0.2) is None
         assert [f.seq for f in frames] == list(range(200))
         for frame, (meta, arrays) in zip(frames, sent):
@@ -243,9 +243,10 @@ def test_drop_policy_exact_accounting(hubs: Callable[..., StreamHub]) -> None:
 
 def test_spill_policy_delivers_everything_in_order(hubs: Callable[..., StreamHub], tmp_path: Path) -> None:
     spill = tmp_path / "spill"
-    # A small replay buffer: messages it evicts before they were acked must go to disk too.
+    # max_pending above what is published: only the replay buffer's evictions (of messages not yet acked) can send
+    # messages to disk here (test_resume_past_spilled_messages_settles_them covers overflow past max_pending).
     hub = hubs(spill_dir=str(spill), replay_messages=32, heartbeat_s=2.0)
-    sub = SubscriberThread(hub.endpoint, "spiller", delay_s=0.0, start_after_s=1.5, policy="spill", max_pending=8,
+    sub = SubscriberThread(hub.endpoint, "spiller", delay_s=0.0, start_after_s=1.5, policy="spill", max_pending=1000,
                            window=4)
     sub.start()
     assert sub.ready.wait(20) and sub.error is None
@@ -283,7 +284,7 @@ def test_resume_past_spilled_messages_settles_them(hubs: Callable[..., StreamHub
 def test_block_policy_bounded_wait_then_drop(hubs: Callable[..., StreamHub]) -> None:
     hub = hubs()
     max_delay_ms = 20.0
-    sub = SubscriberThread(hub.endpoint, "blocker", delay_s=0.05, policy="block", max_pending=4, window=2,
+    sub = SubscriberThread(hub.endpoint, "blocker", delay_s=0.3, policy="block", max_pending=4, window=2,
                            max_delay_ms=max_delay_ms)
     sub.start()
     assert sub.ready.wait(20) and sub.error is None
@@ -293,9 +294,11 @@ def test_block_policy_bounded_wait_then_drop(hubs: Callable[..., StreamHub]) -> 
     for snap in snapshots + sub.stats + [stats]:
         assert_identity(snap)
     c = counters(stats, "blocker")
-    assert max(durations) * 1000 <= max_delay_ms + 30, max(durations)
-    assert c["block_waits"] > 0 and c["blocked_ms_max"] <= max_delay_ms + 5, c
-    assert c["dropped"] > 0  # 50 ms per frame: longer than a publish may wait, so the oldest are dropped
+    # slack for the OS waking the publisher late on a loaded CI box; a wait for room would take the subscriber's
+    # 300 ms per frame
+    assert max(durations) * 1000 <= max_delay_ms + 100, max(durations)
+    assert c["block_waits"] > 0 and c["blocked_ms_max"] <= max_delay_ms + 100, c
+    assert c["dropped"] > 0  # 300 ms per frame: longer than a publish may wait, so the oldest are dropped
     assert all(a < b for a, b in zip(sub.frames, sub.frames[1:]))
 
 
@@ -469,11 +472,14 @@ FIELD_ROOTS = ("message", "op", "hello", "ack", "ping", "bye", "stats")
 VALID_HELLO = {"op": "hello", "v": 1, "name": "fuzz", "streams": ["a"], "policy": "drop", "max_pending": 8,
                "max_delay_ms": 5.0, "window": 4, "resume": {"a": 0}, "declare": None}
 VALID_ACK = {"op": "ack", "stream": "a", "seq": 3}
+# Cheap to draw (the budget is >= 2000 examples in seconds), with the edges that matter: huge ints, NaN, names one
+# past the 128-char bound, long strings, binary, nesting.
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**64, 2**64 - 1), st.floats(allow_nan=True),
-                    st.text(max_size=200), st.binary(max_size=64), st.sampled_from(["a", "drop", "spill", "hello"]))
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=5),
-                                                       st.dictionaries(st.text(max_size=10), inner, max_size=5)),
-                      max_leaves=20)
+                    st.text(max_size=16), st.binary(max_size=16),
+                    st.sampled_from(["a", "drop", "block", "spill", "hello", "x" * 128, "x" * 129, "é" * 3000]))
+values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                      max_leaves=8)
 keys = st.one_of(st.sampled_from(sorted(VALID_HELLO) + ["seq", "stream", "extra"]), st.text(max_size=12))
 
 
@@ -667,7 +673,8 @@ ring_ops = st.lists(st.one_of(st.tuples(st.just("push"), st.lists(st.binary(max_
 @given(ops=ring_ops)
 def test_spill_ring_matches_a_deque(tmp_path: Path, ops: list[tuple[str, Any]]) -> None:
     directory = Path(tempfile.mkdtemp(dir=tmp_path)) / "ring"
-    ring, model, seq = SpillRing(directory, max_bytes=600, segment_bytes=200), deque(), 0
+    ring, seq = SpillRing(directory, max_bytes=600, segment_bytes=200), 0
+    model: deque[tuple[int, list[bytes], int]] = deque()
     for op, frames in ops:
         if op == "push":
             size = 12 + 8 * len(frames) + sum(map(len, frames))

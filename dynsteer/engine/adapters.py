@@ -112,6 +112,14 @@ def _runtime_for_current_model() -> SteeringRuntime:
     return rt
 
 
+def stage_endpoint(endpoint: str, pp_rank: int) -> str:
+    """Where pipeline stage ``pp_rank > 0`` publishes: ``<ipc path>.pp<k>``, or the tcp port plus ``k``."""
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        return f"{host}:{int(port) + pp_rank}"
+    return f"{endpoint}.pp{pp_rank}"
+
+
 def _attach_hub(rt: SteeringRuntime, cfg: DynsteerConfig, pp_rank: int) -> None:
     """TP rank 0 publishes the async tier's streams (each pipeline stage its own layers, at its own endpoint)."""
     import weakref
@@ -119,7 +127,7 @@ def _attach_hub(rt: SteeringRuntime, cfg: DynsteerConfig, pp_rank: int) -> None:
     from dynsteer.streams.hub import StreamHub
 
     mon = cfg.monitor
-    endpoint = mon.endpoint if pp_rank == 0 else f"{mon.endpoint}.pp{pp_rank}"
+    endpoint = mon.endpoint if pp_rank == 0 else stage_endpoint(mon.endpoint, pp_rank)
     hub = StreamHub(endpoint, curve=mon.curve, replay_bytes=mon.replay_bytes, replay_messages=mon.replay_messages,
                     spill_dir=mon.spill_dir, spill_bytes=mon.spill_bytes,
                     on_declare=rt.stream_validator(mon.allow_declare))

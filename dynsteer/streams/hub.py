@@ -26,7 +26,9 @@ Semantics:
   at most ``max_delay_ms`` from the start of that publish call whatever the number of blocking subscribers, then
   drops like ``drop`` (disconnected subscribers are not waited for); ``spill`` moves the oldest unsent ones past
   ``max_pending``, and those the replay buffer evicted unsent, to an on-disk ring of ``spill_bytes`` (full: dropped)
-  and sends them back in order before newer ones. Messages in flight (at most ``window``) stay in memory.
+  and sends them back in order before newer ones. Messages in flight (at most ``window``) stay in memory. If the
+  disk cannot keep up (more than ``max_pending + 256`` waiting in memory, the oldest already out of the replay
+  buffer), ``publish`` drops the oldest unsent ones (counted), so memory stays bounded.
 * **Flow control**: at most ``window`` un-acked messages in flight per stream and subscriber; sends never block
   (a full pipe postpones that subscriber).
 * **Resume** (hello with ``resume={stream: next_seq}``): pending and spilled messages before ``next_seq`` count as
@@ -54,13 +56,14 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import zmq
 
-from dynsteer.monitor.wire import (MAX_CLIENT_BYTES, NAME_PATTERN, Ack, Bye, Hello, Ping, StatsRequest, WireError,
+from dynsteer.monitor.wire import (MAX_CLIENT_BYTES, NAME_PATTERN, Ack, Bye, Hello, StatsRequest, WireError,
                                    check_array, decode_client, encode_error, encode_header, encode_stats,
                                    encode_welcome)
 from dynsteer.streams.security import CurveKeys, bind
@@ -95,7 +98,8 @@ class StreamHub:
             raise ValueError("StreamHub: replay_messages, spill_bytes, max_subscribers >= 1, replay_bytes >= 0 and "
                              "heartbeat_s > 0 are required")
         self._replay_bytes, self._replay_messages = replay_bytes, replay_messages
-        self._spill_dir, self._spill_bytes, self._own_spill_dir = spill_dir, spill_bytes, None
+        self._spill_dir, self._spill_bytes = spill_dir, spill_bytes
+        self._own_spill_dir: str | None = None  # the temp folder made when spill_dir is None
         self._heartbeat_s, self._on_declare, self._max_subscribers = heartbeat_s, on_declare, max_subscribers
         self._cond = threading.Condition(threading.Lock())  # the one lock: every counter and queue
         self._streams: dict[str, StreamState] = {}
@@ -262,17 +266,18 @@ class StreamHub:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
+        busy = False
         try:
             while not self._closed:
                 stalled = any(s.stalled_until for s in list(self._subs.values()))
-                events = dict(poller.poll(5 if stalled else min(100, self._heartbeat_s * 250)))
+                events = dict(poller.poll(0 if busy else 5 if stalled else int(min(100, self._heartbeat_s * 250))))
                 if self._wake_rx in events:
                     self._drain_wake()
                 if self._router in events:
                     self._receive()
                 try:
                     self._check_heartbeats()
-                    self._spill()
+                    busy = self._spill()
                     self._send_all()
                 except Exception:  # a bug must not end publishing: log it and go on
                     logger.exception("stream hub: I/O loop error")
@@ -355,10 +360,6 @@ class StreamHub:
         declared = dict(hello.declare or {})
         with self._cond:
             known = {name: st.spec for name, st in self._streams.items()}
-            is_new = hello.name not in self._subs
-            full = is_new and len(self._subs) >= self._max_subscribers
-        if full:
-            raise WireError("hello.name", f"the hub has its maximum of {self._max_subscribers} subscribers")
         for i, stream in enumerate(hello.streams):
             if stream not in known and stream not in declared:
                 raise WireError(f"hello.streams[{i}]", f"unknown stream {stream!r}")
@@ -373,13 +374,13 @@ class StreamHub:
                 except ValueError as exc:
                     raise WireError(f"hello.declare[{stream!r}]", str(exc)) from None
         with self._cond:
+            if hello.name not in self._subs and len(self._subs) >= self._max_subscribers:
+                raise WireError("hello.name", f"the hub has its maximum of {self._max_subscribers} subscribers")
             for stream, spec in declared.items():
                 try:
                     self._declare_locked(stream, spec)
                 except ValueError as exc:
                     raise WireError(f"hello.declare[{stream!r}]", str(exc)) from None
-            if hello.name not in self._subs and len(self._subs) >= self._max_subscribers:
-                raise WireError("hello.name", f"the hub has its maximum of {self._max_subscribers} subscribers")
             welcome = self._register(identity, hello)
             self._cond.notify_all()
         self._reply(identity, encode_welcome(welcome))
@@ -390,6 +391,9 @@ class StreamHub:
             sub = self._subs[hello.name] = Subscriber(hello.name)
         if sub.identity and self._by_identity.get(sub.identity) == sub.name:
             del self._by_identity[sub.identity]
+        previous = self._subs.get(self._by_identity.get(identity, ""))
+        if previous is not None and previous is not sub:  # this connection spoke for another name until now
+            previous.connected, previous.identity = False, b""
         self._by_identity[identity] = sub.name
         sub.identity, sub.connected, sub.last_seen, sub.stalled_until = identity, True, time.monotonic(), 0.0
         sub.policy, sub.max_pending, sub.max_delay_ms, sub.window = (hello.policy, hello.max_pending,
@@ -431,15 +435,21 @@ class StreamHub:
 
     # ---- spilling and sending (I/O thread; it alone touches the rings and the socket) -----------------------------
 
-    def _spill(self) -> None:
+    def _spill(self) -> bool:
+        """Move spilling subscribers' overflow to disk, for at most ~10 ms (sending must not starve); True if more
+        is left to do."""
         with self._cond:
             work = [ss for sub in self._subs.values() if sub.policy == "spill" for ss in sub.streams.values()]
+        until = time.monotonic() + 0.01
         for ss in work:
             while True:
                 with self._cond:
                     if not ss.mem or (ss.load <= ss.sub.max_pending and ss.mem[0].seq >= ss.stream.first):
                         break
-                    msg = ss.mem[0]  # only this thread takes from a spilling subscriber's mem
+                    if time.monotonic() > until:
+                        return True
+                    # Only this thread takes mem's head of a spilling subscriber; publish's lag cap spares it.
+                    msg = ss.spilling = ss.mem[0]
                 try:
                     ring = ss.ring if ss.ring is not None else self._new_ring(ss)
                     stored = ring.push(msg.seq, msg.frames())  # outside the lock: disk must not stall publish
@@ -448,11 +458,13 @@ class StreamHub:
                     stored = False
                 with self._cond:
                     ss.mem.popleft()
+                    ss.spilling = None
                     if stored:
                         ss.spilled += 1
                         ss.spilled_total += 1
                     else:
                         ss.drop(msg, self._losses)
+        return False
 
     def _new_ring(self, ss: SubStream) -> SpillRing:
         base = self._spill_dir
@@ -485,7 +497,8 @@ class StreamHub:
             if source is None:
                 return None
             if source != "ring":
-                item = {"resend": ss.resend, "replay_q": ss.replay_q, "mem": ss.mem}[source].popleft()
+                queues: dict[str, deque[Any]] = {"resend": ss.resend, "replay_q": ss.replay_q, "mem": ss.mem}
+                item = queues[source].popleft()
                 ss.inflight.append(item)
                 return item
         assert ss.ring is not None

@@ -53,10 +53,13 @@ class StreamMetricsCollector:
         families = {
             "published": CounterMetricFamily("dynsteer_stream_published", "Messages published to the subscriber",
                                              labels=labels),
-            "delivered": CounterMetricFamily("dynsteer_stream_delivered", "Messages the subscriber acknowledged",
-                                             labels=labels),
-            "dropped": CounterMetricFamily("dynsteer_stream_dropped", "Messages lost for the subscriber",
+            # a resume can move messages back to pending (re-sent from the replay buffer): gauges, not counters
+            "delivered": GaugeMetricFamily("dynsteer_stream_delivered", "Messages the subscriber acknowledged",
                                            labels=labels),
+            "dropped": GaugeMetricFamily("dynsteer_stream_dropped", "Messages currently lost for the subscriber",
+                                         labels=labels),
+            "dropped_total": CounterMetricFamily("dynsteer_stream_dropped_messages",
+                                                 "Messages ever dropped for the subscriber", labels=labels),
             "spilled": GaugeMetricFamily("dynsteer_stream_spilled", "Messages waiting on disk", labels=labels),
             "pending": GaugeMetricFamily("dynsteer_stream_pending", "Messages waiting in memory", labels=labels),
         }

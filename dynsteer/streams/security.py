@@ -143,7 +143,7 @@ def bind(sock: zmq.Socket, endpoint: str, curve: CurveKeys | None) -> Binding:
             if "[" in endpoint:
                 sock.ipv6 = True
             sock.bind(re.sub(r":0$", ":*", endpoint))
-        actual = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        actual = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     except BaseException:
         if authenticator is not None:
             authenticator.stop()

@@ -30,6 +30,9 @@ from dynsteer.monitor.wire import Policy, array_buffers
 from dynsteer.streams.spill import SpillRing
 
 
+SPILL_LAG = 256  # messages a spilling subscriber may have waiting for the disk beyond max_pending
+
+
 @dataclass(eq=False, slots=True)
 class Message:
     """One published message, shared by the replay buffer and every subscriber's queues (arrays by reference)."""
@@ -161,6 +164,7 @@ class SubStream:
         self.replay_q: deque[Item] = deque()
         self.mem: deque[Message] = deque()
         self.ring: SpillRing | None = None
+        self.spilling: Message | None = None  # the head of mem while the I/O thread writes it to disk
 
     # ---- what the counters are made of --------------------------------------------------------------------------
 
@@ -196,11 +200,26 @@ class SubStream:
         self.mem.append(msg)
         if self.sub.policy != "spill":
             self.trim(ledger)
+        else:
+            self.cap_spill_lag(ledger)
 
     def trim(self, ledger: LossLedger) -> None:
         """Drop the oldest unsent messages past ``max_pending``."""
         while self.load > self.sub.max_pending and self.mem:
             self.drop(self.mem.popleft(), ledger)
+
+    def cap_spill_lag(self, ledger: LossLedger) -> None:
+        """Bound memory when the disk cannot keep up: drop the oldest unsent messages once more than
+        ``max_pending + SPILL_LAG`` wait and the oldest has left the replay buffer (it holds memory of its own)."""
+        while self.load > self.sub.max_pending + SPILL_LAG and self.mem and self.mem[0].seq < self.stream.first:
+            if self.mem[0] is self.spilling:  # being written right now: the next one goes instead
+                if len(self.mem) < 2 or self.mem[1].seq >= self.stream.first:
+                    return
+                msg = self.mem[1]
+                del self.mem[1]
+            else:
+                msg = self.mem.popleft()
+            self.drop(msg, ledger)
 
     def drop(self, msg: Message, ledger: LossLedger) -> None:
         """``msg`` (already out of every queue) is lost for this subscriber."""
