@@ -7,7 +7,9 @@ Usage: python monitor_script.py STREAM_EP COMMAND_EP PROBE.npy THRESHOLD steer|a
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import numpy as np
 
@@ -20,8 +22,12 @@ def main() -> None:
     probe, threshold = np.load(probe_file), float(threshold)
     vector = np.load(sys.argv[7]) if len(sys.argv) > 7 else None
     fired = False
-    with open(log_file, "w") as log, Monitor(stream_ep, command_ep, name="probe-mon", streams=["resid"],
-                                              policy="drop", max_pending=4096) as mon:
+    # MONITOR_RESUME: a restarted monitor's next sequence number; MONITOR_DELAY_S: seconds spent per frame
+    resume = os.environ.get("MONITOR_RESUME")
+    delay = float(os.environ.get("MONITOR_DELAY_S", "0"))
+    with open(log_file, "w") as log, Monitor(stream_ep, command_ep, name=os.environ.get("MONITOR_NAME", "probe-mon"),
+                                              streams=["resid"], policy="drop", max_pending=4096,
+                                              resume=None if resume is None else {"resid": int(resume)}) as mon:
         print("ready", flush=True)
         for frame in mon.frames(timeout_s=5.0):
             place = next(iter(frame.values))
@@ -30,6 +36,7 @@ def main() -> None:
                                   "request": frame.request.tolist(), "positions": frame.positions.tolist(),
                                   "scores": scores.tolist()}) + "\n")
             log.flush()
+            time.sleep(delay)
             if fired or action == "none":
                 continue
             hits = frame.requests_where(scores > threshold)

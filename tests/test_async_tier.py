@@ -278,3 +278,56 @@ def test_stream_accounting_is_exported_as_prometheus_metrics(engine):
     assert n["published"] >= MAX_TOKENS - 1 - 1  # one message per decode step of the tagged request
     assert n["published"] == n["delivered"] + n["dropped"] + n["spilled"] + n["pending"]
     assert n["dropped"] == 0
+
+
+def test_a_sigkilled_monitor_loses_nothing_the_engine_serves_on_and_a_restart_resumes_without_gaps(
+        engine, baseline, tmp_path):
+    import os
+    import signal
+
+    from dynsteer.streams.metrics import StreamMetricsCollector
+
+    llm, cfg = engine
+    base = baseline[0]
+    np.save(tmp_path / "probe.npy", np.zeros(128, np.float32))
+    env = dict(os.environ, MONITOR_NAME="killed-mon", MONITOR_DELAY_S="0.02")
+
+    def start(log: Path, extra: dict) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), cfg.monitor.endpoint, cfg.monitor.command_endpoint,
+                                 str(tmp_path / "probe.npy"), "0", "none", str(log)], stdout=subprocess.PIPE,
+                                text=True, cwd=Path(__file__).parents[1], env={**env, **extra})
+        assert proc.stdout.readline().strip() == "ready"
+        return proc
+
+    first_log, second_log = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    proc = start(first_log, {})
+    time.sleep(0.5)
+
+    def kill_midway() -> None:
+        while first_log.read_text().count("\n") < 5:
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_midway)
+    killer.start()
+    outs = llm.generate(PROMPTS, _params())
+    killer.join()
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert token_ids(outs) == base  # the engine served on, unchanged
+    seen = [json.loads(line)["seq"] for line in first_log.read_text().splitlines() if line.strip().endswith("}")]
+    assert 5 <= len(seen) < MAX_TOKENS - 1  # killed mid-run (it reads 20 ms per frame)
+    resumed = start(second_log, {"MONITOR_RESUME": str(seen[-1] + 1), "MONITOR_DELAY_S": "0"})
+    want = MAX_TOKENS - 1 - len(seen)
+    deadline = time.monotonic() + 30
+    while second_log.read_text().count("\n") < want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)  # its acks reach the hub
+    stats = StreamMetricsCollector().query(cfg.monitor.endpoint)  # while it is registered (it says bye on exit)
+    resumed.wait(timeout=60)  # it exits after 5 s without a frame
+    rest = [json.loads(line)["seq"] for line in second_log.read_text().splitlines()]
+    got = seen + rest
+    assert got == list(range(seen[0], seen[0] + MAX_TOKENS - 1))  # every message of the run, once, in order
+    c = stats["resid"]["subscribers"]["killed-mon"]
+    assert c["published"] == c["delivered"] + c["dropped"] + c["spilled"] + c["pending"]
+    assert c["dropped"] == 0 and c["pending"] == 0
