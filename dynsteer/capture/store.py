@@ -269,10 +269,6 @@ class CaptureCollector:
         """Whether this step must be planned: a request captures, or the last step's slots must be cleared."""
         return bool(self.records) or self._dirty > 0
 
-    def wait_streams(self) -> None:
-        """Land every copy in flight (the step's streams are published from ``poll``)."""
-        self.poll(block=True)
-
     def _stage_slots(self, rows: list[int]) -> None:
         """Give batch row ``rows[j]`` capture row ``j`` (every other token: -1), before the forward reads it."""
         high = max(rows) + 1 if rows else 0
@@ -342,7 +338,8 @@ class CaptureCollector:
             for sel in pend.streams:
                 if self.on_stream is not None:
                     rows, arrays = sel.rows, by_dtype[sel.dtype]
-                    contiguous = rows.size and rows[0] + rows.size - 1 == rows[-1] and bool((np.diff(rows) == 1).all())
+                    # the common case (only streams capture): consecutive rows, sent as a view without a copy
+                    contiguous = rows.size and bool((np.diff(rows) == 1).all())
                     pick = slice(int(rows[0]), int(rows[0]) + rows.size) if contiguous else rows
                     self.on_stream(sel, {place: arrays[place][pick] for place in sel.places})
 

@@ -150,20 +150,23 @@ def shape_from_vllm_config(vllm_config: Any) -> ModelShape:
                       max_clamp_strength=cfg.limits.max_clamp_strength)
 
 
+def build_frontend_state(vllm_config: Any) -> FrontendState:
+    """What admission validates against, loaded from the engine's config (named vectors, probes, controllers)."""
+    from dynsteer.controllers.registry import ControllerRegistry
+    from dynsteer.engine.adapters import load_named_vector, load_probes
+
+    shape = shape_from_vllm_config(vllm_config)
+    cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
+    return FrontendState(shape, {n: load_named_vector(r, shape.hidden_size) for n, r in cfg.vectors.items()},
+                         capture_places=set(cfg.capture_places(shape.num_layers)), limits=cfg.limits,
+                         probes=load_probes(cfg), controllers=ControllerRegistry(cfg.controllers).names(),
+                         capacity=cfg.max_rows - 1)
+
+
 def frontend_state(input_processor: Any) -> FrontendState:
     state = input_processor.__dict__.get("_dynsteer_frontend")
     if state is None:
-        from dynsteer.controllers.registry import ControllerRegistry
-        from dynsteer.engine.adapters import load_named_vector, load_probes
-
-        vllm_config = input_processor.vllm_config
-        shape = shape_from_vllm_config(vllm_config)
-        cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
-        state = FrontendState(shape, {n: load_named_vector(r, shape.hidden_size) for n, r in cfg.vectors.items()},
-                              capture_places=set(cfg.capture_places(shape.num_layers)), limits=cfg.limits,
-                              probes=load_probes(cfg), controllers=ControllerRegistry(cfg.controllers).names(),
-                              capacity=cfg.max_rows - 1)
-        input_processor._dynsteer_frontend = state
+        state = input_processor._dynsteer_frontend = build_frontend_state(input_processor.vllm_config)
     return state
 
 

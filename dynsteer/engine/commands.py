@@ -12,15 +12,16 @@ request it names exactly as the workers will compile it, and takes it at that st
   KV computed under the command is never served to a request that would compute it differently;
 * ``abort`` finishes the request at the next output with a reason naming the monitor.
 
-The desk mirrors what commands are validated against: named vectors and the global spec/policy (kept current by
-watching the engine core's ``collective_rpc``), probes and limits from the config.
+The desk mirrors what commands are validated against in a :class:`~dynsteer.engine.apc.FrontendState` (admission's
+own state): named vectors and the global spec/policy, kept current by watching the engine core's ``collective_rpc``;
+probes and limits from the config.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -29,6 +30,7 @@ import zmq
 from dynsteer.commands import (Ack, AbortCommand, CommandEnvelope, RuleCommand, SteerCommand, ThresholdCommand,
                                check_steer, decode_command, patch_policy)
 from dynsteer.config import DynsteerConfig
+from dynsteer.engine.apc import build_frontend_state, command_event
 from dynsteer.payload import PAYLOAD_KEY, decode_payload
 from dynsteer.policy import admit_policy
 from dynsteer.spec import SteeringSpec, SteeringValidationError
@@ -57,48 +59,37 @@ class DeskStats:
     received: int = 0
     applied: int = 0
     rejected: int = 0
-    errors: list[str] = field(default_factory=list)
 
 
 class CommandDesk:
     """The engine core's end of the command channel (one per scheduler)."""
 
     def __init__(self, cfg: DynsteerConfig, vllm_config: Any) -> None:
-        from dynsteer.controllers.registry import ControllerRegistry
-        from dynsteer.engine.adapters import load_named_vector, load_probes
-        from dynsteer.engine.apc import shape_from_vllm_config
-
         assert cfg.monitor is not None
-        self.cfg, self.limits = cfg.monitor, cfg.limits
-        self.shape = shape_from_vllm_config(vllm_config)
-        self.named = {n: load_named_vector(r, self.shape.hidden_size) for n, r in cfg.vectors.items()}
-        self.probes = load_probes(cfg)
-        self.controllers = ControllerRegistry(cfg.controllers).names()
-        self.global_spec, self.global_policy = SteeringSpec(), None
+        self.cfg = cfg.monitor
+        self.state = build_frontend_state(vllm_config)
         self.overrides: dict[str, _Overrides] = {}
         self.stats = DeskStats()
-        self._ctx = zmq.Context.instance()
-        self.sock = self._ctx.socket(zmq.ROUTER)
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.RCVHWM, 4 * self.cfg.max_commands_per_step)
-        self._auth = bind(self.sock, self.cfg.command_endpoint, self.cfg.curve)
+        self._binding = bind(self.sock, self.cfg.command_endpoint, self.cfg.curve)
 
     # ---- mirror of the workers' state (collective_rpc) -------------------------------------------------------
     def observe(self, method: str, args: tuple) -> None:
         """Called after a successful ``collective_rpc`` in the engine core: keep named vectors and globals current."""
         from dynsteer.vectors import unpack_vector
 
+        state = self.state
         if method == "dynsteer_register_vector":
-            self.named[args[0]] = unpack_vector(args[1])
+            state.register(args[0], unpack_vector(args[1]))
         elif method == "dynsteer_unregister_vector":
-            self.named.pop(args[0], None)
+            state.named.pop(args[0], None)
+            state.version += 1
         elif method == "dynsteer_set_global":
-            decoded = decode_payload(args[0], field="global", limits=self.limits)
-            policy = decoded.policy
-            if policy is not None:
-                policy = admit_policy(policy, self.probes, self.controllers, "global_policy.")
-            self.global_spec, self.global_policy = decoded.spec, policy
+            decoded = decode_payload(args[0], field="global", limits=state.limits)
+            state.set_global(decoded.spec, state.check_global(decoded.spec, decoded.policy))
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def take(self, scheduler: Any, step: int) -> list[dict[str, Any]]:
@@ -118,7 +109,7 @@ class CommandDesk:
             self.stats.received += 1
             cid = ""
             try:
-                env = decode_command(raw, max_bytes=self.limits.max_payload_bytes + 4096)
+                env = decode_command(raw, max_bytes=self.state.limits.max_payload_bytes + 4096)
                 cid = env.id
                 wire = self._apply(scheduler, env)
             except SteeringValidationError as exc:
@@ -155,36 +146,35 @@ class CommandDesk:
         else:
             policy = patch_policy(policy if policy is not None else base_policy, cmd)
         effective = policy if policy is not None else base_policy
-        specs = [("global.", self.global_spec)]
+        state = self.state
+        specs = [("global.", state.global_spec)]
         if base_spec is not None and not base_spec.is_empty():
             specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", base_spec))
         if spec is not None:
             specs.append(("command.spec.", spec))
         pol = None if effective is None or not (effective.rules or effective.controller) else ("command.policy.",
                                                                                                effective)
-        decode = compile_phase(specs, "decode", self.shape, self.named, pol).digest.hex()
-        from dynsteer.engine.scheduler import swap_decode_row
+        decode = compile_phase(specs, "decode", state.shape, state.named, pol).digest.hex()
+        from dynsteer.engine.scheduler import swap_decode_row  # the scheduler module imports this one
 
         swap_decode_row(scheduler, request, decode)  # raises naming the field when no row is free
         self.overrides[cmd.request] = _Overrides(spec, policy)
-        from dynsteer.engine.apc import command_event
-
         command_event(request, f"{env.monitor}:{decode}", scheduler._dynsteer.hash_block_size)
-        wire: dict[str, Any] = {"monitor": env.monitor, "command": cmd.model_dump(mode="json")}
-        return wire
+        return {"monitor": env.monitor, "command": cmd.model_dump(mode="json")}
 
     def _request_config(self, request: Any) -> tuple[SteeringSpec | None, Any]:
         """The request's own spec and its effective dynamic policy as admitted."""
         extra = (request.sampling_params and request.sampling_params.extra_args) or {}
         payload = extra.get(PAYLOAD_KEY)
         spec = policy = None
+        state = self.state
         if payload is not None:
-            decoded = decode_payload(payload, limits=self.limits)
+            decoded = decode_payload(payload, limits=state.limits)
             spec = decoded.spec
             if decoded.policy is not None:
-                policy = admit_policy(decoded.policy, self.probes, self.controllers,
+                policy = admit_policy(decoded.policy, state.probes, state.controllers,
                                       f"extra_args.{PAYLOAD_KEY}.policy.")
-        return spec, policy if policy is not None else self.global_policy
+        return spec, policy if policy is not None else state.global_policy
 
     def _answer(self, ident: bytes, ack: Ack) -> None:
         try:
@@ -194,8 +184,7 @@ class CommandDesk:
 
     def close(self) -> None:
         self.sock.close(0)
-        if self._auth is not None and hasattr(self._auth, "stop"):
-            self._auth.stop()
+        self._binding.close()
 
 
 def _id_of(raw: Any) -> str:

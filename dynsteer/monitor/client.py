@@ -29,6 +29,7 @@ import zmq
 from dynsteer.commands import (AbortCommand, Ack, CommandEnvelope, RuleCommand, SteerCommand, ThresholdCommand,
                                encode_command)
 from dynsteer.spec import SteeringSpec
+from dynsteer.streams.security import connect_curve, connect_options
 
 
 @dataclass
@@ -93,13 +94,11 @@ class CommandClient:
     def __init__(self, endpoint: str, monitor: str, *, curve_server_public: str | None = None,
                  curve_client_secret: str | None = None, curve_client_public: str | None = None) -> None:
         self.monitor = monitor
-        self._ctx = zmq.Context.instance()
-        self.sock = self._ctx.socket(zmq.DEALER)
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        connect_options(self.sock, endpoint)
         if curve_server_public is not None:
-            self.sock.curve_serverkey = curve_server_public.encode()
-            self.sock.curve_secretkey = (curve_client_secret or "").encode()
-            self.sock.curve_publickey = (curve_client_public or "").encode()
+            connect_curve(self.sock, curve_server_public, curve_client_secret or "", curve_client_public or "")
         self.sock.connect(endpoint)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]

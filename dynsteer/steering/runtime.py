@@ -141,6 +141,7 @@ class SteeringRuntime:
         self._deferred: dict[str, list[Any]] = {}  # commands for requests not admitted on this worker yet
         self.hub: Any = None  # the async tier's StreamHub (TP rank 0 of a worker with a monitor config)
         self.stream_specs: dict[str, Any] = {}  # stream name -> StreamSpec, refreshed from the hub
+        self._stream_places: dict[str, tuple[Any, ...]] = {}  # stream name -> its places this worker holds
         self._hub_version = -1
         self._batch: _Batch | None = None
         self._arange = np.arange(tables.row_index.shape[0])
@@ -416,12 +417,13 @@ class SteeringRuntime:
 
         self._hub_version = self.hub.version
         mine = self.capture.places if self.capture is not None else set()
-        specs = {}
+        specs, places = {}, {}
         for name, raw in self.hub.streams().items():
             spec = StreamSpec.model_validate(raw)
-            if any(p in mine for p in spec.place_tuples()):  # a pipeline stage publishes its own layers
-                specs[name] = spec
-        self.stream_specs = specs
+            here = tuple(p for p in spec.place_tuples() if p in mine)  # a pipeline stage publishes its own layers
+            if here:
+                specs[name], places[name] = spec, here
+        self.stream_specs, self._stream_places = specs, places
         self._version += 1
 
     def _select_streams(self, b: _Batch, req_of_token: np.ndarray, position: np.ndarray,
@@ -430,7 +432,6 @@ class SteeringRuntime:
         from dynsteer.capture.store import StreamSelection
 
         out = []
-        mine = self.capture.places
         for name, mask in b.streams.items():
             if not self.hub.subscribed(name):
                 continue
@@ -442,8 +443,8 @@ class SteeringRuntime:
                 keep &= ~is_decode
             tokens = np.flatnonzero(keep)
             if tokens.size:
-                out.append(StreamSelection(name, self.step, tuple(p for p in spec.place_tuples() if p in mine),
-                                           spec.dtype, tokens, req_of_token[tokens], position[tokens], b.ids))
+                out.append(StreamSelection(name, self.step, self._stream_places[name], spec.dtype, tokens,
+                                           req_of_token[tokens], position[tokens], b.ids))
         return out
 
     def _publish(self, sel: Any, values: dict[Any, np.ndarray]) -> None:

@@ -14,6 +14,9 @@ from typing import Any, Iterator
 import msgspec
 import zmq
 
+from dynsteer.monitor.wire import StatsRequest, encode_client
+from dynsteer.streams.security import connect_options
+
 logger = logging.getLogger("dynsteer")
 _lock = threading.Lock()
 _collector: "StreamMetricsCollector | None" = None
@@ -31,8 +34,9 @@ class StreamMetricsCollector:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
+            connect_options(sock, endpoint)
             sock.connect(endpoint)
-            sock.send(msgspec.msgpack.encode({"op": "stats"}))
+            sock.send(encode_client(StatsRequest()))
             if not sock.poll(self.timeout_ms):
                 return None
             reply = msgspec.msgpack.decode(sock.recv())
