@@ -159,11 +159,13 @@ def patch_scheduler(cls: type) -> None:
             outputs = orig_update(self, scheduler_output, model_runner_output)
             # Stopped requests that produced no token this step (still prefilling), and monitors' aborts (after
             # this output's tokens were delivered): finish them here.
-            for req_id, reason in [*state.stops.items(), *((r, m) for r, m in aborts.items() if r not in state.stops)]:
+            # A worker's stop wins over a monitor's abort: its blocks must be quarantined.
+            for req_id, (reason, aborted) in {**{r: (m, True) for r, m in aborts.items()},
+                                              **{r: (m, False) for r, m in state.stops.items()}}.items():
                 request = self.requests.get(req_id)
                 if request is None or request.is_finished():
                     continue
-                if req_id in aborts:  # what it computed is sound: its blocks stay shareable
+                if aborted:  # what it computed is sound: its blocks stay shareable
                     request.stop_reason = reason
                     logger.info("dynsteer: request %s aborted: %s", req_id, reason)
                 else:
