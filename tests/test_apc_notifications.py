@@ -14,7 +14,7 @@ import dynsteer
 from dynsteer import DynsteerConfig
 from dynsteer.engine.apc import ActedState, fold
 from dynsteer.steering.dynamic import StepTokens, acted_report
-from tests.conftest import make_llm, token_ids
+from tests.conftest import ON_GPU, make_llm, token_ids
 from tests.test_dynamic import ALWAYS, NEVER, policy
 
 BLOCK = 16
@@ -82,14 +82,21 @@ def _turns(llm, st, pol, n1: int = 5 * BLOCK):
             len(first.prompt_token_ids))
 
 
-@pytest.fixture(scope="module")
-def multi_turn(tiny_llama_path):
-    """Each case on an engine with prefix caching on and one with it off."""
+# vLLM's asynchronous scheduling (the GPU default) schedules step n+1 before step n's output, and so its report,
+# has come back: on GPU every case also runs with it on, and the engine is checked to really run it.
+SCHEDULING = ["async", "sync"] if ON_GPU else ["sync"]
+
+
+@pytest.fixture(scope="module", params=SCHEDULING)
+def multi_turn(request, tiny_llama_path):
+    """Each case on an engine with prefix caching on and one with it off (under one scheduling mode)."""
     cfg = DynsteerConfig(max_gates=2)
+    asynchronous = request.param == "async"
     out = {}
     for caching in (True, False):
         with make_llm(tiny_llama_path, enable_prefix_caching=caching, block_size=BLOCK, disable_log_stats=False,
-                      **cfg.engine_kwargs()) as llm:
+                      async_scheduling=asynchronous, **cfg.engine_kwargs()) as llm:
+            assert bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling) == asynchronous
             st = dynsteer.attach(llm)
             probe = st.generate([PROMPT], _params(), policy=policy(st, NEVER, sharpness=1.0))[0].trace
             scores, positions = probe.scores(), probe.position
