@@ -18,9 +18,13 @@ from tests.conftest import make_llm
 PROMPT = "the quick brown fox jumps over the lazy dog and then"
 
 
-def test_commanded_blocks_are_never_served_to_a_request_that_would_compute_them_differently(tiny_llama_path):
+def test_commanded_blocks_are_never_served_to_a_request_that_would_compute_them_differently(tiny_llama_path,
+                                                                                            monkeypatch):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    # the monitor thread below watches the scheduler, so the engine core runs in this process (on GPU too)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     cfg = DynsteerConfig(monitor=MonitorConfig.private())
     with make_llm(tiny_llama_path, enable_prefix_caching=True, block_size=16, **cfg.engine_kwargs()) as llm:
