@@ -170,3 +170,53 @@ def test_blocks_after_the_first_firing_are_never_served(multi_turn):
     assert fired is not None and fired > prompt_len + BLOCK
     # every block before the one holding the first firing is reused; none from it on
     assert runs["midway"][2] == fired // BLOCK * BLOCK
+
+
+# ---- the global steering changed while a request is in flight ------------------------------------------------------
+
+@pytest.mark.parametrize("change", ["policy", "decode_vector"])
+def test_a_global_change_mid_flight_forks_the_live_requests_hashes(tiny_llama_path, monkeypatch, change):
+    """The workers recompile a live request's rows when the global spec or policy changes; blocks it computes from
+    then on must not be served as if computed under what it was admitted with (here: an unsteered follow-up whose
+    prompt is the conversation so far equals an uncached run), while blocks from before the change stay shareable."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tests.test_dynamic import vec
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the loop below watches the scheduler
+    with make_llm(tiny_llama_path, enable_prefix_caching=True, block_size=BLOCK,
+                  **DynsteerConfig(max_gates=2).engine_kwargs()) as llm:
+        st = dynsteer.attach(llm)
+        engine = llm.llm_engine
+        sched = engine.engine_core.engine_core.scheduler
+        prompt = llm.get_tokenizer().encode(PROMPT)
+        engine.add_request("conv", TokensPrompt(prompt_token_ids=prompt),
+                           SamplingParams(temperature=0.0, max_tokens=5 * BLOCK, ignore_eos=True))
+        changed_at = None
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final = out
+            req = next(iter(sched.requests.values()), None)  # the only request (vLLM suffixes its id)
+            if changed_at is None and req is not None and req.num_output_tokens >= 2 * BLOCK + 5:
+                changed_at = req.num_computed_tokens
+                if change == "policy":
+                    st.set_policy(policy(st, ALWAYS))
+                else:
+                    st.set_layer_vector(2, vec(st.hidden_size, 1))
+        st.clear_policy()
+        st.clear_all()
+        assert changed_at is not None and final is not None
+        conversation = list(final.prompt_token_ids) + list(final.outputs[0].token_ids)
+        unsteered = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                                 SamplingParams(temperature=0.0, max_tokens=5 * BLOCK, ignore_eos=True))[0]
+        assert list(unsteered.outputs[0].token_ids) != list(final.outputs[0].token_ids)  # the change steered it
+        follow = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        cached = llm.generate([TokensPrompt(prompt_token_ids=conversation)], follow)[0]
+        llm.reset_prefix_cache()
+        fresh = llm.generate([TokensPrompt(prompt_token_ids=conversation)], follow)[0]
+    assert list(cached.outputs[0].token_ids) == list(fresh.outputs[0].token_ids)
+    # every block wholly before the change is reused, none computed after it
+    assert cached.num_cached_tokens == changed_at // BLOCK * BLOCK

@@ -347,6 +347,21 @@ def command_event(request: Any, signature: str, hash_block_size: int) -> None:
         request.update_block_hashes()
 
 
+def global_change_event(request: Any, signature: str, hash_block_size: int) -> None:
+    """Engine core, after the global spec or policy changed while ``request`` is live: the workers recompile its
+    rows at once, so what it computes from its first uncomputed position on may differ from what its hashes (keyed
+    at admission) promise. A request still in its prompt is re-salted (its whole chain forks: the prompt's rest is
+    computed under the new global); one in decode forks from that position like a command. Conservative: blocks
+    computed after the change are not shared with requests admitted before or after it, even where the change
+    did not act on them; blocks computed before it keep their hashes."""
+    if int(request.num_computed_tokens) < int(request.num_prompt_tokens):
+        request.cache_salt = salted(request.cache_salt, f"global:{signature}")
+        del request.block_hashes[:]
+        request.update_block_hashes()
+    else:
+        command_event(request, f"global:{signature}", hash_block_size)
+
+
 def hashed_tokens(request: Any, hash_block_size: int) -> int | None:
     """Tokens of ``request`` covered by block hashes, when a dynamic policy holds its hashing back (else None)."""
     if "_dynsteer_acted" not in request.__dict__:

@@ -20,6 +20,7 @@ probes and limits from the config.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ import zmq
 from dynsteer.commands import (Ack, AbortCommand, CommandEnvelope, RuleCommand, SteerCommand, ThresholdCommand,
                                check_steer, decode_command, patch_policy)
 from dynsteer.config import DynsteerConfig
-from dynsteer.engine.apc import build_frontend_state, command_event
+from dynsteer.engine.apc import build_frontend_state, command_event, global_change_event
 from dynsteer.payload import PAYLOAD_KEY, decode_payload
 from dynsteer.policy import admit_policy
 from dynsteer.spec import SteeringSpec, SteeringValidationError
@@ -197,8 +198,18 @@ def _id_of(raw: Any) -> str:
         return ""
 
 
+def _fork_live_requests(scheduler: Any, args: Any, hash_block_size: int) -> None:
+    """The global spec or policy changed on the workers: fork the prefix-cache hashes of every live request from
+    its first uncomputed position (see ``apc.global_change_event``)."""
+    signature = hashlib.sha256(repr(args).encode()).hexdigest()[:32]
+    for request in list(scheduler.requests.values()):
+        if not request.is_finished():
+            global_change_event(request, signature, hash_block_size)
+
+
 def patch_engine_core(cls: type) -> None:
-    """Keep the command desk's mirror current: it watches the control RPCs that change what commands compile to."""
+    """Keep the command desk's mirror current (it watches the control RPCs that change what commands compile to),
+    and fork live requests' prefix-cache hashes when the global steering changes under them."""
     if "_dynsteer_patched" in cls.__dict__:
         return
     orig = cls.collective_rpc
@@ -207,7 +218,10 @@ def patch_engine_core(cls: type) -> None:
     def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> Any:
         out = orig(self, method, timeout, args, kwargs)
-        desk = getattr(getattr(getattr(self, "scheduler", None), "_dynsteer", None), "desk", None)
+        state = getattr(getattr(self, "scheduler", None), "_dynsteer", None)
+        if method == "dynsteer_set_global" and state is not None:
+            _fork_live_requests(self.scheduler, args, state.hash_block_size)
+        desk = getattr(state, "desk", None)
         if desk is not None and isinstance(method, str) and method.startswith("dynsteer_"):
             try:
                 desk.observe(method, tuple(args))
