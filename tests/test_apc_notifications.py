@@ -220,3 +220,49 @@ def test_a_global_change_mid_flight_forks_the_live_requests_hashes(tiny_llama_pa
     assert list(cached.outputs[0].token_ids) == list(fresh.outputs[0].token_ids)
     # every block wholly before the change is reused, none computed after it
     assert cached.num_cached_tokens == changed_at // BLOCK * BLOCK
+
+
+# ---- preemption ----------------------------------------------------------------------------------------------------
+
+def test_preempted_requests_keep_their_steering_history_in_the_cache(tiny_llama_path):
+    """A KV cache too small for the batch forces a preemption while prefix caching is on (the acted history lives on
+    the request, so a resumed request hashes its recomputed blocks as before): outputs, and a second turn over each
+    conversation that reuses what is still cached, equal an engine with caching off and room for all."""
+    from vllm import SamplingParams
+
+    from tests.test_dynamic import PROMPTS, SyncControllerSpec
+
+    prompts = [f"{p} and then" for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    follow = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for name, extra in (("roomy", {"enable_prefix_caching": False}),
+                        ("tight", {"enable_prefix_caching": True, "num_gpu_blocks_override": 30})):
+        with make_llm(tiny_llama_path, disable_log_stats=False, block_size=BLOCK, **extra,
+                      **DynsteerConfig(max_gates=2).engine_kwargs()) as llm:
+            st = dynsteer.attach(llm)
+            pols = [policy(st, 0.0, sharpness=0.5, controller=SyncControllerSpec(
+                kind="ema_latch", alpha=0.5, on=0.0, off=-2.0, scale=1.0)),
+                policy(st, NEVER), policy(st, 0.0, scope="rest_of_request"), None]
+            first = st.generate(prompts, params, policy=pols)
+            turn2 = [{"prompt_token_ids": list(o.prompt_token_ids) + list(o.outputs[0].token_ids)} for o in first]
+            second = [st.generate([t], follow, policy=[p])[0] for t, p in zip(turn2, pols)]
+            metrics = {m.name: m.value for m in llm.get_metrics() if m.name in (
+                "vllm:num_preemptions", "vllm:prefix_cache_hits")}
+            runs[name] = (first, second, metrics)
+            # finished requests leave nothing behind on the workers (the last one, unsteered, is released when the
+            # workers hear of its end, with the next step) or in the engine core
+            for worker in st.describe():
+                assert worker["rows_in_use"] == 0 and worker["live_requests"] <= 1 and worker["dynamic"]["live"] == 0
+            core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process engine core only
+            if core is not None:
+                state = core.scheduler._dynsteer
+                assert not (state.holding or state.live or state.stops or state.stopped or state.aborts)
+    first_t, second_t, metrics = runs["tight"]
+    assert metrics["vllm:num_preemptions"] > 0
+    assert metrics["vllm:prefix_cache_hits"] > 0  # cached blocks were served (second turns)
+    assert token_ids(first_t) == token_ids(runs["roomy"][0])
+    assert token_ids(second_t) == token_ids(runs["roomy"][1])
+    for tight, roomy in zip(first_t, runs["roomy"][0]):
+        if roomy.trace is not None:
+            assert tight.trace.position == roomy.trace.position
