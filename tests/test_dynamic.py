@@ -223,6 +223,35 @@ def test_user_controller_plugs_in_by_registered_name(engine):
             kind="custom", name="nope")))
 
 
+def test_an_abort_rule_stops_its_request_where_its_monitor_fires_and_nothing_else(engine):
+    """A rule with ``abort`` (no actions) steers nothing: its request's tokens equal an unsteered run's up to where
+    its monitor first crosses the threshold, then it finishes (within two steps) with the rule's reason; a rule
+    that never fires runs to the end byte-identical; a request without a policy in the same batch is untouched."""
+    llm, st = engine
+    base = st.generate(PROMPTS[:2], greedy(24))
+    mon = Monitor(name="m", layer=MON_LAYER, direction=unit(st.hidden_size, 0), sharpness=1.0, threshold=NEVER)
+    probe = st.generate(PROMPTS[:1], greedy(24), policy=DynamicSteeringPolicy(
+        monitors=[mon], rules=[Rule(monitor="m", abort="probe")]))[0]
+    assert token_ids([probe]) == token_ids(base[:1])  # an abort rule that never fires changes nothing
+    assert probe.outputs[0].finish_reason == "length"
+    scores, positions = probe.trace.scores().astype(np.float64).ravel(), np.asarray(probe.trace.position)
+    k = 4 + int(np.argmax(scores[4:] - np.maximum.accumulate(scores)[3:-1]))  # a fresh maximum after 4 tokens
+    assert scores[k] > scores[:k].max()
+    thr = float((scores[k] + scores[:k].max()) / 2)
+    pol = DynamicSteeringPolicy(monitors=[mon.model_copy(update={"threshold": thr, "sharpness": 1e4})],
+                                rules=[Rule(monitor="m", abort="flagged by the probe")])
+    out = st.generate(PROMPTS[:2], greedy(24), policy=[pol, None])
+    got, n0 = out[0].outputs[0], len(out[0].prompt_token_ids)
+    fired_at = int(positions[k])
+    assert got.finish_reason == "abort"
+    assert "dynsteer policy: rule 0 (monitor m): flagged by the probe" in str(got.stop_reason)
+    assert fired_at - n0 + 1 <= len(got.token_ids) <= fired_at - n0 + 3
+    assert list(got.token_ids) == token_ids(base[:1])[0][:len(got.token_ids)]
+    assert token_ids(out[1:]) == token_ids(base[1:])  # the other request: full length, byte-identical
+    with pytest.raises(Exception, match="actions"):
+        Rule(monitor="m")  # neither actions nor abort
+
+
 def test_dynamic_decode_blocks_are_never_reused_by_other_requests(tiny_llama_path):
     """Blocks holding tokens generated under a policy fork the hash chain; prompt blocks keep their hits."""
     from vllm import SamplingParams
@@ -266,3 +295,4 @@ def test_preempted_requests_replay_their_dynamic_steering(tiny_llama_path):
         assert tight.trace.position == roomy.trace.position  # each generated position traced once
         assert tight.trace.scale == roomy.trace.scale
         np.testing.assert_allclose(tight.trace.applied_gates(), roomy.trace.applied_gates(), atol=1e-3)
+

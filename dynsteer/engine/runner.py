@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from dynsteer.engine.adapters import find_runtime
-from dynsteer.engine.scheduler import ACTS_ATTR, COMMANDS_ATTR, STEP_ATTR, STOPS_ATTR, attach
+from dynsteer.engine.scheduler import ABORTS_ATTR, ACTS_ATTR, COMMANDS_ATTR, STEP_ATTR, STOPS_ATTR, attach
 from dynsteer.payload import PAYLOAD_KEY
 from dynsteer.steering.runtime import BatchView, SteeringRuntime
 
@@ -48,6 +48,9 @@ def _report(runner: Any, output: Any) -> Any:
     acts = rt.take_acts()
     if acts:
         output = attach(output, ACTS_ATTR, acts)
+    aborts = rt.take_aborts()
+    if aborts:
+        output = attach(output, ABORTS_ATTR, aborts)
     if rt.stops:
         output = attach(output, STOPS_ATTR, rt.take_stops())
     return output

@@ -33,6 +33,9 @@ logger = logging.getLogger("dynsteer")
 
 STOPS_ATTR = "dynsteer_stops"
 """Attribute of a ``ModelRunnerOutput``: ``{request id: reason}`` of requests the workers stopped at that step."""
+ABORTS_ATTR = "dynsteer_aborts"
+"""Attribute of a ``ModelRunnerOutput``: ``{request id: reason}`` of requests whose policy's abort rule fired (they
+finish at that output, with its tokens; their blocks stay shareable)."""
 ACTS_ATTR = "dynsteer_acts"
 """Attribute of a ``ModelRunnerOutput``: a list of ``(request ids, upto, acted_at, signature)`` columns (one per
 read-back): the workers computed and read back every decode position ``< upto`` of a request with a dynamic policy;
@@ -154,6 +157,8 @@ def patch_scheduler(cls: type) -> None:
         state = self._dynsteer
         state.stops = dict(getattr(model_runner_output, STOPS_ATTR, None) or {})
         aborts, state.aborts = state.aborts, {}
+        for req_id, reason in (getattr(model_runner_output, ABORTS_ATTR, None) or {}).items():
+            aborts.setdefault(req_id, reason)  # a monitor's abort taken at this step keeps its own reason
         _apply_acts(self, getattr(model_runner_output, ACTS_ATTR, None))
         try:
             outputs = orig_update(self, scheduler_output, model_runner_output)

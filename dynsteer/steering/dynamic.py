@@ -53,7 +53,7 @@ class SlotPlan:
     threshold: float
     floor: float
     scope: str  # a rule's scope; "monitor" for a controller-only slot (no actions)
-    acts: bool = True  # its rule is enabled (a disabled rule's gate is computed; its actions are not applied)
+    acts: bool = True  # its rule is enabled and has actions (a disabled rule's gate is computed, never applied)
 
 
 def policy_slots(policy: "DynamicSteeringPolicy") -> tuple[list[SlotPlan], int | None]:
@@ -63,7 +63,7 @@ def policy_slots(policy: "DynamicSteeringPolicy") -> tuple[list[SlotPlan], int |
     for rule in policy.rules:
         m = policy.monitor(rule.monitor)
         slots.append(SlotPlan(m.name, float(m.sharpness), float(m.threshold), rule.gate_floor, rule.scope,
-                              rule.enabled))
+                              rule.enabled and bool(rule.actions)))
     ctrl_slot = None
     cm = policy.controller_monitor()
     if cm is not None:
@@ -160,6 +160,8 @@ class DynState:
     staged: dict[int, tuple[list[float], list[float], float]] = field(default_factory=dict)
     # float32 (sharpness, threshold, floor) per slot: the kernel's gate parameters, for raw_gates
     params: np.ndarray = field(default_factory=lambda: np.zeros((3, 0), np.float32))
+    # slot -> stop reason, for enabled rules with ``abort`` (watched on the read-backs; see DynamicDriver.poll)
+    aborts: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def for_policy(cls, policy: "DynamicSteeringPolicy", registry: Any = None,
@@ -175,7 +177,8 @@ class DynState:
         return cls(slots=slots, controller=ctrl, ctrl_spec=policy.controller, ctrl_slot=ctrl_slot,
                    ctrl_state=ctrl.initial_state() if ctrl is not None else None,
                    scale=0.0 if ctrl is not None else 1.0, latched=[False] * g, prev_gate=[0.0] * g, sync=sync,
-                   params=np.array([[s.sharpness, s.threshold, s.floor] for s in slots], np.float32).T.copy())
+                   params=np.array([[s.sharpness, s.threshold, s.floor] for s in slots], np.float32).T.copy(),
+                   aborts=abort_slots(policy))
 
     @property
     def act_mask(self) -> int:
@@ -231,6 +234,24 @@ class DynState:
         return {"position": positions.tolist(), "score": scores.astype(np.float64).tolist(),
                 "gate": gate.astype(np.float64).tolist(), "applied": values[:, G:G + g].astype(np.float64).tolist(),
                 "scale": values[:, 4 * G].astype(np.float64).tolist()}
+
+
+def abort_slots(policy: "DynamicSteeringPolicy") -> dict[int, str]:
+    """Gate slot -> stop reason of the policy's enabled rules with ``abort`` (rules take slots in order)."""
+    return {i: f"dynsteer policy: rule {i} (monitor {rule.monitor}): {rule.abort}"
+            for i, rule in enumerate(policy.rules) if rule.abort is not None and rule.enabled}
+
+
+def fired_aborts(st: "DynState", host: np.ndarray, cols: np.ndarray, positions: np.ndarray) -> tuple[int, str] | None:
+    """The first of ``positions`` (read-back columns ``cols`` of one request) where one of its abort rules fired
+    (its gate ≥ ``FIRE_GATE`` and over its floor), and that rule's reason; ``None`` if none did."""
+    slots = sorted(st.aborts)
+    gates = raw_gates(host[:len(st.slots)][:, cols].T, st.params)[:, slots]  # [tokens, abort slots]
+    fired = (gates >= FIRE_GATE) & (gates > 0)
+    if not fired.any():
+        return None
+    k = int(np.argmax(fired.any(1)))
+    return int(positions[k]), st.aborts[slots[int(np.argmax(fired[k]))]]
 
 
 def acted_report(tok: StepTokens, host: np.ndarray, G: int) -> tuple[list[str], list[int], list[int], list[str]]:
@@ -371,6 +392,9 @@ class DynamicDriver:
         self.report_acts = False  # report where dynamic steering acted (the engine core's prefix-cache hashing)
         # per completed read-back: (request ids, upto, first acted position or -1, signature) by request run
         self.acts: list[tuple[list[str], list[int], list[int], list[str]]] = []
+        self.abort_watch: set[str] = set()  # live requests with abort rules (the runtime keeps it)
+        self.aborts: dict[str, tuple[int, str]] = {}  # req_id -> (position, reason): fired, not yet reported
+        self.aborted: set[str] = set()  # requests whose abort fired (reported once)
         self.enqueued = 0  # read-backs started
         self.completed = 0  # read-backs fed to their requests
         self.host_tier = 0  # live requests in the host tier (their steps wait for the previous one)
@@ -541,6 +565,21 @@ class DynamicDriver:
             self._pending.append(_Pending(None, both.clone(), tokens))
         self.enqueued += 1
 
+    def _watch_aborts(self, lookup: Any, tok: StepTokens, host: np.ndarray) -> None:
+        """Record requests whose abort rule fired in this read-back (only requests with abort rules are looked at)."""
+        for r in np.unique(tok.req).tolist():
+            req_id = tok.req_ids[r]
+            if req_id not in self.abort_watch or req_id in self.aborted:
+                continue
+            st = lookup(req_id)
+            if st is None or not st.aborts:
+                continue
+            cols = np.flatnonzero(tok.req == r)
+            hit = fired_aborts(st, host, cols, tok.position[cols])
+            if hit is not None:
+                self.aborted.add(req_id)
+                self.aborts[req_id] = hit
+
     def poll(self, lookup: Any, block: bool = False) -> None:
         """Feed completed read-backs to their requests (``lookup``: ``req_id -> state``), in step order
         (``block``: wait for all)."""
@@ -556,6 +595,8 @@ class DynamicDriver:
             self.records.append(tok.record, tok.position, host)  # one vectorised scatter for the whole step
             if self.report_acts and len(tok):
                 self.acts.append(acted_report(tok, host, self.layout.G))
+            if self.abort_watch and len(tok):
+                self._watch_aborts(lookup, tok, host)
             for k in np.flatnonzero(tok.host).tolist():  # host-tier controllers run in Python, token by token
                 st = lookup(tok.req_ids[tok.req[k]])
                 pos = int(tok.position[k])

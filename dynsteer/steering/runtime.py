@@ -25,7 +25,7 @@ from dynsteer.steering.staging import StagingRing
 from dynsteer.payload import PAYLOAD_KEY, decode_payload, payload_body
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
 from dynsteer.steering.compile import EMPTY, RowContent, compile_phase
-from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens
+from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens, abort_slots
 from dynsteer.steering.tables import RowPool, RowsExhausted, SteeringTables
 
 logger = logging.getLogger("dynsteer")
@@ -282,6 +282,8 @@ class SteeringRuntime:
         if st is not None:  # same slots, new thresholds/switches: the controller state is kept
             st.slots, _ = policy_slots(patched)
             st.params = np.array([[p.sharpness, p.threshold, p.floor] for p in st.slots], np.float32).T.copy()
+            st.aborts = abort_slots(patched)
+            self._watch_aborts(req_id, st)
 
     def take_acts(self) -> list[tuple[list[str], list[int], list[int], list[str]]]:
         """Where dynamic steering acted, from the read-backs landed since the last call (see
@@ -291,6 +293,22 @@ class SteeringRuntime:
         self.dynamic.poll(self._state_of)
         acts, self.dynamic.acts = self.dynamic.acts, []
         return acts
+
+    def _watch_aborts(self, req_id: str, st: DynState) -> None:
+        if st.aborts:
+            self.dynamic.abort_watch.add(req_id)
+        else:
+            self.dynamic.abort_watch.discard(req_id)
+
+    def take_aborts(self) -> dict[str, str]:
+        """Requests whose policy's abort rule fired, from the read-backs landed so far (polled without waiting),
+        with their stop reasons: the runner glue reports them with the step's output and the scheduler finishes
+        them at that output (their tokens so far delivered, their blocks shareable)."""
+        if self.dynamic is None or not self.dynamic.abort_watch:
+            return {}
+        self.dynamic.poll(self._state_of)
+        fired, self.dynamic.aborts = self.dynamic.aborts, {}
+        return {r: f"{reason} (fired at position {pos})" for r, (pos, reason) in fired.items() if r in self.requests}
 
     def take_stops(self) -> dict[str, str]:
         """Requests to stop since the last call, with their reasons (the runner glue reports them with the step's
@@ -536,6 +554,10 @@ class SteeringRuntime:
         to be completed)."""
         self._version += 1
         st = self._dyn.pop(req_id, None)
+        if self.dynamic is not None:
+            self.dynamic.abort_watch.discard(req_id)
+            self.dynamic.aborted.discard(req_id)
+            self.dynamic.aborts.pop(req_id, None)
         if st is not None and self.dynamic is not None:
             self.dynamic.free(st)
             if retire:
@@ -565,6 +587,7 @@ class SteeringRuntime:
                 entry.dyn = None
                 return
         self.dynamic.place(st)  # the device sync tier, when it implements the policy's controller
+        self._watch_aborts(req_id, st)
         entry.dyn = self._dyn[req_id] = st
 
     def _effective_policy(self, entry: RequestEntry) -> Any:
