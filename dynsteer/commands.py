@@ -24,6 +24,7 @@ import msgspec
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, TypeAdapter, ValidationError,
                       field_validator)
 
+from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import Real, SteeringSpec, SteeringValidationError
 
 COMMAND_VERSION = 1
@@ -82,7 +83,20 @@ class RuleCommand(_Cmd):
     enabled: StrictBool
 
 
-Command = Annotated[Union[AbortCommand, SteerCommand, ThresholdCommand, RuleCommand], Field(discriminator="op")]
+class GlobalCommand(_Cmd):
+    """Replace the engine's global steering (like ``Steerer.apply_steering_spec`` + ``set_policy``): ``spec`` for
+    every request (``None``: none) and ``policy`` for every request without its own (``None``: none), from the acked
+    step on, for live requests too. Live requests' prefix-cache hashes fork from their next position, and requests
+    admitted afterwards share cached blocks only with each other. The frontend's ``export_steering_spec`` /
+    ``export_policy`` do not see a monitor's global change (the next change through the API replaces it)."""
+
+    op: Literal["global"] = "global"
+    spec: Optional[SteeringSpec] = None
+    policy: Optional[DynamicSteeringPolicy] = None
+
+
+Command = Annotated[Union[AbortCommand, SteerCommand, ThresholdCommand, RuleCommand, GlobalCommand],
+                    Field(discriminator="op")]
 
 
 class CommandEnvelope(_Cmd):

@@ -28,8 +28,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from dynsteer.commands import (Ack, AbortCommand, CommandEnvelope, RuleCommand, SteerCommand, ThresholdCommand,
-                               check_steer, decode_command, patch_policy)
+from dynsteer.commands import (Ack, AbortCommand, CommandEnvelope, GlobalCommand, RuleCommand, SteerCommand,
+                               ThresholdCommand, check_steer, decode_command, patch_policy)
 from dynsteer.config import DynsteerConfig
 from dynsteer.engine.apc import build_frontend_state, command_event, global_change_event
 from dynsteer.payload import PAYLOAD_KEY, decode_payload
@@ -131,6 +131,8 @@ class CommandDesk:
 
     def _apply(self, scheduler: Any, env: CommandEnvelope) -> dict[str, Any] | None:
         cmd = env.command
+        if isinstance(cmd, GlobalCommand):
+            return self._apply_global(scheduler, env, cmd)
         request = scheduler.requests.get(cmd.request)
         if request is None or request.is_finished():
             raise SteeringValidationError(f"command.request: no live request {cmd.request!r}")
@@ -161,6 +163,18 @@ class CommandDesk:
         swap_decode_row(scheduler, request, decode)  # raises naming the field when no row is free
         self.overrides[cmd.request] = _Overrides(spec, policy)
         command_event(request, f"{env.monitor}:{decode}", scheduler._dynsteer.hash_block_size)
+        return {"monitor": env.monitor, "command": cmd.model_dump(mode="json")}
+
+    def _apply_global(self, scheduler: Any, env: CommandEnvelope, cmd: GlobalCommand) -> dict[str, Any]:
+        """Validate a global change as the workers will compile it, update the mirror, fork live requests' hashes
+        and salt requests admitted from now on (the frontend, which salts by the global it knows, does not see it)."""
+        spec = cmd.spec if cmd.spec is not None else SteeringSpec()
+        admitted = self.state.check_global(spec, cmd.policy)  # raises naming the field
+        self.state.set_global(spec, admitted)
+        state = scheduler._dynsteer
+        signature = hashlib.sha256(f"{env.monitor}|{cmd.model_dump_json()}".encode()).hexdigest()[:32]
+        _fork_live_requests(scheduler, signature, state.hash_block_size)
+        state.global_salt = "" if spec.is_empty() and cmd.policy is None else signature
         return {"monitor": env.monitor, "command": cmd.model_dump(mode="json")}
 
     def _request_config(self, request: Any) -> tuple[SteeringSpec | None, Any]:
@@ -198,10 +212,9 @@ def _id_of(raw: Any) -> str:
         return ""
 
 
-def _fork_live_requests(scheduler: Any, args: Any, hash_block_size: int) -> None:
+def _fork_live_requests(scheduler: Any, signature: str, hash_block_size: int) -> None:
     """The global spec or policy changed on the workers: fork the prefix-cache hashes of every live request from
     its first uncomputed position (see ``apc.global_change_event``)."""
-    signature = hashlib.sha256(repr(args).encode()).hexdigest()[:32]
     for request in list(scheduler.requests.values()):
         if not request.is_finished():
             global_change_event(request, signature, hash_block_size)
@@ -220,7 +233,9 @@ def patch_engine_core(cls: type) -> None:
         out = orig(self, method, timeout, args, kwargs)
         state = getattr(getattr(self, "scheduler", None), "_dynsteer", None)
         if method == "dynsteer_set_global" and state is not None:
-            _fork_live_requests(self.scheduler, args, state.hash_block_size)
+            _fork_live_requests(self.scheduler, hashlib.sha256(repr(args).encode()).hexdigest()[:32],
+                                state.hash_block_size)
+            state.global_salt = ""  # the frontend knows this global again and salts by it
         desk = getattr(state, "desk", None)
         if desk is not None and isinstance(method, str) and method.startswith("dynsteer_"):
             try:

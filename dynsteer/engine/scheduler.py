@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynsteer.config import DynsteerConfig
-from dynsteer.engine.apc import ROWS_KEY, ActedState, hashed_tokens
+from dynsteer.engine.apc import ROWS_KEY, ActedState, hashed_tokens, salted
 from dynsteer.engine.commands import COMMANDS_ATTR, STEP_ATTR
 
 logger = logging.getLogger("dynsteer")
@@ -59,6 +59,9 @@ class SchedulerState:
     step: int = 0  # schedule() calls so far: the step number acks and stream frames name
     desk: Any = None  # the async tier's command desk (engine.commands), when a monitor channel is configured
     hash_block_size: int = 16
+    # set by a monitor's global command (engine.commands): requests added from then on are salted with it, since
+    # the frontend salted them by the global it knows; "" when the frontend's view is current
+    global_salt: str = ""
 
     def fits(self, rows: tuple[str, ...]) -> bool:
         new = sum(1 for d in set(rows) if d not in self.live)
@@ -92,7 +95,7 @@ def patch_scheduler(cls: type) -> None:
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.request import RequestStatus
 
-    orig_init, orig_update = cls.__init__, cls.update_from_output
+    orig_init, orig_update, orig_add = cls.__init__, cls.update_from_output, cls.add_request
     orig_update_req, orig_free_blocks, orig_schedule = (cls._update_request_with_output, cls._free_request_blocks,
                                                         cls.schedule)
 
@@ -134,6 +137,15 @@ def patch_scheduler(cls: type) -> None:
             return orig_cache(request, num_tokens if hashed is None else min(num_tokens, hashed), *args, **kwargs)
 
         coordinator.cache_blocks = cache_blocks
+
+    @functools.wraps(orig_add)
+    def add_request(self: Any, request: Any, *a: Any, **k: Any) -> Any:
+        salt = self._dynsteer.global_salt
+        if salt:
+            request.cache_salt = salted(request.cache_salt, f"global:{salt}")
+            del request.block_hashes[:]
+            request.update_block_hashes()
+        return orig_add(self, request, *a, **k)
 
     @functools.wraps(orig_schedule)
     def schedule(self: Any, *a: Any, **k: Any) -> Any:
@@ -215,6 +227,7 @@ def patch_scheduler(cls: type) -> None:
 
     cls.__init__, cls.update_from_output, cls.schedule, cls.shutdown = __init__, update_from_output, schedule, shutdown
     cls._update_request_with_output, cls._free_request_blocks = _update_request_with_output, _free_request_blocks
+    cls.add_request = add_request
     cls._dynsteer_patched = True
 
 

@@ -26,7 +26,8 @@ import msgspec
 import numpy as np
 import zmq
 
-from dynsteer.commands import (AbortCommand, Ack, CommandEnvelope, RuleCommand, SteerCommand, ThresholdCommand,
+from dynsteer.commands import (AbortCommand, Ack, CommandEnvelope, GlobalCommand, RuleCommand, SteerCommand,
+                               ThresholdCommand,
                                encode_command)
 from dynsteer.spec import SteeringSpec
 from dynsteer.streams.security import connect_curve, connect_options
@@ -188,6 +189,11 @@ class Monitor:
 
     def set_rule(self, request: str, rule: int, enabled: bool, timeout_s: float = 30.0) -> Ack:
         return self.commands.call(RuleCommand(request=request, rule=rule, enabled=enabled), timeout_s)
+
+    def set_global(self, spec: SteeringSpec | None = None, policy: Any = None, timeout_s: float = 30.0) -> Ack:
+        """Replace the engine's global steering (``spec`` and ``policy``; ``None``: none) from the acked step on,
+        for live requests too (see :class:`dynsteer.commands.GlobalCommand`)."""
+        return self.commands.call(GlobalCommand(spec=spec, policy=policy), timeout_s)
 
     def close(self) -> None:
         if self.subscriber is not None:

@@ -252,6 +252,9 @@ class SteeringRuntime:
         from dynsteer.commands import COMMAND_ADAPTER
 
         cmd = COMMAND_ADAPTER.validate_python(raw)
+        if cmd.op == "global":  # validated by the engine core exactly as set_global compiles it
+            self.set_global(cmd.spec if cmd.spec is not None else SteeringSpec(), cmd.policy)
+            return
         entry = self.requests.get(cmd.request)
         if entry is None:
             self._deferred.setdefault(cmd.request, []).append(cmd)
