@@ -27,8 +27,7 @@ import numpy as np
 import zmq
 
 from dynsteer.commands import (AbortCommand, Ack, CommandEnvelope, GlobalCommand, RuleCommand, SteerCommand,
-                               ThresholdCommand,
-                               encode_command)
+                               ThresholdCommand, encode_command)
 from dynsteer.spec import SteeringSpec
 from dynsteer.streams.security import connect_curve, connect_options
 
