@@ -11,6 +11,10 @@ own process below it, as vLLM runs by default):
   with one change: ``max_rows = max(64, largest batch + 2)``, because the default 64 rows hold 63 distinct live
   configurations and the 64-config mode needs 64 at once (rows only size the tables; no per-step cost).
 * ``dynsteer-capture``: the same plus capture buffers at ``post_block`` of the steered layer.
+* ``dynsteer-inline``: the default config with ``forward="inline"`` (each site's work as torch ops traced into the
+  compiled graph, which inductor may fuse with the neighbouring residual add and norm, instead of one opaque op
+  launch per site); modes ``i_idle``, ``i_static1``, ``i_pr64``, ``i_prdyn`` (in ``--reduced`` too; it is the
+  first engine dropped where memory is short, e.g. on an H100).
 * ``hotwire``: hotwire-vllm 0.1.2 (``--hotwire-wheel``), installed with ``pip install --no-deps --target`` into a
   private folder on that engine's ``PYTHONPATH`` only (its ``vllm.general_plugins`` entry point is found there);
   dynsteer disabled in it, and hotwire is visible to no other engine (checked before start, listed in the report).
@@ -140,6 +144,11 @@ MODES = [
     Mode("capidle", "capture-enabled idle", "dynsteer-capture", False),
     Mode("capture", "capture every generated token, 1 layer", "dynsteer-capture", False, 2.0),
     Mode("stream", "stream every generated token, 1 layer, to a monitor", "dynsteer-capture", False, 3.0),
+    # the same default config with forward="inline" (site work traced into the compiled graph, fusable by inductor)
+    Mode("i_idle", "idle, forward=inline", "dynsteer-inline", False, 0.3),
+    Mode("i_static1", "static global, 1 layer, forward=inline", "dynsteer-inline", True, 0.5),
+    Mode("i_pr64", "per-request static, 64 configs, forward=inline", "dynsteer-inline", True, 1.5),
+    Mode("i_prdyn", "per-request dynamic, forward=inline", "dynsteer-inline", True, 1.5),
     Mode("hwidle", "hotwire-vllm idle", "hotwire", False),
     Mode("hwsteered", "hotwire-vllm steered, 1 layer", "hotwire", True),
     Mode("eager", "eager peer, no hook", "hook", False),
@@ -148,10 +157,12 @@ MODES = [
 BY_KEY = {m.key: m for m in MODES}
 # Informative pairs besides "vs absent" and each mode's own target (no target of their own).
 EXTRA_PAIRS = [("hwsteered", "hwidle"), ("hook", "eager"), ("capture", "capidle"), ("stream", "capidle")]
-ENGINES = ["absent", "absent2", "dynsteer", "hotwire", "hook", "dynsteer-capture"]  # start / keep priority
+ENGINES = ["absent", "absent2", "dynsteer", "hotwire", "hook", "dynsteer-capture",
+           "dynsteer-inline"]  # start / keep priority
 ENGINE_KIND = {"absent": "absent", "absent2": "absent", "dynsteer": "dynsteer", "dynsteer-capture": "dynsteer",
-               "hotwire": "hotwire", "hook": "hook"}
-REDUCED_MODES = ["absent", "aa", "idle", "static1", "static8", "pr64", "gate", "prdyn", "sync", "hwload", "hwidle",
+               "dynsteer-inline": "dynsteer", "hotwire": "hotwire", "hook": "hook"}
+REDUCED_MODES = ["absent", "aa", "idle", "static1", "static8", "pr64", "gate", "prdyn", "sync", "hwload",
+                 "i_idle", "i_static1", "i_pr64", "i_prdyn", "hwidle",
                  "hwsteered"]
 
 
@@ -267,6 +278,7 @@ class Workload:
         prompts, llm, st = self.prompts[batch], self.llm, self.steerer
         params = base
         teardown = None
+        key = key.removeprefix("i_")  # the inline engine's modes run the same workloads
         if key in ("static1", "static8"):
             layers = [self.layer] if key == "static1" else spread_layers(8, self.num_layers)
             st.apply_steering_spec(SteeringSpec(vectors=[AddVector(layer=l, vector=self.vec(10 + l), scale=scale)
@@ -995,6 +1007,8 @@ class Bench:
             if ENGINE_KIND[e] == "dynsteer":
                 # default DynsteerConfig but for rows: 64 distinct per-request configs need 64 (default: 63)
                 dyn = {"max_rows": max(64, max(args.batches) + 2)}
+                if e == "dynsteer-inline":
+                    dyn.update(forward="inline")
                 if e == "dynsteer-capture":
                     from dynsteer.config import MonitorConfig
 

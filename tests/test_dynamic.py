@@ -245,7 +245,7 @@ def test_an_abort_rule_stops_its_request_where_its_monitor_fires_and_nothing_els
     fired_at = int(positions[k])
     assert got.finish_reason == "abort"
     assert "dynsteer policy: rule 0 (monitor m): flagged by the probe" in str(got.stop_reason)
-    assert fired_at - n0 + 1 <= len(got.token_ids) <= fired_at - n0 + 3
+    assert fired_at - n0 + 1 <= len(got.token_ids) <= fired_at - n0 + 4  # read back within two steps
     assert list(got.token_ids) == token_ids(base[:1])[0][:len(got.token_ids)]
     assert token_ids(out[1:]) == token_ids(base[1:])  # the other request: full length, byte-identical
     with pytest.raises(Exception, match="actions"):
