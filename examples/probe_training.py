@@ -26,8 +26,7 @@ import numpy as np
 
 import dynsteer
 from dynsteer.config import DynsteerConfig
-from dynsteer.probes import (Calibration, LogisticProbe, calibrate_threshold, collect, fpr_at, gate, layer_sweep,
-                             load_probe, recall_at, save_probe)
+from dynsteer.probes import LogisticProbe, calibrate, collect, gate, layer_sweep, load_probe, recall_at, save_probe
 from dynsteer.zoo import smollm2
 
 POSITIVE = [
@@ -120,24 +119,28 @@ def train_sentiment_probe(steerer: dynsteer.Steerer, path: Path) -> float:
     acts = collect(steerer, texts, labels, layers=LAYERS, site="post_block", positions="last_prompt")
     print(f"collected {len(acts)} samples x {len(acts.layers)} layers, hidden {acts.hidden_size}")
 
+    # The layer is chosen by 5-fold cross-validation on the training split; the held-out split only reports it.
     sweep = layer_sweep(acts, LogisticProbe, test_size=0.3, seed=0)
-    print("held-out AUROC per layer:")
+    print("per layer: cross-validated AUROC on the training split (chooses) and held-out AUROC (reports):")
     print(sweep.table())
     best = sweep.best_layer
-    print(f"best layer: {best}  held-out AUROC: {sweep.best_auroc:.4f}")
+    print(f"chosen layer: {best}  held-out AUROC: {sweep.best_auroc:.4f}"
+          + ("" if sweep.separable else "  (not separable from the runner-up on this data)"))
     assert sweep.best_auroc >= 0.95, f"best held-out AUROC {sweep.best_auroc:.3f} < 0.95"
 
     # Calibrate the operating point on the held-out split (not the data the probe was fitted on).
     probe = sweep.estimators[best]
     y_test, s_test = labels[sweep.test_idx], sweep.test_scores[best]
-    threshold = calibrate_threshold(s_test, y_test, TARGET_FPR)
-    print(f"threshold at {TARGET_FPR:.0%} FPR: decision > {threshold:.4f} "
-          f"(held-out FPR {fpr_at(s_test, y_test, threshold):.3f}, recall {recall_at(s_test, y_test, threshold):.3f})")
+    # It records how many negatives it rests on and the FPR's 95 % interval (and warns: 9 are far too few).
+    cal = calibrate(s_test, y_test, TARGET_FPR)
+    threshold = cal.threshold
+    lo, hi = cal.fpr_interval
+    print(f"threshold at {TARGET_FPR:.0%} FPR: decision > {threshold:.4f} on {cal.n_negatives} held-out negatives "
+          f"(FPR {cal.fpr:.3f}, 95 % interval [{lo:.3f}, {hi:.3f}]; recall {recall_at(s_test, y_test, threshold):.3f})")
 
     save_probe(path, probe, model_id=steerer.shape.model_id, layer=best, site="post_block",
                method=f"LogisticProbe(C={probe.C_:.3g}), {len(texts)} sentiment sentences, last prompt token",
-               calibration=Calibration(threshold=threshold, target_fpr=TARGET_FPR, auroc=sweep.best_auroc,
-                                       n=len(y_test)))
+               calibration=cal)
     print(f"saved {path}")
 
     loaded = load_probe(path)

@@ -198,7 +198,63 @@ def test_layer_sweep_finds_the_informative_layer():
     assert sweep.best_layer == 5 and sweep.best_auroc > 0.95 and sweep.auroc[2] < 0.8
     assert len(sweep.test_idx) == 60 and abs(y[sweep.test_idx].mean() - y.mean()) < 0.02  # stratified
     assert set(sweep.train_idx).isdisjoint(sweep.test_idx)
-    assert "<- best" in sweep.table().splitlines()[2]
+    assert "<- chosen" in sweep.table().splitlines()[2]
+    assert sweep.separable and sweep.scores[5].cv_folds == 5 and sweep.scores[5].cv_auroc_mean > 0.95
+
+
+def test_layer_sweep_chooses_by_cross_validation_on_the_training_split_alone():
+    """Selection never looks at the held-out split: permuting the held-out samples' features cannot change the
+    choice; ties in mean AUROC go to the smaller spread; layers the data cannot separate warn."""
+    import warnings
+
+    from dynsteer.probes import CalibrationWarning
+
+    X, y = synthetic(n=240, d=12, sep=1.2)
+    rng = np.random.default_rng(5)
+    weak = X + rng.standard_normal(X.shape) * 2.0
+    acts = Activations(X={3: weak, 7: X}, y=y, site="post_block", model_id="m", hidden_size=12)
+    sweep = layer_sweep(acts, LogisticProbe(cv=3), seed=1)
+    assert sweep.best_layer == 7 and sweep.ranking() == [7, 3]
+    assert sweep.scores[7].cv_auroc_mean > sweep.scores[3].cv_auroc_mean
+    # scramble the held-out rows of the chosen layer: held-out figures move, the choice does not
+    X2 = X.copy()
+    X2[sweep.test_idx] = rng.standard_normal((len(sweep.test_idx), 12))
+    again = layer_sweep(Activations(X={3: weak, 7: X2}, y=y, site="post_block", model_id="m", hidden_size=12),
+                        LogisticProbe(cv=3), seed=1)
+    assert again.best_layer == 7 and again.scores[7].auroc < sweep.scores[7].auroc - 0.1
+    assert again.scores[7].cv_auroc_mean == sweep.scores[7].cv_auroc_mean
+    # two copies of one informative layer cannot be told apart: warned, and the earlier one is taken
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tie = layer_sweep(Activations(X={4: X, 9: X.copy()}, y=y, site="post_block", model_id="m", hidden_size=12),
+                          LogisticProbe(cv=3), seed=1)
+    assert not tie.separable and tie.best_layer == 4
+    assert any(issubclass(w.category, CalibrationWarning) and "not separable" in str(w.message) for w in caught)
+
+
+def test_a_calibration_records_its_negatives_and_interval_and_warns_or_refuses_on_few():
+    import warnings
+
+    from dynsteer.probes import CalibrationWarning, calibrate, fpr_interval
+
+    rng = np.random.default_rng(0)
+    y = np.r_[np.zeros(400), np.ones(100)].astype(int)
+    scores = np.r_[rng.standard_normal(400), rng.standard_normal(100) + 2.5]
+    cal = calibrate(scores, y, 0.05)
+    assert cal.n == 500 and cal.n_negatives == 400 and cal.fpr <= 0.05
+    lo, hi = cal.fpr_interval
+    assert lo <= cal.fpr <= hi and hi - lo < 0.06 and cal.confidence == 0.95
+    # the exact binomial interval: 20 of 400 -> about [0.031, 0.076]; 0 of 9 -> [0, 0.336]
+    assert abs(fpr_interval(20, 400)[0] - 0.0309) < 1e-3 and abs(fpr_interval(20, 400)[1] - 0.0760) < 1e-3
+    assert fpr_interval(0, 9)[0] == 0.0 and abs(fpr_interval(0, 9)[1] - 0.3363) < 1e-3
+    few_y, few_s = y[390:], scores[390:]  # 10 negatives
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        small = calibrate(few_s, few_y, 0.05)
+    assert any(issubclass(w.category, CalibrationWarning) and "10 negatives" in str(w.message) for w in caught)
+    assert small.n_negatives == 10 and small.fpr_interval[1] > 0.25  # honest: that "5 %" could be 30 %
+    with pytest.raises(ValueError, match="min_negatives"):
+        calibrate(few_s, few_y, 0.05, strict=True)
 
 
 # ---- collection from a real engine -----------------------------------------------------------------------------------

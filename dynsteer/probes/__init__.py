@@ -14,10 +14,11 @@ from dynsteer.probes.collect import Activations, chat_prompts, collect
 from dynsteer.probes.estimators import DiffMeanProbe, LDAProbe, LinearProbe, LogisticProbe
 from dynsteer.probes.fileformat import PROBE_FILE_FORMAT, Calibration, Probe, ProbeMeta, load_probe, save_probe
 from dynsteer.probes.gate import GateParams, gate, gate_logit, gate_params
-from dynsteer.probes.metrics import (LayerScore, SweepResult, accuracy, auroc, calibrate_threshold, calibration_curve,
-                                     fpr_at, layer_sweep, recall_at, recall_at_fpr)
+from dynsteer.probes.metrics import (CalibrationWarning, LayerScore, SweepResult, accuracy, auroc, calibrate,
+                                     calibrate_threshold, calibration_curve, fpr_at, fpr_interval, layer_sweep,
+                                     recall_at, recall_at_fpr)
 
-__all__ = ["Activations", "Calibration", "DiffMeanProbe", "GateParams", "LDAProbe", "LayerScore", "LinearProbe",
+__all__ = ["Activations", "Calibration", "CalibrationWarning", "DiffMeanProbe", "GateParams", "LDAProbe", "LayerScore", "LinearProbe",
            "LogisticProbe", "PROBE_FILE_FORMAT", "Probe", "ProbeMeta", "SweepResult", "accuracy", "auroc",
-           "calibrate_threshold", "calibration_curve", "chat_prompts", "collect", "fpr_at", "gate", "gate_logit",
+           "calibrate", "calibrate_threshold", "calibration_curve", "chat_prompts", "collect", "fpr_at", "fpr_interval", "gate", "gate_logit",
            "gate_params", "layer_sweep", "load_probe", "recall_at", "recall_at_fpr", "save_probe"]

@@ -48,6 +48,11 @@ class Calibration(BaseModel):
         target_fpr: the false-positive rate the threshold was calibrated to.
         auroc: AUROC on the calibration data (``None``: not measured).
         n: number of samples the calibration used.
+        n_negatives: how many of them were negatives (what the false-positive rate rests on; ``None``: not
+            recorded, files written before it was).
+        fpr: the false-positive rate of the threshold on the calibration data.
+        fpr_interval: its Clopper-Pearson interval at ``confidence`` (what to expect on fresh data).
+        confidence: the interval's level.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -56,6 +61,10 @@ class Calibration(BaseModel):
     target_fpr: float = Field(ge=0.0, le=1.0)
     auroc: float | None = Field(default=None, ge=0.0, le=1.0)
     n: int = Field(ge=0)
+    n_negatives: int | None = Field(default=None, ge=0)
+    fpr: float | None = Field(default=None, ge=0.0, le=1.0)
+    fpr_interval: tuple[float, float] | None = None
+    confidence: float | None = Field(default=None, gt=0.0, lt=1.0)
 
 
 class ProbeMeta(BaseModel):

@@ -17,11 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import warnings
+
 import numpy as np
 from sklearn.base import clone
 from sklearn.calibration import calibration_curve as _sk_calibration_curve
 from sklearn.metrics import accuracy_score, roc_auc_score
-from sklearn.model_selection import train_test_split
+from sklearn.model_selection import StratifiedKFold, train_test_split
 
 from dynsteer.probes.collect import Activations
 
@@ -45,7 +47,26 @@ def _positive_mask(y: np.ndarray) -> np.ndarray:
     return y == classes[-1]
 
 
-def calibrate_threshold(scores: np.ndarray, y: np.ndarray, target_fpr: float) -> float:
+class CalibrationWarning(UserWarning):
+    """A threshold or a layer choice rests on too little data to mean what it says."""
+
+
+def fpr_interval(false_positives: int, negatives: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Clopper-Pearson (exact binomial) interval of a false-positive rate seen as ``false_positives`` of
+    ``negatives``: what the rate on fresh data from the same distribution plausibly is."""
+    from scipy.stats import beta
+
+    if negatives <= 0:
+        return 0.0, 1.0
+    a = (1.0 - confidence) / 2
+    lo = 0.0 if false_positives == 0 else float(beta.ppf(a, false_positives, negatives - false_positives + 1))
+    hi = 1.0 if false_positives == negatives else float(beta.ppf(1 - a, false_positives + 1,
+                                                                 negatives - false_positives))
+    return lo, hi
+
+
+def calibrate_threshold(scores: np.ndarray, y: np.ndarray, target_fpr: float, *, min_negatives: int = 50,
+                        strict: bool = False) -> float:
     """The lowest threshold whose false-positive rate on ``(scores, y)`` is at most ``target_fpr``.
 
     With ``n_neg`` negatives, at most ``k = floor(target_fpr · n_neg)`` of them may score above the threshold, so the
@@ -57,9 +78,13 @@ def calibrate_threshold(scores: np.ndarray, y: np.ndarray, target_fpr: float) ->
         scores: decision values (or probabilities), ``[n]``.
         y: binary labels, ``[n]``.
         target_fpr: allowed false-positive rate in [0, 1].
+        min_negatives: fewer negatives than this warn (:class:`CalibrationWarning`): with 9 negatives a "5 % FPR"
+            threshold is the highest negative score, and its rate on fresh data can be far higher (see
+            :func:`fpr_interval`, and :func:`calibrate`, which records both).
+        strict: refuse (``ValueError``) instead of warning.
 
     Raises:
-        ValueError: no negatives, or ``target_fpr`` outside [0, 1].
+        ValueError: no negatives, ``target_fpr`` outside [0, 1], or too few negatives when ``strict``.
     """
     if not 0.0 <= target_fpr <= 1.0:
         raise ValueError(f"target_fpr must be in [0, 1], got {target_fpr}")
@@ -67,11 +92,34 @@ def calibrate_threshold(scores: np.ndarray, y: np.ndarray, target_fpr: float) ->
     neg = np.sort(scores[~_positive_mask(y)])[::-1]
     if len(neg) == 0:
         raise ValueError("calibrate_threshold needs at least one negative sample")
+    if len(neg) < min_negatives:
+        msg = (f"calibrate_threshold: {len(neg)} negatives (< min_negatives={min_negatives}): the threshold's "
+               f"false-positive rate on fresh data is uncertain; calibrate on more negatives")
+        if strict:
+            raise ValueError(msg)
+        warnings.warn(msg, CalibrationWarning, stacklevel=2)
     # Tiny epsilon: floor(0.05 * 20) must be 1, not 0 because 0.05 * 20 == 0.9999999... in floating point.
     k = int(np.floor(target_fpr * len(neg) + 1e-9))
     if k >= len(neg):
         return float(np.nextafter(neg[-1], -np.inf))  # every negative may be flagged
     return float(neg[k])
+
+
+def calibrate(scores: np.ndarray, y: np.ndarray, target_fpr: float, *, min_negatives: int = 50,
+              strict: bool = False, confidence: float = 0.95) -> "Calibration":
+    """A :class:`~dynsteer.probes.fileformat.Calibration` at ``target_fpr`` that records what it rests on: the
+    threshold (as :func:`calibrate_threshold`, with its warning or refusal below ``min_negatives``), the number of
+    negatives, the false-positive rate it has on these scores and its ``confidence`` interval, and the AUROC."""
+    from dynsteer.probes.fileformat import Calibration
+
+    threshold = calibrate_threshold(scores, y, target_fpr, min_negatives=min_negatives, strict=strict)
+    neg = np.asarray(scores, np.float64)[~_positive_mask(y)]
+    fp = int(np.sum(neg > threshold))
+    lo, hi = fpr_interval(fp, len(neg), confidence)
+    has_both = len(np.unique(np.asarray(y))) == 2
+    return Calibration(threshold=threshold, target_fpr=target_fpr, auroc=auroc(y, scores) if has_both else None,
+                       n=int(len(np.asarray(y))), n_negatives=len(neg),
+                       fpr=fp / len(neg), fpr_interval=(lo, hi), confidence=confidence)
 
 
 def fpr_at(scores: np.ndarray, y: np.ndarray, threshold: float) -> float:
@@ -88,7 +136,7 @@ def recall_at(scores: np.ndarray, y: np.ndarray, threshold: float) -> float:
 
 def recall_at_fpr(y: np.ndarray, scores: np.ndarray, target_fpr: float = 0.05) -> float:
     """Recall at the threshold calibrated on the same data to ``target_fpr`` (an in-sample operating point)."""
-    return recall_at(scores, y, calibrate_threshold(scores, y, target_fpr))
+    return recall_at(scores, y, calibrate_threshold(scores, y, target_fpr, min_negatives=0))
 
 
 def calibration_curve(y: np.ndarray, proba: np.ndarray, n_bins: int = 10, strategy: str = "uniform"
@@ -99,12 +147,16 @@ def calibration_curve(y: np.ndarray, proba: np.ndarray, n_bins: int = 10, strate
 
 @dataclass
 class LayerScore:
-    """Held-out quality of one layer's probe."""
+    """One layer's probe: cross-validated on the training split (what selects the layer) and scored once on the
+    held-out split (what the chosen layer is reported with; never used to choose)."""
 
     layer: int
-    auroc: float
-    accuracy: float
-    recall_at_5pct_fpr: float
+    auroc: float  # held-out
+    accuracy: float  # held-out
+    recall_at_5pct_fpr: float  # held-out, threshold set on the same held-out scores (an in-sample operating point)
+    cv_auroc_mean: float = float("nan")
+    cv_auroc_std: float = float("nan")
+    cv_folds: int = 0
 
 
 @dataclass
@@ -112,10 +164,12 @@ class SweepResult:
     """Result of :func:`layer_sweep`.
 
     Attributes:
-        scores: ``{layer: LayerScore}`` on the held-out split.
-        estimators: ``{layer: fitted estimator}`` (fitted on the training split).
+        scores: ``{layer: LayerScore}``.
+        estimators: ``{layer: fitted estimator}`` (fitted on the whole training split).
         train_idx: indices of the training samples (the same split for every layer).
         test_idx: indices of the held-out samples.
+        separable: ``False`` when the cross-validation could not tell the best layer from the runner-up (their
+            mean AUROCs differ by less than the larger spread); a :class:`CalibrationWarning` said so.
     """
 
     scores: dict[int, LayerScore]
@@ -123,45 +177,58 @@ class SweepResult:
     train_idx: np.ndarray
     test_idx: np.ndarray
     test_scores: dict[int, np.ndarray] = field(default_factory=dict)
+    separable: bool = True
 
     @property
     def auroc(self) -> dict[int, float]:
         """``{layer: held-out AUROC}``."""
         return {layer: s.auroc for layer, s in self.scores.items()}
 
+    def ranking(self) -> list[int]:
+        """Layers best first: by cross-validated mean AUROC, then the smaller spread across folds, then the earlier
+        layer (cheaper to monitor). The held-out split plays no part."""
+        return sorted(self.scores, key=lambda layer: (-self.scores[layer].cv_auroc_mean,
+                                                      self.scores[layer].cv_auroc_std, layer))
+
     @property
     def best_layer(self) -> int:
-        """The layer with the highest held-out AUROC.
-
-        Small held-out sets saturate AUROC at 1.0 on many layers, so ties go to the higher held-out accuracy (a
-        better default threshold), then to the earliest layer (cheaper to monitor, earlier signal).
-        """
-        return max(self.scores, key=lambda layer: (self.scores[layer].auroc, self.scores[layer].accuracy, -layer))
+        return self.ranking()[0]
 
     @property
     def best_auroc(self) -> float:
+        """The chosen layer's held-out AUROC (an unbiased figure: the held-out split did not choose it)."""
         return self.scores[self.best_layer].auroc
 
     def table(self) -> str:
-        """A plain-text table, one row per layer, the best one marked."""
-        lines = ["layer  auroc   acc     recall@5%fpr"]
+        """A plain-text table, one row per layer, the chosen one marked."""
+        lines = ["layer  cv auroc (mean ± sd)  held-out auroc  acc     recall@5%fpr"]
+        best = self.best_layer
         for layer in sorted(self.scores):
             s = self.scores[layer]
-            mark = "  <- best" if layer == self.best_layer else ""
-            lines.append(f"{layer:>5}  {s.auroc:.4f}  {s.accuracy:.4f}  {s.recall_at_5pct_fpr:.4f}{mark}")
+            mark = "  <- chosen" if layer == best else ""
+            lines.append(f"{layer:>5}  {s.cv_auroc_mean:.4f} ± {s.cv_auroc_std:.4f}      {s.auroc:.4f}          "
+                         f"{s.accuracy:.4f}  {s.recall_at_5pct_fpr:.4f}{mark}")
         return "\n".join(lines)
 
 
 def layer_sweep(acts: Activations, estimator_factory: Callable[[], Any] | Any, test_size: float = 0.3,
-                seed: int = 0) -> SweepResult:
-    """Fit one probe per layer on a stratified training split and score it on the held-out rest.
+                seed: int = 0, cv: int = 5) -> SweepResult:
+    """Choose a layer by stratified ``cv``-fold cross-validation on a training split; report every layer on the
+    held-out rest.
+
+    Per layer: ``cv`` probes fitted on the folds of the training split give a mean and a spread of AUROC (the
+    ranking, :meth:`SweepResult.ranking`); one probe fitted on the whole training split is scored on the held-out
+    split. When the best layer's mean AUROC is within the larger of its and the runner-up's spread of the
+    runner-up's, the data cannot separate them: a :class:`CalibrationWarning` says so (collect more, or harder,
+    samples) and ``separable`` is False.
 
     Args:
         acts: labelled activations (``acts.y`` must be set).
         estimator_factory: a callable returning a fresh estimator (e.g. ``LogisticProbe``), or an estimator instance
-            (cloned per layer).
+            (cloned per fit).
         test_size: held-out fraction.
-        seed: split seed (the same split is used for every layer, so layers are compared on the same samples).
+        seed: split seed (the same splits are used for every layer, so layers are compared on the same samples).
+        cv: folds (reduced to the smaller class's count in the training split when that is lower; at least 2).
     """
     if acts.y is None:
         raise ValueError("layer_sweep needs labelled activations (collect(..., labels=...))")
@@ -171,21 +238,45 @@ def layer_sweep(acts: Activations, estimator_factory: Callable[[], Any] | Any, t
     # An estimator class is itself a factory; an estimator instance is cloned so the caller's object stays unfitted.
     is_instance = hasattr(estimator_factory, "get_params") and not isinstance(estimator_factory, type)
     make = (lambda: clone(estimator_factory)) if is_instance else estimator_factory
+    y_train = y[train_idx]
+    folds = min(cv, int(np.min(np.unique(y_train, return_counts=True)[1])))
+    if folds < 2:
+        raise ValueError(f"layer_sweep: the training split has {folds} sample(s) of a class; cross-validation "
+                         f"needs at least 2 per class")
+    splits = list(StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed).split(train_idx, y_train))
     scores: dict[int, LayerScore] = {}
     estimators: dict[int, Any] = {}
     test_scores: dict[int, np.ndarray] = {}
     for layer in sorted(acts.X):
         X = acts.X[layer]
-        est = make().fit(X[train_idx], y[train_idx])
+        Xtr = X[train_idx]
+        cv_auc = []
+        for fit_i, val_i in splits:
+            est = make().fit(Xtr[fit_i], y_train[fit_i])
+            cv_auc.append(auroc(y_train[val_i], est.decision_function(Xtr[val_i])))
+        est = make().fit(Xtr, y_train)
         s = est.decision_function(X[test_idx])
         yt = y[test_idx]
         scores[layer] = LayerScore(layer=layer, auroc=auroc(yt, s), accuracy=accuracy(yt, est.predict(X[test_idx])),
-                                   recall_at_5pct_fpr=recall_at_fpr(yt, s, 0.05))
+                                   recall_at_5pct_fpr=recall_at(s, yt, calibrate_threshold(s, yt, 0.05,
+                                                                                           min_negatives=0)),
+                                   cv_auroc_mean=float(np.mean(cv_auc)), cv_auroc_std=float(np.std(cv_auc)),
+                                   cv_folds=folds)
         estimators[layer] = est
         test_scores[layer] = s
-    return SweepResult(scores=scores, estimators=estimators, train_idx=train_idx, test_idx=test_idx,
-                       test_scores=test_scores)
+    result = SweepResult(scores=scores, estimators=estimators, train_idx=train_idx, test_idx=test_idx,
+                         test_scores=test_scores)
+    rank = result.ranking()
+    if len(rank) > 1:
+        a, b = scores[rank[0]], scores[rank[1]]
+        if a.cv_auroc_mean - b.cv_auroc_mean <= max(a.cv_auroc_std, b.cv_auroc_std):
+            result.separable = False
+            warnings.warn(f"layer_sweep: layer {a.layer} (cv AUROC {a.cv_auroc_mean:.4f} ± {a.cv_auroc_std:.4f}) "
+                          f"is not separable from layer {b.layer} ({b.cv_auroc_mean:.4f} ± {b.cv_auroc_std:.4f}) "
+                          f"on {len(train_idx)} training samples; the choice among them is arbitrary",
+                          CalibrationWarning, stacklevel=2)
+    return result
 
 
-__all__ = ["LayerScore", "SweepResult", "accuracy", "auroc", "calibrate_threshold", "calibration_curve", "fpr_at",
-           "layer_sweep", "recall_at", "recall_at_fpr"]
+__all__ = ["CalibrationWarning", "LayerScore", "SweepResult", "accuracy", "auroc", "calibrate", "calibrate_threshold",
+           "calibration_curve", "fpr_at", "fpr_interval", "layer_sweep", "recall_at", "recall_at_fpr"]
