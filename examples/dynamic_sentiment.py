@@ -34,7 +34,7 @@ import numpy as np
 import dynsteer
 from dynsteer import (Action, CaptureSpec, DynamicSteeringPolicy, DynsteerConfig, Monitor, Rule,
                       SyncControllerSpec)
-from dynsteer.probes import LogisticProbe, collect, load_probe, save_probe
+from dynsteer.probes import LogisticProbe, align, collect, load_probe, save_probe
 from dynsteer.zoo import smollm2
 from probe_training import NEGATIVE, POSITIVE
 
@@ -109,10 +109,9 @@ def run(max_tokens: int = 40, sync_tier: str = "device", probe_path: Path | None
     probe = load_probe(probe_path)
     gate_error = 0.0
     for out in steered:
-        by_pos = dict(zip(out.capture.positions.tolist(), out.capture[(LAYER, "post_block")]))
-        x = np.stack([by_pos[p] for p in out.trace.position]).astype(np.float64)
-        want = 1.0 - probe.predict_proba(x)  # P(negative): the negative class opens the gate
-        gate_error = max(gate_error, float(np.abs(out.trace.gates("negative") - want).max()))
+        x, at = align(out.capture, out.trace, (LAYER, "post_block"))  # the traced positions' residuals
+        want = probe.predict_proba(x)[:, 0]  # P(negative): the negative class opens the gate
+        gate_error = max(gate_error, float(np.abs(out.trace.gates("negative")[at] - want).max()))
     return DemoResult(
         prompts=prompts, targeted=[True] * len(COMPLAINTS) + [False] * len(PRAISE),
         baseline=[list(o.outputs[0].token_ids) for o in baseline],

@@ -150,7 +150,7 @@ def train_sentiment_probe(steerer: dynsteer.Steerer, path: Path) -> float:
     np.testing.assert_allclose(loaded.decision_function(X_best), probe.decision_function(X_best), rtol=1e-4,
                                atol=1e-4)
     g = loaded.gate_params()
-    np.testing.assert_allclose(gate(X_best, g), loaded.predict_proba(X_best), atol=1e-9)
+    np.testing.assert_allclose(gate(X_best, g), loaded.predict_proba(X_best)[:, 1], atol=1e-9)
     print(f"reloaded: layer {loaded.layer}, site {loaded.site}, compatible; gate sharpness {g.sharpness:.4f}, "
           f"threshold {g.threshold:.4f}")
     print(f"BEST_AUROC={sweep.best_auroc:.4f} BEST_LAYER={best}")

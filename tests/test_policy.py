@@ -208,7 +208,7 @@ def test_monitor_from_probe_file_matches_predict_proba(tmp_path, standardized: b
     mon = Monitor.from_probe_file(path, name="m")
     assert (mon.layer, mon.site, mon.probe_file) == (3, "post_attn", None)
     X = rng.standard_normal((200, H)) * 2.0  # float64 inputs
-    expected = probe.predict_proba(X)
+    expected = probe.predict_proba(X)[:, 1]
     assert expected.min() < 0.05 and expected.max() > 0.95  # covers the whole sigmoid
     np.testing.assert_allclose(mon.gate(X), expected, atol=1e-6, rtol=0)
     # the file form resolves to the same monitor; a layer mismatch is refused

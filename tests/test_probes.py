@@ -359,3 +359,34 @@ def test_loading_a_probe_for_another_hidden_size_into_an_engine_fails_clearly(ca
     ok = save_probe(tmp_path / "ok.safetensors", np.ones(capture_steerer.hidden_size), 0.0,
                     model_id=capture_steerer.shape.model_id, layer=2)
     load_probe(ok).check_compatible(capture_steerer.shape)
+
+
+def test_probe_files_and_estimators_share_one_set_of_semantics(tmp_path):
+    """predict_proba is [n, 2] (column 1 positive) for estimators and loaded files alike; predict uses the file's
+    calibration threshold when it has one, else 0, as documented; align pairs capture rows with trace positions."""
+    from types import SimpleNamespace
+
+    from dynsteer.probes import align, calibrate
+
+    X, y = synthetic(n=300, d=8, sep=2.0)
+    est = LogisticProbe(cv=3).fit(X, y)
+    path = save_probe(tmp_path / "p.safetensors", est, model_id="m", layer=1)
+    loaded = load_probe(path)
+    assert loaded.predict_proba(X).shape == est.predict_proba(X).shape == (300, 2)
+    np.testing.assert_allclose(loaded.predict_proba(X), est.predict_proba(X), atol=1e-5)
+    np.testing.assert_array_equal(loaded.predict(X), est.predict(X))  # uncalibrated: decision > 0
+    cal = calibrate(est.decision_function(X), y, 0.05)
+    tight = load_probe(save_probe(tmp_path / "c.safetensors", est, model_id="m", layer=1, calibration=cal))
+    np.testing.assert_array_equal(tight.predict(X), (est.decision_function(X) > cal.threshold).astype(int))
+    assert tight.meta.calibration.n_negatives == int((y == 0).sum())
+    class Cap:  # a capture's interface: positions, and rows per place
+        positions = np.array([5, 6, 7, 8, 9])
+
+        def __getitem__(self, place):
+            return np.arange(5.0)[:, None] * np.ones((1, 3))
+
+    cap = Cap()
+    trace = SimpleNamespace(position=[7, 8, 9, 10])
+    rows, at = align(cap, trace, (1, "post_block"))
+    np.testing.assert_array_equal(rows[:, 0], [2.0, 3.0, 4.0])
+    np.testing.assert_array_equal(at, [0, 1, 2])

@@ -10,7 +10,7 @@ Example:
     >>> print(sweep.table())                                                # doctest: +SKIP
 """
 
-from dynsteer.probes.collect import Activations, chat_prompts, collect
+from dynsteer.probes.collect import Activations, align, chat_prompts, collect
 from dynsteer.probes.estimators import DiffMeanProbe, LDAProbe, LinearProbe, LogisticProbe
 from dynsteer.probes.fileformat import PROBE_FILE_FORMAT, Calibration, Probe, ProbeMeta, load_probe, save_probe
 from dynsteer.probes.gate import GateParams, gate, gate_logit, gate_params
@@ -18,7 +18,7 @@ from dynsteer.probes.metrics import (CalibrationWarning, LayerScore, SweepResult
                                      calibrate_threshold, calibration_curve, fpr_at, fpr_interval, layer_sweep,
                                      recall_at, recall_at_fpr)
 
-__all__ = ["Activations", "Calibration", "CalibrationWarning", "DiffMeanProbe", "GateParams", "LDAProbe", "LayerScore", "LinearProbe",
+__all__ = ["Activations", "Calibration", "align", "CalibrationWarning", "DiffMeanProbe", "GateParams", "LDAProbe", "LayerScore", "LinearProbe",
            "LogisticProbe", "PROBE_FILE_FORMAT", "Probe", "ProbeMeta", "SweepResult", "accuracy", "auroc",
            "calibrate", "calibrate_threshold", "calibration_curve", "chat_prompts", "collect", "fpr_at", "fpr_interval", "gate", "gate_logit",
            "gate_params", "layer_sweep", "load_probe", "recall_at", "recall_at_fpr", "save_probe"]

@@ -134,3 +134,14 @@ def collect(steerer: Any, prompts: Sequence[str], labels: Sequence[Any] | np.nda
 
 
 __all__ = ["Activations", "chat_prompts", "collect"]
+
+
+def align(capture: Any, trace: Any, place: tuple[int, str]) -> tuple[np.ndarray, np.ndarray]:
+    """Line a request's captured rows up with its dynamic trace: ``(X, at)`` where ``X[i]`` is the residual
+    captured at ``place`` for the position ``trace.position[at[i]]``, for every position both hold, in position
+    order (a trace covers generated tokens fed back; a capture may cover more, or fewer when it was partial).
+    ``probe.predict_proba(X)`` then lines up with ``trace.gates()[at]``."""
+    cpos = np.asarray(capture.positions, np.int64)
+    tpos = np.asarray(trace.position, np.int64)
+    _, ci, ti = np.intersect1d(cpos, tpos, assume_unique=True, return_indices=True)
+    return np.asarray(capture[place], np.float64)[ci], ti

@@ -133,13 +133,17 @@ class Probe:
         return np.asarray(X, dtype=np.float64) @ w + b
 
     def predict_proba(self, X: np.ndarray) -> np.ndarray:
-        """``σ(decision)`` for the positive class, ``[n]`` (calibrated only for logistic probes)."""
-        return expit(self.decision_function(X))
+        """``[n, 2]``: ``[1 − σ(d), σ(d)]`` with ``d = decision_function(X)``, as the estimators that wrote it
+        (scikit-learn's convention; column 1 is the positive class; probabilities only for logistic probes)."""
+        p = expit(self.decision_function(X))
+        return np.stack([1.0 - p, p], axis=1)
 
     def predict(self, X: np.ndarray) -> np.ndarray:
-        """Boolean flags: ``decision > calibration.threshold`` (``> 0`` when uncalibrated)."""
+        """Class ``1`` (positive) or ``0`` per row: ``decision > threshold``, where the threshold is the file's
+        calibration threshold when it has one (an operating point chosen at a target FPR), else 0 (the estimators'
+        own ``predict``)."""
         threshold = self.meta.calibration.threshold if self.meta.calibration is not None else 0.0
-        return self.decision_function(X) > threshold
+        return (self.decision_function(X) > threshold).astype(np.int64)
 
     def gate_params(self, *, calibrated: bool = False) -> GateParams:
         """The equivalent gate (DESIGN §4); ``calibrated=True`` centres it on the calibration threshold."""
