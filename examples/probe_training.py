@@ -4,14 +4,18 @@ Runs on CPU in a few minutes:
 
     python examples/probe_training.py [OUTPUT.safetensors]
 
-Steps: 60 hand-written sentences (30 positive, 30 negative) → residuals at the last prompt token of every other
-layer (one engine pass per batch, through dynsteer's capture API) → one logistic probe per layer, scored on a
-stratified held-out split → the best layer's probe gets a decision threshold at 5% FPR on that held-out split →
-saved as a dynsteer probe file, reloaded, checked against the engine's shape, and turned into gate parameters.
+Steps: 440 hand-written sentences (``examples/data/sentiment.csv``, 220 per class) wrapped as user messages in
+SmolLM2's chat template → residuals at the last prompt token (the generation prompt's last token: where a
+prompt-level gate reads when the model is served as a chat model) of every other layer, through dynsteer's capture
+API → one logistic probe per layer; 5-fold cross-validation on a stratified training split (70 %) chooses the
+layer, the 132 held-out sentences (66 negatives) only report it → a decision threshold at 5 % FPR calibrated on the
+held-out split, with its interval → saved as a dynsteer probe file, reloaded, checked against the engine's shape,
+and turned into gate parameters.
 """
 
 from __future__ import annotations
 
+import csv
 import os
 import sys
 import tempfile
@@ -29,6 +33,9 @@ from dynsteer.config import DynsteerConfig
 from dynsteer.probes import LogisticProbe, calibrate, collect, gate, layer_sweep, load_probe, recall_at, save_probe
 from dynsteer.zoo import smollm2
 
+DATA = Path(__file__).resolve().parent / "data" / "sentiment.csv"
+
+# A small hand-written set (the dynamic-sentiment example trains its gate on these; this example uses DATA).
 POSITIVE = [
     "I love this place, it makes me so happy.",
     "What a wonderful surprise, thank you!",
@@ -109,14 +116,21 @@ def main(out_path: str | None = None) -> float:
     return train_sentiment_probe(dynsteer.attach(llm), path)
 
 
+def load_sentiment() -> tuple[list[str], np.ndarray]:
+    """The data set's sentences and labels (1: positive)."""
+    with DATA.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [r["text"] for r in rows], np.array([int(r["label"] == "positive") for r in rows])
+
+
 def train_sentiment_probe(steerer: dynsteer.Steerer, path: Path) -> float:
     """Collect, sweep layers, calibrate and save the probe to ``path``; returns the best held-out AUROC.
 
     ``steerer``'s engine needs capture buffers at ``post_block`` on the swept layers.
     """
-    texts = POSITIVE + NEGATIVE
-    labels = np.array([1] * len(POSITIVE) + [0] * len(NEGATIVE))
-    acts = collect(steerer, texts, labels, layers=LAYERS, site="post_block", positions="last_prompt")
+    texts, labels = load_sentiment()
+    # Under the chat template, as served: a probe fitted on raw sentences has another offset there.
+    acts = collect(steerer, texts, labels, layers=LAYERS, site="post_block", positions="last_prompt", chat=True)
     print(f"collected {len(acts)} samples x {len(acts.layers)} layers, hidden {acts.hidden_size}")
 
     # The layer is chosen by 5-fold cross-validation on the training split; the held-out split only reports it.
@@ -131,7 +145,7 @@ def train_sentiment_probe(steerer: dynsteer.Steerer, path: Path) -> float:
     # Calibrate the operating point on the held-out split (not the data the probe was fitted on).
     probe = sweep.estimators[best]
     y_test, s_test = labels[sweep.test_idx], sweep.test_scores[best]
-    # It records how many negatives it rests on and the FPR's 95 % interval (and warns: 9 are far too few).
+    # It records how many negatives it rests on and the FPR's 95 % interval.
     cal = calibrate(s_test, y_test, TARGET_FPR)
     threshold = cal.threshold
     lo, hi = cal.fpr_interval
@@ -139,7 +153,7 @@ def train_sentiment_probe(steerer: dynsteer.Steerer, path: Path) -> float:
           f"(FPR {cal.fpr:.3f}, 95 % interval [{lo:.3f}, {hi:.3f}]; recall {recall_at(s_test, y_test, threshold):.3f})")
 
     save_probe(path, probe, model_id=steerer.shape.model_id, layer=best, site="post_block",
-               method=f"LogisticProbe(C={probe.C_:.3g}), {len(texts)} sentiment sentences, last prompt token",
+               method=f"LogisticProbe(C={probe.C_:.3g}), {len(texts)} sentiment sentences, chat template, last prompt token",
                calibration=cal)
     print(f"saved {path}")
 
