@@ -50,7 +50,8 @@ def _vec(h: int, seed: int, scale: float = 6.0) -> np.ndarray:
 
 
 def _counters(llm: Any) -> tuple[int, int]:
-    got = {m.name: m.value for m in llm.get_metrics() if m.name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")}
+    names = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
+    got = {m.name: m.value for m in llm.get_metrics() if m.name in names}
     return int(got.get("vllm:prefix_cache_hits", 0)), int(got.get("vllm:prefix_cache_queries", 0))
 
 

@@ -347,6 +347,14 @@ def command_event(request: Any, signature: str, hash_block_size: int) -> None:
         request.update_block_hashes()
 
 
+def resalt(request: Any, fingerprint: str) -> None:
+    """Engine core: add ``fingerprint`` to a request's cache salt and hash its whole chain again (it then shares no
+    block with requests salted otherwise; none of its own blocks is cached under the new hashes yet)."""
+    request.cache_salt = salted(request.cache_salt, fingerprint)
+    del request.block_hashes[:]
+    request.update_block_hashes()
+
+
 def global_change_event(request: Any, signature: str, hash_block_size: int) -> None:
     """Engine core, after the global spec or policy changed while ``request`` is live: the workers recompile its
     rows at once, so what it computes from its first uncomputed position on may differ from what its hashes (keyed
@@ -355,9 +363,7 @@ def global_change_event(request: Any, signature: str, hash_block_size: int) -> N
     computed after the change are not shared with requests admitted before or after it, even where the change
     did not act on them; blocks computed before it keep their hashes."""
     if int(request.num_computed_tokens) < int(request.num_prompt_tokens):
-        request.cache_salt = salted(request.cache_salt, f"global:{signature}")
-        del request.block_hashes[:]
-        request.update_block_hashes()
+        resalt(request, f"global:{signature}")
     else:
         command_event(request, f"global:{signature}", hash_block_size)
 

@@ -28,8 +28,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from dynsteer.commands import (Ack, AbortCommand, CommandEnvelope, GlobalCommand, RuleCommand, SteerCommand,
-                               ThresholdCommand, check_steer, decode_command, patch_policy)
+from dynsteer.commands import (Ack, AbortCommand, CommandEnvelope, GlobalCommand, SteerCommand, check_steer,
+                               decode_command, patch_policy)
 from dynsteer.config import DynsteerConfig
 from dynsteer.engine.apc import build_frontend_state, command_event, global_change_event
 from dynsteer.payload import PAYLOAD_KEY, decode_payload
@@ -172,7 +172,7 @@ class CommandDesk:
         admitted = self.state.check_global(spec, cmd.policy)  # raises naming the field
         self.state.set_global(spec, admitted)
         state = scheduler._dynsteer
-        signature = hashlib.sha256(f"{env.monitor}|{cmd.model_dump_json()}".encode()).hexdigest()[:32]
+        signature = _signature(f"{env.monitor}|{cmd.model_dump_json()}")
         _fork_live_requests(scheduler, signature, state.hash_block_size)
         state.global_salt = "" if spec.is_empty() and cmd.policy is None else signature
         return {"monitor": env.monitor, "command": cmd.model_dump(mode="json")}
@@ -212,6 +212,11 @@ def _id_of(raw: Any) -> str:
         return ""
 
 
+def _signature(text: str) -> str:
+    """A global change's id in block hashes (the same on every process)."""
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def _fork_live_requests(scheduler: Any, signature: str, hash_block_size: int) -> None:
     """The global spec or policy changed on the workers: fork the prefix-cache hashes of every live request from
     its first uncomputed position (see ``apc.global_change_event``)."""
@@ -233,8 +238,7 @@ def patch_engine_core(cls: type) -> None:
         out = orig(self, method, timeout, args, kwargs)
         state = getattr(getattr(self, "scheduler", None), "_dynsteer", None)
         if method == "dynsteer_set_global" and state is not None:
-            _fork_live_requests(self.scheduler, hashlib.sha256(repr(args).encode()).hexdigest()[:32],
-                                state.hash_block_size)
+            _fork_live_requests(self.scheduler, _signature(repr(args)), state.hash_block_size)
             state.global_salt = ""  # the frontend knows this global again and salts by it
         desk = getattr(state, "desk", None)
         if desk is not None and isinstance(method, str) and method.startswith("dynsteer_"):

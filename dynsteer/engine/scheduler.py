@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynsteer.config import DynsteerConfig
-from dynsteer.engine.apc import ROWS_KEY, ActedState, hashed_tokens, salted
+from dynsteer.engine.apc import ROWS_KEY, ActedState, hashed_tokens, resalt
 from dynsteer.engine.commands import COMMANDS_ATTR, STEP_ATTR
 
 logger = logging.getLogger("dynsteer")
@@ -142,9 +142,7 @@ def patch_scheduler(cls: type) -> None:
     def add_request(self: Any, request: Any, *a: Any, **k: Any) -> Any:
         salt = self._dynsteer.global_salt
         if salt:
-            request.cache_salt = salted(request.cache_salt, f"global:{salt}")
-            del request.block_hashes[:]
-            request.update_block_hashes()
+            resalt(request, f"global:{salt}")
         return orig_add(self, request, *a, **k)
 
     @functools.wraps(orig_schedule)

@@ -18,7 +18,8 @@ from dynsteer.probes.metrics import (CalibrationWarning, LayerScore, SweepResult
                                      calibrate_threshold, calibration_curve, fpr_at, fpr_interval, layer_sweep,
                                      recall_at, recall_at_fpr)
 
-__all__ = ["Activations", "Calibration", "align", "CalibrationWarning", "DiffMeanProbe", "GateParams", "LDAProbe", "LayerScore", "LinearProbe",
-           "LogisticProbe", "PROBE_FILE_FORMAT", "Probe", "ProbeMeta", "SweepResult", "accuracy", "auroc",
-           "calibrate", "calibrate_threshold", "calibration_curve", "chat_prompts", "collect", "fpr_at", "fpr_interval", "gate", "gate_logit",
-           "gate_params", "layer_sweep", "load_probe", "recall_at", "recall_at_fpr", "save_probe"]
+__all__ = ["Activations", "Calibration", "CalibrationWarning", "DiffMeanProbe", "GateParams", "LDAProbe", "LayerScore",
+           "LinearProbe", "LogisticProbe", "PROBE_FILE_FORMAT", "Probe", "ProbeMeta", "SweepResult", "accuracy",
+           "align", "auroc", "calibrate", "calibrate_threshold", "calibration_curve", "chat_prompts", "collect",
+           "fpr_at", "fpr_interval", "gate", "gate_logit", "gate_params", "layer_sweep", "load_probe", "recall_at",
+           "recall_at_fpr", "save_probe"]

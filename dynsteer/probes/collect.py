@@ -133,9 +133,6 @@ def collect(steerer: Any, prompts: Sequence[str], labels: Sequence[Any] | np.nda
                        positions=positions, n_positions=np.asarray(counts, dtype=np.int64))
 
 
-__all__ = ["Activations", "chat_prompts", "collect"]
-
-
 def align(capture: Any, trace: Any, place: tuple[int, str]) -> tuple[np.ndarray, np.ndarray]:
     """Line a request's captured rows up with its dynamic trace: ``(X, at)`` where ``X[i]`` is the residual
     captured at ``place`` for the position ``trace.position[at[i]]``, for every position both hold, in position
@@ -145,3 +142,6 @@ def align(capture: Any, trace: Any, place: tuple[int, str]) -> tuple[np.ndarray,
     tpos = np.asarray(trace.position, np.int64)
     _, ci, ti = np.intersect1d(cpos, tpos, assume_unique=True, return_indices=True)
     return np.asarray(capture[place], np.float64)[ci], ti
+
+
+__all__ = ["Activations", "align", "chat_prompts", "collect"]

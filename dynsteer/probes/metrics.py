@@ -13,11 +13,10 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import warnings
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from sklearn.base import clone
@@ -26,6 +25,9 @@ from sklearn.metrics import accuracy_score, roc_auc_score
 from sklearn.model_selection import StratifiedKFold, train_test_split
 
 from dynsteer.probes.collect import Activations
+
+if TYPE_CHECKING:
+    from dynsteer.probes.fileformat import Calibration
 
 
 def auroc(y: np.ndarray, scores: np.ndarray) -> float:

@@ -174,11 +174,18 @@ class DynState:
         ctrl = make_controller(policy.controller, registry, max_scale) if policy.controller is not None else None
         g = len(slots)
         sync = ctrl is not None or any(s.scope in ("next_step", "rest_of_request") for s in slots)
-        return cls(slots=slots, controller=ctrl, ctrl_spec=policy.controller, ctrl_slot=ctrl_slot,
-                   ctrl_state=ctrl.initial_state() if ctrl is not None else None,
-                   scale=0.0 if ctrl is not None else 1.0, latched=[False] * g, prev_gate=[0.0] * g, sync=sync,
-                   params=np.array([[s.sharpness, s.threshold, s.floor] for s in slots], np.float32).T.copy(),
-                   aborts=abort_slots(policy))
+        st = cls(slots=slots, controller=ctrl, ctrl_spec=policy.controller, ctrl_slot=ctrl_slot,
+                 ctrl_state=ctrl.initial_state() if ctrl is not None else None,
+                 scale=0.0 if ctrl is not None else 1.0, latched=[False] * g, prev_gate=[0.0] * g, sync=sync)
+        st.retune(policy)
+        return st
+
+    def retune(self, policy: "DynamicSteeringPolicy") -> None:
+        """Take ``policy``'s thresholds, rule switches and aborts (same slots: a monitor's command patched it; the
+        controller and carried state are kept)."""
+        self.slots, _ = policy_slots(policy)
+        self.params = np.array([[s.sharpness, s.threshold, s.floor] for s in self.slots], np.float32).T.copy()
+        self.aborts = abort_slots(policy)
 
     @property
     def act_mask(self) -> int:
@@ -242,7 +249,8 @@ def abort_slots(policy: "DynamicSteeringPolicy") -> dict[int, str]:
             for i, rule in enumerate(policy.rules) if rule.abort is not None and rule.enabled}
 
 
-def fired_aborts(st: "DynState", host: np.ndarray, cols: np.ndarray, positions: np.ndarray) -> tuple[int, str] | None:
+def fired_aborts(st: "DynState", host: np.ndarray, cols: np.ndarray,
+                 positions: np.ndarray) -> tuple[int, str] | None:
     """The first of ``positions`` (read-back columns ``cols`` of one request) where one of its abort rules fired
     (its gate ≥ ``FIRE_GATE`` and over its floor), and that rule's reason; ``None`` if none did."""
     slots = sorted(st.aborts)
@@ -392,9 +400,8 @@ class DynamicDriver:
         self.report_acts = False  # report where dynamic steering acted (the engine core's prefix-cache hashing)
         # per completed read-back: (request ids, upto, first acted position or -1, signature) by request run
         self.acts: list[tuple[list[str], list[int], list[int], list[str]]] = []
-        self.abort_watch: set[str] = set()  # live requests with abort rules (the runtime keeps it)
+        self.abort_watch: set[str] = set()  # live requests with abort rules not fired yet (the runtime adds them)
         self.aborts: dict[str, tuple[int, str]] = {}  # req_id -> (position, reason): fired, not yet reported
-        self.aborted: set[str] = set()  # requests whose abort fired (reported once)
         self.enqueued = 0  # read-backs started
         self.completed = 0  # read-backs fed to their requests
         self.host_tier = 0  # live requests in the host tier (their steps wait for the previous one)
@@ -569,15 +576,15 @@ class DynamicDriver:
         """Record requests whose abort rule fired in this read-back (only requests with abort rules are looked at)."""
         for r in np.unique(tok.req).tolist():
             req_id = tok.req_ids[r]
-            if req_id not in self.abort_watch or req_id in self.aborted:
+            if req_id not in self.abort_watch:
                 continue
             st = lookup(req_id)
             if st is None or not st.aborts:
                 continue
             cols = np.flatnonzero(tok.req == r)
             hit = fired_aborts(st, host, cols, tok.position[cols])
-            if hit is not None:
-                self.aborted.add(req_id)
+            if hit is not None:  # reported once: it leaves the watch
+                self.abort_watch.discard(req_id)
                 self.aborts[req_id] = hit
 
     def poll(self, lookup: Any, block: bool = False) -> None:

@@ -25,7 +25,7 @@ from dynsteer.steering.staging import StagingRing
 from dynsteer.payload import PAYLOAD_KEY, decode_payload, payload_body
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
 from dynsteer.steering.compile import EMPTY, RowContent, compile_phase
-from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens, abort_slots
+from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens
 from dynsteer.steering.tables import RowPool, RowsExhausted, SteeringTables
 
 logger = logging.getLogger("dynsteer")
@@ -267,7 +267,6 @@ class SteeringRuntime:
     def _command_entry(self, req_id: str, entry: RequestEntry, cmd: Any) -> None:
         """Record a command on the request (kept across preemption) and on its live entry."""
         from dynsteer.commands import SteerCommand, patch_policy
-        from dynsteer.steering.dynamic import policy_slots
 
         if isinstance(cmd, SteerCommand):
             spec = None if cmd.spec is None or cmd.spec.is_empty() else cmd.spec
@@ -283,10 +282,8 @@ class SteeringRuntime:
         patched = self._cmd_policies[req_id] = entry.cmd_policy = patch_policy(current, cmd)
         st = self._dyn.get(req_id)
         if st is not None:  # same slots, new thresholds/switches: the controller state is kept
-            st.slots, _ = policy_slots(patched)
-            st.params = np.array([[p.sharpness, p.threshold, p.floor] for p in st.slots], np.float32).T.copy()
-            st.aborts = abort_slots(patched)
-            self._watch_aborts(req_id, st)
+            st.retune(patched)
+            self._track_aborts(req_id, st)
 
     def take_acts(self) -> list[tuple[list[str], list[int], list[int], list[str]]]:
         """Where dynamic steering acted, from the read-backs landed since the last call (see
@@ -297,7 +294,8 @@ class SteeringRuntime:
         acts, self.dynamic.acts = self.dynamic.acts, []
         return acts
 
-    def _watch_aborts(self, req_id: str, st: DynState) -> None:
+    def _track_aborts(self, req_id: str, st: DynState) -> None:
+        """The driver watches the read-backs of requests with abort rules (only those: see DynamicDriver.poll)."""
         if st.aborts:
             self.dynamic.abort_watch.add(req_id)
         else:
@@ -307,9 +305,12 @@ class SteeringRuntime:
         """Requests whose policy's abort rule fired, from the read-backs landed so far (polled without waiting),
         with their stop reasons: the runner glue reports them with the step's output and the scheduler finishes
         them at that output (their tokens so far delivered, their blocks shareable)."""
-        if self.dynamic is None or not self.dynamic.abort_watch:
+        if self.dynamic is None:
             return {}
-        self.dynamic.poll(self._state_of)
+        if self.dynamic.abort_watch:
+            self.dynamic.poll(self._state_of)
+        if not self.dynamic.aborts:  # (an abort that fired has left the watch but may still be unreported)
+            return {}
         fired, self.dynamic.aborts = self.dynamic.aborts, {}
         return {r: f"{reason} (fired at position {pos})" for r, (pos, reason) in fired.items() if r in self.requests}
 
@@ -559,7 +560,6 @@ class SteeringRuntime:
         st = self._dyn.pop(req_id, None)
         if self.dynamic is not None:
             self.dynamic.abort_watch.discard(req_id)
-            self.dynamic.aborted.discard(req_id)
             self.dynamic.aborts.pop(req_id, None)
         if st is not None and self.dynamic is not None:
             self.dynamic.free(st)
@@ -590,7 +590,7 @@ class SteeringRuntime:
                 entry.dyn = None
                 return
         self.dynamic.place(st)  # the device sync tier, when it implements the policy's controller
-        self._watch_aborts(req_id, st)
+        self._track_aborts(req_id, st)
         entry.dyn = self._dyn[req_id] = st
 
     def _effective_policy(self, entry: RequestEntry) -> Any:
