@@ -59,6 +59,16 @@ def monitor(
                f"{stats.rejected} commands rejected")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+             add_help_option=False)
+def serve(ctx: typer.Context) -> None:
+    """vLLM's OpenAI server (dynsteer loaded) plus /v1/steering/{vectors,policy,capabilities}: dynsteer serve MODEL
+    [vLLM serve options] [--steering-allow-remote]; --help lists vLLM's options."""
+    from dynsteer.cli.serve import run_serve
+
+    run_serve(ctx.args)
+
+
 @app.command()
 def version() -> None:
     """Print dynsteer's and vLLM's versions."""

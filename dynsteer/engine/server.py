@@ -1,0 +1,282 @@
+"""Steering endpoints on vLLM's OpenAI-compatible server: named vectors, the global policy, capabilities.
+
+vLLM 0.26's seam for extra routes is the endpoint plugin (``vllm/plugins/endpoint_plugins/interface.py``): an object
+with ``attach_router(app)`` (called in ``build_app`` after the core routers) and ``async init_state(engine_client,
+state, args)`` (called in ``init_app_state``). :class:`SteeringEndpoints` is one. ``dynsteer serve`` hands it to
+vLLM by adding it to what ``vllm.plugins.load_endpoint_plugins`` returns (:func:`install`), so no entry point and no
+``VLLM_PLUGINS`` allowlist is involved, and plain ``vllm serve`` never exposes these routes.
+
+Changes reach the engine the way :class:`dynsteer.Steerer` sends them (``collective_rpc`` with the worker methods of
+:mod:`dynsteer.engine.worker_ext`), and the frontend's admission state (:mod:`dynsteer.engine.apc`) is updated *before*
+the RPC is sent, with no await in between: a request admitted after the change is salted by the new global and its
+ADD message follows the RPC on the engine core's input socket; one admitted before is live when the RPC lands and has
+its prefix-cache hashes forked there (``engine.commands``). So no block is cached under the wrong global.
+
+Trust (DESIGN §10): with ``--api-key`` (or ``VLLM_API_KEY``) every steering route requires ``Authorization: Bearer
+<key>`` (compared in constant time) and answers 401 without it, whatever vLLM's own middleware guards; with no key
+they answer only loopback (and unix-socket) clients unless the operator passed ``--steering-allow-remote`` (403
+otherwise). Bodies are pydantic models; every error is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import logging
+import secrets
+from typing import Any, Optional, Union
+
+import numpy as np
+from fastapi import APIRouter, Depends, HTTPException, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from dynsteer.engine.apc import FrontendState, frontend_state
+from dynsteer.payload import decode_payload, encode_payload
+from dynsteer.spec import SteeringValidationError, check_name, check_vector
+from dynsteer.vectors import as_vector, pack_vector
+
+logger = logging.getLogger("dynsteer")
+
+PREFIX = "/v1/steering"
+
+
+class VectorBody(BaseModel):
+    """``POST /v1/steering/vectors``: register (or replace) a named vector."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="letters, digits, '.', '_', '-'; at most 128")
+    vector: Union[list[float], dict[str, str]] = Field(description="a list of numbers or {'b64': <float32 LE>}")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v, "vector name")
+
+
+class PolicyBody(BaseModel):
+    """``PUT /v1/steering/policy``: the global dynamic policy (a ``DynamicSteeringPolicy`` as JSON; null clears)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Optional[dict[str, Any]] = None
+
+
+class SteeringEndpoints:
+    """A vLLM endpoint plugin serving ``/v1/steering/{vectors,policy,capabilities}``.
+
+    Args:
+        allow_remote: with no API key configured, serve non-loopback clients too (the operator's explicit choice).
+    """
+
+    name = "dynsteer"
+    required_tasks = ("generate",)
+
+    def __init__(self, allow_remote: bool = False) -> None:
+        self.allow_remote = allow_remote
+        self._lock = asyncio.Lock()
+
+    # ---- vLLM's endpoint-plugin protocol -----------------------------------------------------------------------------
+    def attach_router(self, app: Any) -> None:
+        app.include_router(self.router())
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        import vllm.envs as envs
+
+        keys = [k for k in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if k]
+        state.dynsteer = {"engine": engine_client, "keys": [hashlib.sha256(k.encode()).digest() for k in keys]}
+        if engine_client is not None:
+            self.front(engine_client)  # build admission state now: a bad dynsteer config fails at start
+        if not keys and not self.allow_remote:
+            logger.info("dynsteer: no API key set; %s/* answers loopback clients only", PREFIX)
+
+    # ---- routes ----------------------------------------------------------------------------------------------------
+    def router(self) -> APIRouter:
+        router = APIRouter(prefix=PREFIX, dependencies=[Depends(self.authorize)])
+
+        @router.get("/capabilities")
+        async def capabilities(request: Request) -> dict[str, Any]:
+            return self.capabilities(self._engine(request))
+
+        @router.get("/vectors")
+        async def list_vectors(request: Request) -> dict[str, Any]:
+            front = self.front(self._engine(request))
+            return {"vectors": [_vector_info(n, v) for n, v in sorted(front.named.items())]}
+
+        @router.post("/vectors")
+        async def register_vector(body: VectorBody, request: Request) -> dict[str, Any]:
+            engine = self._engine(request)
+            front = self.front(engine)
+            arr = _check(lambda: check_vector(as_vector(body.vector), front.shape.hidden_size, "vector"), "vector")
+            async with self._lock:
+                previous = front.named.get(body.name)
+                front.register(body.name, arr)  # before the RPC, no await between (module docstring)
+                try:
+                    await engine.collective_rpc("dynsteer_register_vector", args=(body.name, pack_vector(arr)))
+                except Exception:
+                    _restore_vector(front, body.name, previous)
+                    raise
+            return _vector_info(body.name, arr)
+
+        @router.delete("/vectors/{name}")
+        async def delete_vector(name: str, request: Request) -> dict[str, Any]:
+            engine = self._engine(request)
+            front = self.front(engine)
+            async with self._lock:
+                if name not in front.named:
+                    raise HTTPException(404, f"name: no vector named {name!r} is registered")
+                if _references(front, name):
+                    raise HTTPException(409, f"name: vector {name!r} is used by the global steering; clear the "
+                                             f"global policy first")
+                previous = front.named.pop(name)
+                front.version += 1
+                try:
+                    await engine.collective_rpc("dynsteer_unregister_vector", args=(name,))
+                except Exception:
+                    _restore_vector(front, name, previous)
+                    raise
+            return {"deleted": name}
+
+        @router.get("/policy")
+        async def get_policy(request: Request) -> dict[str, Any]:
+            policy = self.front(self._engine(request)).global_policy
+            return {"policy": None if policy is None else policy.model_dump(mode="json", exclude_none=True)}
+
+        @router.put("/policy")
+        async def set_policy(body: PolicyBody, request: Request) -> dict[str, Any]:
+            return await self._set_policy(self._engine(request), body.policy)
+
+        @router.delete("/policy")
+        async def clear_policy(request: Request) -> dict[str, Any]:
+            return await self._set_policy(self._engine(request), None)
+
+        return router
+
+    # ---- helpers ---------------------------------------------------------------------------------------------------
+    async def authorize(self, request: Request) -> None:
+        """401 without the server's API key when one is set; 403 for non-loopback clients when none is (unless
+        ``allow_remote``)."""
+        keys = request.app.state.dynsteer["keys"]
+        if keys:
+            scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+            digest = hashlib.sha256(token.encode()).digest()
+            ok = False
+            for key in keys:
+                ok |= secrets.compare_digest(digest, key)
+            if scheme.lower() != "bearer" or not ok:
+                raise HTTPException(401, "Authorization: a valid 'Bearer <api key>' is required for steering "
+                                         "endpoints")
+            return
+        if self.allow_remote or _is_local(request.client):
+            return
+        raise HTTPException(403, "steering endpoints answer loopback clients only when the server has no API key "
+                                 "(start it with --api-key, or --steering-allow-remote)")
+
+    async def _set_policy(self, engine: Any, raw: dict[str, Any] | None) -> dict[str, Any]:
+        front = self.front(engine)
+        policy = None
+        if raw is not None:
+            decoded = _check(lambda: decode_payload({"policy": raw}, field="body", limits=front.limits), "policy")
+            policy = decoded.policy
+        async with self._lock:
+            spec = front.global_spec
+            try:
+                admitted = front.check_global(spec, policy)
+            except SteeringValidationError as exc:
+                raise _bad_request(str(exc).replace("global_policy.", "body.policy.", 1)) from None
+            previous = (front.global_spec, front.global_policy)
+            front.set_global(spec, admitted)  # before the RPC, no await between (module docstring)
+            try:
+                await engine.collective_rpc("dynsteer_set_global", args=(encode_payload(spec, policy=admitted),))
+            except Exception:
+                front.set_global(*previous)
+                raise
+        return {"policy": None if admitted is None else admitted.model_dump(mode="json", exclude_none=True)}
+
+    def capabilities(self, engine: Any) -> dict[str, Any]:
+        import dynsteer
+        from dynsteer.config import DynsteerConfig
+
+        front = self.front(engine)
+        shape = front.shape
+        cfg = DynsteerConfig.from_additional(engine.vllm_config.additional_config)
+        layers = list(range(shape.num_layers)) if shape.layers is None else list(shape.layers)
+        return {"dynsteer": dynsteer.__version__, "model": shape.model_id, "architecture": shape.architecture,
+                "num_layers": shape.num_layers, "hidden_size": shape.hidden_size, "sites": list(shape.sites),
+                "layers": layers, "tiers": ["base", "prefill", "decode"], "max_clamps": shape.max_clamps,
+                "max_gates": shape.max_gates, "dynamic": shape.max_gates > 0, "max_rows": cfg.max_rows,
+                "capture_places": sorted(f"{layer}.{site}" for layer, site in front.capture_places),
+                "vectors": sorted(front.named), "probes": sorted(front.probes),
+                "controllers": sorted(front.controllers), "limits": front.limits.model_dump(mode="json"),
+                "payload_key": "dynsteer"}
+
+    @staticmethod
+    def front(engine: Any) -> FrontendState:
+        return frontend_state(engine.input_processor)
+
+    @staticmethod
+    def _engine(request: Any) -> Any:
+        engine = request.app.state.dynsteer["engine"]
+        if engine is None:
+            raise HTTPException(503, "this server has no engine")
+        return engine
+
+
+def _check(fn: Any, field: str) -> Any:
+    try:
+        return fn()
+    except SteeringValidationError as exc:
+        raise _bad_request(str(exc)) from None
+    except (ValueError, TypeError) as exc:
+        raise _bad_request(f"{field}: {exc}") from None
+
+
+def _bad_request(message: str) -> Exception:
+    return HTTPException(400, message)
+
+
+def _vector_info(name: str, arr: np.ndarray) -> dict[str, Any]:
+    return {"name": name, "hidden_size": int(arr.shape[0]), "norm": float(np.linalg.norm(arr.astype(np.float64)))}
+
+
+def _restore_vector(front: FrontendState, name: str, previous: np.ndarray | None) -> None:
+    if previous is None:
+        front.named.pop(name, None)
+        front.version += 1
+    else:
+        front.register(name, previous)
+
+
+def _references(front: FrontendState, name: str) -> bool:
+    """Whether the global spec or policy names vector ``name``."""
+    text = front.global_spec.model_dump_json()
+    if front.global_policy is not None:
+        text += front.global_policy.model_dump_json()
+    return f'"{name}"' in text
+
+
+def _is_local(client: Any) -> bool:
+    if client is None or not client.host:  # a unix socket
+        return True
+    try:
+        return ipaddress.ip_address(client.host).is_loopback
+    except ValueError:
+        return False
+
+
+def install(allow_remote: bool = False) -> SteeringEndpoints:
+    """Make vLLM's API server in this process load :class:`SteeringEndpoints` with its endpoint plugins."""
+    import vllm.plugins as plugins
+
+    endpoints = SteeringEndpoints(allow_remote=allow_remote)
+    orig = plugins.load_endpoint_plugins
+
+    def load_endpoint_plugins(supported_tasks: Any = None) -> list[Any]:
+        loaded = [p for p in orig(supported_tasks) if getattr(p, "name", None) != endpoints.name]
+        if supported_tasks is None or set(endpoints.required_tasks) & set(supported_tasks):
+            loaded.append(endpoints)
+        return loaded
+
+    plugins.load_endpoint_plugins = load_endpoint_plugins
+    return endpoints

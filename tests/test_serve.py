@@ -1,0 +1,313 @@
+"""``dynsteer serve``: vLLM's OpenAI server with dynsteer's steering endpoints, driven with the official ``openai``
+client (one server per module, tiny Llama on CPU, ``--api-key`` set)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dynsteer
+from dynsteer import Action, AddVector, DynamicSteeringPolicy, Monitor, Rule, SteeringSpec
+from tests.conftest import ON_GPU
+
+openai = pytest.importorskip("openai")
+
+KEY = "test-key-7f3a"
+HIDDEN, MON_LAYER, ACT_LAYER = 128, 1, 2
+PROMPTS = ["the quick brown fox", "once upon a time", "hello world, this is"]
+MAX_TOKENS = 8
+
+
+def vec(seed: int, scale: float = 8.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(HIDDEN) * scale).astype(np.float32)
+
+
+def always_on_policy(seed: int = 1) -> DynamicSteeringPolicy:
+    """A gate that is open on every generated token (threshold far below any projection)."""
+    d = np.eye(HIDDEN, dtype=np.float32)[0]
+    return DynamicSteeringPolicy(
+        monitors=[Monitor(name="m", layer=MON_LAYER, direction=d, sharpness=4.0, threshold=-1e3)],
+        rules=[Rule(monitor="m", actions=[Action(kind="add", layer=ACT_LAYER, vector=vec(seed))])])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_path, tmp_path_factory):
+    """``dynsteer serve`` on a free loopback port; yields (base url, model)."""
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["--dtype", "bfloat16"] if ON_GPU else ["--dtype", "float32", "--enforce-eager"]
+    cfg = {"dynsteer": {"max_gates": 2, "max_rows": 16}}
+    exe = Path(sys.executable).with_name("dynsteer")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.Popen([str(exe), "serve", str(tiny_llama_path), "--host", "127.0.0.1", "--port", str(port),
+                             "--max-model-len", "256", "--max-num-seqs", "16", "--api-key", KEY, "--seed", "0",
+                             "--additional-config", json.dumps(cfg), *args],
+                            env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited early:\n{log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if time.time() > deadline:
+                    pytest.fail(f"server did not come up:\n{log.read_text()[-3000:]}")
+                time.sleep(1)
+        yield url, str(tiny_llama_path)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    url, _ = server
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+def steering(server, method: str, path: str, body=None, key: str | None = KEY) -> tuple[int, dict]:
+    url, _ = server
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"{url}/v1/steering/{path}", data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def complete(client, model: str, prompt: str = PROMPTS[0], payload: str | None = None) -> str:
+    extra = None if payload is None else {"vllm_xargs": {"dynsteer": payload}}
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                    extra_body=extra)
+    return out.choices[0].text
+
+
+def error_message(body: dict) -> str:
+    err = body.get("error", body)
+    return err.get("message", "") if isinstance(err, dict) else str(err)
+
+
+@pytest.fixture(scope="module")
+def baseline(server, client):
+    _, model = server
+    return [complete(client, model, p) for p in PROMPTS]
+
+
+def test_capabilities(server):
+    status, caps = steering(server, "GET", "capabilities")
+    assert status == 200, caps
+    assert caps["hidden_size"] == HIDDEN and caps["num_layers"] == 4 and caps["layers"] == [0, 1, 2, 3]
+    assert caps["sites"] == ["pre_attn", "post_attn", "post_block"] and caps["max_gates"] == 2 and caps["dynamic"]
+    assert caps["limits"]["max_payload_bytes"] == 4 << 20 and caps["max_rows"] == 16
+
+
+def test_per_request_policy_and_spec_change_output_and_leave_unsteered_alone(server, client, baseline):
+    _, model = server
+    policy = dynsteer.encode_payload(policy=always_on_policy())
+    spec = dynsteer.encode_payload(SteeringSpec(vectors=[AddVector(layer=1, vector=vec(3))]))
+    assert complete(client, model, payload=policy) != baseline[0]
+    assert complete(client, model, payload=spec) != baseline[0]
+    assert [complete(client, model, p) for p in PROMPTS] == baseline
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, extra_body={"vllm_xargs": {"dynsteer": policy}})
+    assert chat.choices[0].message.content is not None
+
+
+def test_global_policy_set_get_clear_restores_the_baseline(server, client, baseline):
+    _, model = server
+    body = always_on_policy().model_dump(mode="json", exclude_none=True)
+    status, reply = steering(server, "PUT", "policy", {"policy": body})
+    assert status == 200 and reply["policy"]["monitors"][0]["name"] == "m", reply
+    try:
+        assert steering(server, "GET", "policy")[1]["policy"]["rules"][0]["monitor"] == "m"
+        steered = [complete(client, model, p) for p in PROMPTS]
+        assert steered != baseline  # every request without its own policy is steered now
+    finally:
+        status, reply = steering(server, "DELETE", "policy")
+    assert status == 200 and reply == {"policy": None}
+    assert steering(server, "GET", "policy") == (200, {"policy": None})
+    assert [complete(client, model, p) for p in PROMPTS] == baseline
+
+
+def test_named_vectors_register_list_use_delete(server, client, baseline):
+    _, model = server
+    v = vec(5)
+    status, info = steering(server, "POST", "vectors", {"name": "joy", "vector": dynsteer.vectors.pack_vector(v)})
+    assert status == 200 and info["name"] == "joy" and abs(info["norm"] - float(np.linalg.norm(v))) < 1e-3
+    status, listed = steering(server, "POST", "vectors", {"name": "calm", "vector": [0.5] * HIDDEN})
+    assert status == 200
+    names = [x["name"] for x in steering(server, "GET", "vectors")[1]["vectors"]]
+    assert names == ["calm", "joy"]
+    by_name = dynsteer.encode_payload(SteeringSpec(vectors=[AddVector(layer=1, vector="joy")]))
+    inline = dynsteer.encode_payload(SteeringSpec(vectors=[AddVector(layer=1, vector=v)]))
+    steered = complete(client, model, payload=by_name)
+    assert steered != baseline[0] and steered == complete(client, model, payload=inline)
+    # a global policy naming a vector keeps it from being deleted
+    pol = always_on_policy().model_dump(mode="json", exclude_none=True)
+    pol["rules"][0]["actions"][0]["vector"] = "calm"
+    assert steering(server, "PUT", "policy", {"policy": pol})[0] == 200
+    status, body = steering(server, "DELETE", "vectors/calm")
+    assert status == 409 and "calm" in error_message(body)
+    assert steering(server, "DELETE", "policy")[0] == 200
+    assert steering(server, "DELETE", "vectors/calm") == (200, {"deleted": "calm"})
+    assert steering(server, "DELETE", "vectors/joy") == (200, {"deleted": "joy"})
+    assert steering(server, "DELETE", "vectors/joy")[0] == 404
+    with pytest.raises(openai.BadRequestError) as err:  # an unregistered name is a 400 naming the field
+        complete(client, model, payload=by_name)
+    assert "extra_args.dynsteer.spec.vectors[0].vector" in str(err.value)
+    assert [complete(client, model, p) for p in PROMPTS] == baseline
+
+
+def test_steering_endpoints_refuse_without_the_key(server):
+    for method, path, body in [("GET", "capabilities", None), ("GET", "vectors", None), ("GET", "policy", None),
+                               ("PUT", "policy", {"policy": None}), ("DELETE", "policy", None),
+                               ("POST", "vectors", {"name": "x", "vector": [0.0] * HIDDEN}),
+                               ("DELETE", "vectors/x", None)]:
+        for key in (None, "wrong-key", KEY + "x"):
+            status, _ = steering(server, method, path, body, key=key)
+            assert status == 401, (method, path, key, status)
+    assert steering(server, "GET", "vectors")[1]["vectors"] == []  # nothing was registered
+
+
+@pytest.mark.parametrize("method,path,body,field", [
+    ("POST", "vectors", {"name": "v", "vector": [1.0] * 7}, "vector"),
+    ("POST", "vectors", {"name": "../etc", "vector": [1.0] * HIDDEN}, "name"),
+    ("POST", "vectors", {"name": "v", "vector": {"b64": "!!"}}, "vector"),
+    ("POST", "vectors", {"name": "v", "vector": [float("nan")] * HIDDEN}, "vector"),
+    ("POST", "vectors", {"name": "v"}, "vector"),
+    ("POST", "vectors", {"name": "v", "vector": [1.0] * HIDDEN, "path": "/etc"}, "path"),
+    ("PUT", "policy", {"policy": {"monitors": [], "rules": [], "bogus": 1}}, "body.policy.bogus"),
+    ("PUT", "policy", {"policy": "nope"}, "policy"),
+    ("PUT", "policy", None, "body"),
+])
+def test_malformed_bodies_are_400s_naming_the_field(server, method, path, body, field):
+    status, reply = steering(server, method, path, body)
+    assert status == 400, reply
+    assert field in error_message(reply) or field in json.dumps(reply), reply
+
+
+def test_policy_that_does_not_fit_the_model_is_a_400_naming_the_field(server, client, baseline):
+    _, model = server
+    bad = always_on_policy().model_dump(mode="json", exclude_none=True)
+    bad["monitors"][0]["direction"] = [1.0] * 7
+    status, reply = steering(server, "PUT", "policy", {"policy": bad})
+    assert status == 400 and "body.policy.monitors[0].direction" in error_message(reply), reply
+    bad = always_on_policy().model_dump(mode="json", exclude_none=True)
+    bad["monitors"][0]["layer"], bad["rules"][0]["actions"][0]["layer"] = 9, 9
+    status, reply = steering(server, "PUT", "policy", {"policy": bad})
+    assert status == 400 and "layer" in error_message(reply) and "9" in error_message(reply), reply
+    bad = always_on_policy().model_dump(mode="json", exclude_none=True)
+    bad["rules"][0]["actions"][0]["vector"] = "nobody"
+    status, reply = steering(server, "PUT", "policy", {"policy": bad})
+    assert status == 400 and "body.policy.rules[0].actions[0].vector" in error_message(reply), reply
+    assert steering(server, "GET", "policy") == (200, {"policy": None})  # nothing changed
+    assert complete(client, model) == baseline[0]
+
+
+def test_loopback_rule_without_a_key():
+    """No API key: loopback and unix-socket clients are served, others get 403 unless the operator opted in."""
+    from types import SimpleNamespace
+
+    from fastapi import HTTPException
+
+    from dynsteer.engine.server import SteeringEndpoints
+
+    def request(host, headers=None):
+        return SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(dynsteer={"keys": []})),
+                               client=None if host is None else SimpleNamespace(host=host), headers=headers or {})
+
+    local = SteeringEndpoints()
+    for host in ("127.0.0.1", "::1", None):
+        asyncio.run(local.authorize(request(host)))
+    for host in ("10.0.0.7", "192.168.1.2", "2001:db8::1", "not-an-ip"):
+        with pytest.raises(HTTPException) as err:
+            asyncio.run(local.authorize(request(host)))
+        assert err.value.status_code == 403
+    asyncio.run(SteeringEndpoints(allow_remote=True).authorize(request("10.0.0.7")))
+    # with a key, dynsteer checks it itself (whatever prefix vLLM's own middleware guards), from any address
+    import hashlib
+
+    keyed = request("127.0.0.1")
+    keyed.app.state.dynsteer["keys"] = [hashlib.sha256(KEY.encode()).digest()]
+    for header in ({}, {"authorization": "Bearer nope"}, {"authorization": f"Basic {KEY}"}):
+        keyed.headers = header
+        with pytest.raises(HTTPException) as err:
+            asyncio.run(local.authorize(keyed))
+        assert err.value.status_code == 401
+    keyed.headers, keyed.client.host = {"authorization": f"Bearer {KEY}"}, "10.0.0.7"
+    asyncio.run(local.authorize(keyed))
+
+
+def test_load_mixed_traffic(server, baseline):
+    """≥ 200 requests, 16 at a time: unsteered, per-request static and per-request policy steering mixed; no
+    errors, unsteered texts equal the baseline, steered ones are deterministic; latency percentiles recorded."""
+    url, model = server
+    n, concurrency = 240, 16
+    spec = dynsteer.encode_payload(SteeringSpec(vectors=[AddVector(layer=1, vector=vec(3))]))
+    policy = dynsteer.encode_payload(policy=always_on_policy())
+    kinds = ["unsteered", "static", "policy"]
+    jobs = [(kinds[i % 3], PROMPTS[(i // 3) % len(PROMPTS)]) for i in range(n)]
+
+    async def run() -> list[tuple[str, str, str, float]]:
+        sem = asyncio.Semaphore(concurrency)
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=300) as c:
+            async def one(kind: str, prompt: str):
+                payload = {"static": spec, "policy": policy}.get(kind)
+                extra = None if payload is None else {"vllm_xargs": {"dynsteer": payload}}
+                async with sem:
+                    t0 = time.perf_counter()
+                    out = await c.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                     temperature=0, extra_body=extra)
+                    return kind, prompt, out.choices[0].text, time.perf_counter() - t0
+
+            return await asyncio.gather(*(one(k, p) for k, p in jobs))
+
+    t0 = time.perf_counter()
+    results = asyncio.run(run())  # any HTTP error raises here
+    wall = time.perf_counter() - t0
+    assert len(results) == n
+    base = dict(zip(PROMPTS, baseline))
+    by = {}
+    for kind, prompt, text, _ in results:
+        by.setdefault((kind, prompt), set()).add(text)
+    for prompt in PROMPTS:
+        assert by[("unsteered", prompt)] == {base[prompt]}
+        for kind in ("static", "policy"):
+            assert len(by[(kind, prompt)]) == 1 and by[(kind, prompt)] != {base[prompt]}, (kind, prompt)
+    lat = np.array([r[3] for r in results]) * 1e3
+    p50, p95, p99 = (float(np.percentile(lat, q)) for q in (50, 95, 99))
+    record = {"test": "tests/test_serve.py::test_load_mixed_traffic", "requests": n, "concurrency": concurrency,
+              "mix": "1/3 unsteered, 1/3 per-request static vector, 1/3 per-request dynamic policy",
+              "max_tokens": MAX_TOKENS, "errors": 0, "wall_s": round(wall, 2), "throughput_rps": round(n / wall, 2),
+              "latency_ms": {"p50": round(p50, 1), "p95": round(p95, 1), "p99": round(p99, 1),
+                             "max": round(float(lat.max()), 1)},
+              "model": "tiny random Llama (4 layers, hidden 128)", "device": "cuda" if ON_GPU else "cpu",
+              "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+              "date": datetime.date.today().isoformat(), "dynsteer": dynsteer.__version__}
+    print("\nserve load test:", json.dumps(record))
+    out = os.environ.get("DYNSTEER_SERVE_LOAD_JSON")
+    if out:
+        Path(out).write_text(json.dumps(record, indent=2) + "\n")
