@@ -311,3 +311,17 @@ def test_load_mixed_traffic(server, baseline):
     out = os.environ.get("DYNSTEER_SERVE_LOAD_JSON")
     if out:
         Path(out).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def test_openai_client_example(server, baseline):
+    url, _ = server
+    script = Path(__file__).resolve().parents[1] / "examples" / "openai_client.py"
+    proc = subprocess.run([sys.executable, str(script), "--base-url", url, "--api-key", KEY, "--prompt", PROMPTS[0],
+                           "--max-tokens", str(MAX_TOKENS)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(":", 1) for line in proc.stdout.splitlines() if ":" in line)
+    assert lines["unsteered "].strip() == lines["cleared   "].strip() == baseline[0].strip()
+    assert lines["steered   "].strip() != lines["unsteered "].strip()
+    assert lines["global    "].strip() == lines["policy    "].strip() != lines["unsteered "].strip()
+    assert "HTTP 400" in proc.stdout and "vector" in lines["a bad vector"]
+    assert steering(server, "GET", "vectors")[1]["vectors"] == []  # the example cleaned up
