@@ -249,6 +249,8 @@ class ModelShape(_Frozen):
     model_id: str = ""
     architecture: str = ""
     sites: tuple[Site, ...] = SITES
+    # Sites the architecture does not have (e.g. post_attn in a parallel attention + MLP block), each with the reason.
+    absent_sites: tuple[tuple[Site, str], ...] = ()
     layers: tuple[int, ...] | None = None  # None: every layer is hooked
     max_clamps: int = 2
     max_gates: int = 0  # gate slots per row (dynamic policies' rules); 0: the engine has no dynamic tier
@@ -282,6 +284,18 @@ def resolve_vector(source: VectorSource, field: str, shape: ModelShape,
     return check_vector(arr, shape.hidden_size, field)
 
 
+def check_site(site: str, shape: ModelShape, where: str) -> None:
+    """Raise naming ``where``, the site and (for a site the architecture lacks) the architecture and why."""
+    if site in shape.sites:
+        return
+    reason = dict(shape.absent_sites).get(site)
+    if reason is not None:
+        raise SteeringValidationError(f"{where}.site: site {site!r} does not exist in architecture "
+                                      f"{shape.architecture!r}: {reason}")
+    raise SteeringValidationError(f"{where}.site: site {site!r} is not hooked in this engine "
+                                  f"(hooked: {list(shape.sites)})")
+
+
 def check_spec(spec: SteeringSpec, shape: ModelShape, named: dict[str, np.ndarray] | None = None,
                prefix: str = "") -> None:
     """Validate a spec against the model; raises :class:`SteeringValidationError` naming the first bad field."""
@@ -298,9 +312,7 @@ def check_spec(spec: SteeringSpec, shape: ModelShape, named: dict[str, np.ndarra
             if shape.layers is not None and e.layer not in shape.layers:
                 raise SteeringValidationError(f"{where}.layer: layer {e.layer} is not hooked in this engine "
                                               f"(hooked: {list(shape.layers)})")
-            if e.site not in shape.sites:
-                raise SteeringValidationError(f"{where}.site: site {e.site!r} is not hooked in this engine "
-                                              f"(hooked: {list(shape.sites)})")
+            check_site(e.site, shape, where)
             arr = resolve_vector(getattr(e, vec_field), f"{where}.{vec_field}", shape, named)
             if vec_field == "direction":
                 if not np.linalg.norm(arr.astype(np.float64)) > 0:

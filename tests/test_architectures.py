@@ -1,4 +1,10 @@
-"""Every supported architecture is hooked at all three sites; an unsupported one fails with its name."""
+"""Every supported architecture family is hooked at each of its sites: steering changes the output, mixed batches leave
+unsteered rows byte-identical, clearing restores the output exactly, and captured residuals equal a float32
+transformers forward at every available site (with the site definitions of dynsteer.engine.adapters). A site an
+architecture lacks is reported and rejected; an unsupported architecture fails at load naming itself and why.
+
+One engine per family serves all of that family's checks (a module-scoped fixture parametrised by family).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +13,21 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 
 import dynsteer
-from dynsteer import AddVector, DynsteerConfig, SteeringSpec
-from dynsteer.testing.tiny_models import CPU_LOADABLE, tiny_model
-from tests.conftest import make_llm, token_ids
+from dynsteer import AddVector, CaptureSpec, DynsteerConfig, SteeringSpec
+from dynsteer.testing.tiny_models import CPU_LOADABLE, FAMILY_ARCHS, tiny_model
+from tests.conftest import ON_GPU, make_llm, token_ids
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning"]
+ARCHS = (*CPU_LOADABLE, *FAMILY_ARCHS)
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe")
+PARALLEL = ("cohere", "gpt_j", "gpt_neox")  # attention and MLP in parallel: no post_attn site
+# The transformers module whose input is the post_attn value (the stream the MLP branch reads): the mid norm, or the MLP
+# itself in post-norm layers.
+HF_MID = {"gemma2": "pre_feedforward_layernorm", "gemma3": "pre_feedforward_layernorm", "olmo3": "mlp",
+          "exaone4": "mlp"}
 
 
 def greedy(n: int = 10):
@@ -22,48 +36,162 @@ def greedy(n: int = 10):
     return SamplingParams(temperature=0.0, max_tokens=n)
 
 
-@pytest.mark.parametrize("arch", CPU_LOADABLE)
-def test_every_site_steers_and_clearing_restores(arch):
-    with make_llm(tiny_model(arch)) as llm:
+@pytest.fixture(scope="module", params=ARCHS)
+def family(request):
+    """(arch, llm, steerer, unsteered outputs) of one engine with capture buffers at every site."""
+    arch = request.param
+    path = tiny_model(arch)
+    cfg = DynsteerConfig(capture_sites=dynsteer.SITES)
+    # float32 on GPU too (as tests/test_capture.py), so the comparison with transformers stays tight.
+    with make_llm(path, **{**cfg.engine_kwargs(), "dtype": "float32"}) as llm:
         st = dynsteer.attach(llm)
-        assert st.describe()[0]["shape"]["architecture"].lower().startswith(arch[:5])
-        base = token_ids(llm.generate(PROMPTS, greedy()))
-        v = (np.random.default_rng(1).standard_normal(st.hidden_size) * 8).astype(np.float32)
-        for site in dynsteer.SITES:
-            spec = SteeringSpec(vectors=[AddVector(layer=1, site=site, vector=v)])
-            mixed = token_ids(st.generate(PROMPTS, greedy(), steering=[spec, None, spec]))
-            assert mixed[0] != base[0] or mixed[2] != base[2], f"{arch}/{site} did not steer"
-            assert mixed[1] == base[1], f"{arch}/{site}: unsteered row changed"
-        st.set_layer_vector(2, v, site="post_attn")
-        assert token_ids(llm.generate(PROMPTS, greedy())) != base
+        yield arch, path, llm, st, token_ids(llm.generate(PROMPTS, greedy()))
+
+
+def _vector(st, seed: int = 1) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(st.hidden_size) * 8).astype(np.float32)
+
+
+def test_describe_reports_sites(family):
+    arch, _, _, st, _ = family
+    shape = st.describe()[0]["shape"]
+    absent = dict(shape["absent_sites"])
+    if arch in PARALLEL:
+        assert tuple(shape["sites"]) == ("pre_attn", "post_block")
+        assert set(absent) == {"post_attn"} and "parallel" in absent["post_attn"]
+    else:
+        assert tuple(shape["sites"]) == dynsteer.SITES and not absent
+    assert st.shape.sites == tuple(shape["sites"])
+
+
+def test_every_site_steers_mixed_batches(family):
+    arch, _, _, st, base = family
+    v = _vector(st)
+    assert base[0] != base[1], f"{arch}: greedy output does not depend on the prompt"
+    for site in st.shape.sites:
+        spec = SteeringSpec(vectors=[AddVector(layer=1, site=site, vector=v)])
+        mixed = token_ids(st.generate(PROMPTS, greedy(), steering=[spec, None, spec]))
+        assert mixed[0] != base[0] or mixed[2] != base[2], f"{arch}/{site} did not steer"
+        assert mixed[1] == base[1], f"{arch}/{site}: unsteered row changed"
+
+
+def test_clearing_restores_exactly(family):
+    arch, _, llm, st, base = family
+    layer = min(2, st.num_layers - 1)
+    for site in st.shape.sites:
+        st.set_layer_vector(layer, _vector(st, 2), site=site)
+        assert token_ids(llm.generate(PROMPTS, greedy())) != base, f"{arch}/{site}: global vector did not steer"
         st.clear_all()
-        assert token_ids(llm.generate(PROMPTS, greedy())) == base
+        assert token_ids(llm.generate(PROMPTS, greedy())) == base, f"{arch}/{site}: clearing did not restore"
+
+
+def test_absent_site_is_rejected_naming_site_and_architecture(family):
+    arch, _, llm, st, _ = family
+    if arch not in PARALLEL:
+        pytest.skip("every site exists in this architecture")
+    name = st.shape.architecture
+    spec = SteeringSpec(vectors=[AddVector(layer=0, site="post_attn", vector=_vector(st))])
+    with pytest.raises(dynsteer.SteeringValidationError, match=f"site 'post_attn' does not exist in architecture "
+                                                               f"'{name}'.*parallel"):
+        st.generate(PROMPTS[:1], greedy(), steering=spec)
+
+
+def hf_residuals(model_dir, arch: str, ids: list[int]) -> dict[tuple[int, str], np.ndarray]:
+    """The residual stream at each site of every layer from a plain transformers forward (float32): a layer's input
+    (pre_attn), the input of the module that starts its MLP branch (post_attn) and its output (post_block)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    base = model.base_model
+    layers = getattr(base, "layers", None) or base.h
+    out: dict[tuple[int, str], np.ndarray] = {}
+
+    def keep(key, t):
+        out[key] = t[0].detach().numpy().copy()
+
+    hooks = []
+    for i, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(
+            lambda m, a, kw, i=i: keep((i, "pre_attn"), a[0] if a else kw["hidden_states"]), with_kwargs=True))
+        hooks.append(layer.register_forward_hook(
+            lambda m, a, o, i=i: keep((i, "post_block"), o[0] if isinstance(o, tuple) else o)))
+        if arch not in PARALLEL:
+            mid = getattr(layer, HF_MID.get(arch, "post_attention_layernorm"))
+            hooks.append(mid.register_forward_pre_hook(lambda m, a, i=i: keep((i, "post_attn"), a[0])))
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def test_captured_residuals_equal_a_transformers_forward(family):
+    arch, path, _, st, _ = family
+    spec = CaptureSpec(layers=tuple(range(st.num_layers)), sites=st.shape.sites, positions="all")
+    outs = st.generate(PROMPTS[:2], greedy(6), capture=spec)
+    for out in outs:
+        cap = out.capture
+        assert cap is not None and cap.status == "ok"
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)[:-1]  # the last token is never fed back
+        ref = hf_residuals(path, arch, ids)
+        assert set(cap.arrays) == {(l, s) for l in range(st.num_layers) for s in st.shape.sites}
+        for place, arr in cap.arrays.items():
+            assert arr.shape == (len(ids), st.hidden_size)
+            if ON_GPU:  # GPU float32 kernels may use TF32 inside: compare each row's relative error
+                err = np.linalg.norm(arr - ref[place], axis=1) / np.linalg.norm(ref[place], axis=1)
+                assert err.max() < 1e-2, (arch, place, err.max())
+            else:
+                np.testing.assert_allclose(arr, ref[place], rtol=1e-3, atol=1e-3 * float(np.abs(ref[place]).max()),
+                                           err_msg=f"{arch} {place}")
+
+
+def test_family_coverage():
+    """The issue's floor: 15 families, two MoE and one parallel-block family among them."""
+    assert len(ARCHS) >= 15 and len(set(MOE) & set(ARCHS)) >= 2 and set(PARALLEL) & set(ARCHS)
+
+
+def _tiny_foreign(tmp_path_factory, name: str, build) -> str:
+    """A random checkpoint of an architecture dynsteer cannot hook, with the tiny models' tokenizer."""
+    src = tiny_model("llama")
+    out = tmp_path_factory.mktemp(name)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    torch.manual_seed(0)
+    build(json.loads((src / "config.json").read_text())["vocab_size"]).save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="module")
 def tiny_gpt2(tmp_path_factory):
-    """A random GPT-2 (an architecture dynsteer has no adapter for) with the tiny models' tokenizer."""
-    import torch
+    """A random GPT-2 (declared unsupported, with its reason)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    src = tiny_model("llama")
-    out = tmp_path_factory.mktemp("gpt2")
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, out / f.name)
-    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=256, n_embd=64, n_layer=2, n_head=2)).save_pretrained(out)
-    return out
+    return _tiny_foreign(tmp_path_factory, "gpt2", lambda vocab: GPT2LMHeadModel(GPT2Config(
+        vocab_size=vocab, n_positions=256, n_embd=64, n_layer=2, n_head=2)))
 
 
-def test_unsupported_architecture_fails_at_load_when_required(tiny_gpt2, capfd):
+@pytest.fixture(scope="module")
+def tiny_opt(tmp_path_factory):
+    """A random OPT (undeclared: discovery finds no layer with the (positions, hidden_states) forward)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    return _tiny_foreign(tmp_path_factory, "opt", lambda vocab: OPTForCausalLM(OPTConfig(
+        vocab_size=vocab, max_position_embeddings=256, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+        num_attention_heads=2, word_embed_proj_dim=64)))
+
+
+@pytest.mark.parametrize("which, reason", [("tiny_gpt2", "no positions"), ("tiny_opt", "no decoder-layer class")])
+def test_unsupported_architecture_fails_at_load_when_required(which, reason, request, capfd):
+    path = request.getfixturevalue(which)
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
     with pytest.raises(Exception) as err:
-        with make_llm(tiny_gpt2, **DynsteerConfig().engine_kwargs()):
+        with make_llm(path, **DynsteerConfig().engine_kwargs()):
             pass
     # In-process the error itself says it; with an engine process, vLLM reports "see root cause above" and the
     # root cause (ours) is in that process's log.
-    assert "GPT2LMHeadModel' is not supported" in str(err.value) + capfd.readouterr().err
+    said = str(err.value) + capfd.readouterr().err
+    assert f"{arch}' is not supported: " in said and reason in said
 
 
 def test_unsupported_architecture_without_config_runs_and_attach_names_it(tiny_gpt2):

