@@ -7,7 +7,8 @@ Contract (shared by every implementation of ``steer_site``)::
       h:              [T, H] float32 | bfloat16 | float16, the branch tensor we may modify
       r:              [T, H] same dtype, or None (carried residual; the residual stream is h + r, or h)
       row_index:      int32 [N >= T]; only the first T entries are used
-      vec:            float32 [R, H]     additive vector per table row (row 0 is zeros by convention)
+      vec:            float32 [R, H]     additive vector per table row (row 0 is the identity: zeros, and the
+                                         Triton kernels copy its tokens without reading the tables)
       clamp_dir:      float32 [R, K, H]  unit directions (zeros where unused)
       clamp_lo/hi:    float32 [R, K]     bounds (-inf / +inf for an open side)
       clamp_strength: float32 [R, K]     0 = clamp slot off

@@ -165,16 +165,17 @@ def _steer_site_kernel(
         res = x  # unused placeholder: _clamp_slots reads res only when HAS_R
     if STASH:
         _stash(x, res, t, stage_ptr, slot_ptr, stride_stage, n_stage, offs, mask, HAS_R=HAS_R, SLOTTED=SLOTTED)
-    x = x + tl.load(vec_ptr + row * stride_vec + offs, mask=mask, other=0.0)
-
-    # GATED=False: the gate arguments are dead placeholders (s_ptr, 0) and compile away.
-    x = _clamp_slots(
-        x, res, row, t, offs, mask, K,
-        dir_ptr, lo_ptr, hi_ptr, s_ptr, s_ptr, s_ptr,
-        stride_dir_row, stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k,
-        stride_s_row, stride_s_k, 0, 0, 0, 0,
-        HAS_R=HAS_R, GATED=False,
-    )
+    if row != 0:
+        x = x + tl.load(vec_ptr + row * stride_vec + offs, mask=mask, other=0.0)
+        # GATED=False: the gate arguments are dead placeholders (s_ptr, 0) and compile away.
+        x = _clamp_slots(
+            x, res, row, t, offs, mask, K,
+            dir_ptr, lo_ptr, hi_ptr, s_ptr, s_ptr, s_ptr,
+            stride_dir_row, stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k,
+            stride_s_row, stride_s_k, 0, 0, 0, 0,
+            HAS_R=HAS_R, GATED=False,
+        )
+    # Row 0 (unsteered, padding) is the identity: a copy whose only dependent load is the row index.
     tl.store(out_ptr + t * stride_out + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -260,49 +261,52 @@ def _steer_site_dyn_kernel(
     if STASH:
         _stash(x, res, t, stage_ptr, slot_ptr, stride_stage, n_stage, offs, mask, HAS_R=HAS_R, SLOTTED=SLOTTED)
 
-    # Monitors read the residual before this site's steering. The mask is uniform per program, so
-    # tokens of rows without monitors skip every monitor load with one scalar branch.
-    mon = tl.load(mmask_ptr + row * stride_mmask)
-    if mon != 0:
-        if HAS_R:
-            full = x + res
-        else:
-            full = x
-        for g_slot in range(G):
-            if ((mon >> g_slot) & 1) != 0:
-                probe = tl.load(
-                    probe_ptr + row * stride_probe_row + g_slot * stride_probe_g + offs, mask=mask, other=0.0
-                )
-                score = tl.sum(full * probe, axis=0)
-                sharp = tl.load(sharp_ptr + row * stride_sharp_row + g_slot * stride_sharp_g)
-                thresh = tl.load(thresh_ptr + row * stride_thresh_row + g_slot * stride_thresh_g)
-                floor = tl.load(floor_ptr + row * stride_floor_row + g_slot * stride_floor_g)
-                gate = tl.sigmoid(sharp * (score - thresh))
-                gate = tl.where(gate >= floor, gate, 0.0)
-                gmul = tl.load(gmul_ptr + g_slot * stride_gmul_g + t * stride_gmul_t)
-                gadd = tl.load(gadd_ptr + g_slot * stride_gadd_g + t * stride_gadd_t)
-                tl.store(scores_ptr + g_slot * stride_scores_g + t * stride_scores_t, score)
-                tl.store(gates_ptr + g_slot * stride_gates_g + t * stride_gates_t, gate * gmul + gadd)
-        # A scalar store is issued by one thread; every thread re-reads gates below (dyn terms, gated
-        # clamps), so order those reads after the stores. Uniform branch: no divergent barrier.
-        tl.debug_barrier()
+    # Row 0 (unsteered, padding) is the identity with no monitors: a copy whose only dependent load is the row
+    # index (the idle engine's whole cost per site), instead of a chain of dependent table loads.
+    if row != 0:
+        # Monitors read the residual before this site's steering. The mask is uniform per program, so
+        # tokens of rows without monitors skip every monitor load with one scalar branch.
+        mon = tl.load(mmask_ptr + row * stride_mmask)
+        if mon != 0:
+            if HAS_R:
+                full = x + res
+            else:
+                full = x
+            for g_slot in range(G):
+                if ((mon >> g_slot) & 1) != 0:
+                    probe = tl.load(
+                        probe_ptr + row * stride_probe_row + g_slot * stride_probe_g + offs, mask=mask, other=0.0
+                    )
+                    score = tl.sum(full * probe, axis=0)
+                    sharp = tl.load(sharp_ptr + row * stride_sharp_row + g_slot * stride_sharp_g)
+                    thresh = tl.load(thresh_ptr + row * stride_thresh_row + g_slot * stride_thresh_g)
+                    floor = tl.load(floor_ptr + row * stride_floor_row + g_slot * stride_floor_g)
+                    gate = tl.sigmoid(sharp * (score - thresh))
+                    gate = tl.where(gate >= floor, gate, 0.0)
+                    gmul = tl.load(gmul_ptr + g_slot * stride_gmul_g + t * stride_gmul_t)
+                    gadd = tl.load(gadd_ptr + g_slot * stride_gadd_g + t * stride_gadd_t)
+                    tl.store(scores_ptr + g_slot * stride_scores_g + t * stride_scores_t, score)
+                    tl.store(gates_ptr + g_slot * stride_gates_g + t * stride_gates_t, gate * gmul + gadd)
+            # A scalar store is issued by one thread; every thread re-reads gates below (dyn terms, gated
+            # clamps), so order those reads after the stores. Uniform branch: no divergent barrier.
+            tl.debug_barrier()
 
-    x = x + tl.load(vec_ptr + row * stride_vec + offs, mask=mask, other=0.0)
-    dyn = tl.load(dmask_ptr + row * stride_dmask)
-    if dyn != 0:
-        for g_slot in range(G):
-            if ((dyn >> g_slot) & 1) != 0:
-                gate = tl.load(gates_ptr + g_slot * stride_gates_g + t * stride_gates_t)
-                dv = tl.load(dvec_ptr + row * stride_dvec_row + g_slot * stride_dvec_g + offs, mask=mask, other=0.0)
-                x = x + gate * dv
+        x = x + tl.load(vec_ptr + row * stride_vec + offs, mask=mask, other=0.0)
+        dyn = tl.load(dmask_ptr + row * stride_dmask)
+        if dyn != 0:
+            for g_slot in range(G):
+                if ((dyn >> g_slot) & 1) != 0:
+                    gate = tl.load(gates_ptr + g_slot * stride_gates_g + t * stride_gates_t)
+                    dv = tl.load(dvec_ptr + row * stride_dvec_row + g_slot * stride_dvec_g + offs, mask=mask, other=0.0)
+                    x = x + gate * dv
 
-    x = _clamp_slots(
-        x, res, row, t, offs, mask, K,
-        dir_ptr, lo_ptr, hi_ptr, s_ptr, cgate_ptr, gates_ptr,
-        stride_dir_row, stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k,
-        stride_s_row, stride_s_k, stride_cg_row, stride_cg_k, stride_gates_g, stride_gates_t,
-        HAS_R=HAS_R, GATED=True,
-    )
+        x = _clamp_slots(
+            x, res, row, t, offs, mask, K,
+            dir_ptr, lo_ptr, hi_ptr, s_ptr, cgate_ptr, gates_ptr,
+            stride_dir_row, stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k,
+            stride_s_row, stride_s_k, stride_cg_row, stride_cg_k, stride_gates_g, stride_gates_t,
+            HAS_R=HAS_R, GATED=True,
+        )
     tl.store(out_ptr + t * stride_out + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
