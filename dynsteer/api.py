@@ -93,7 +93,7 @@ class Steerer:
 
         Probe-file monitors are loaded here. Requests already running switch to the new policy at their next step.
         """
-        self._set_global(self._front.global_spec, None if policy is None else policy.resolved())
+        self._set_global(self._front.global_spec, None if policy is None else self._dose_checked(policy.resolved()))
 
     def export_policy(self) -> DynamicSteeringPolicy | None:
         """The current global policy."""
@@ -248,6 +248,11 @@ class Steerer:
         n = 1 if single else len(prompts)
         specs = self._per_prompt("steering", steering, SteeringSpec, n)
         policies = self._per_prompt("policy", policy, DynamicSteeringPolicy, n)
+        checked: dict[int, Any] = {}  # the dose guardrail, once per distinct policy object
+        for p in policies:
+            if id(p) not in checked:
+                checked[id(p)] = self._dose_checked(p)
+        policies = [checked[id(p)] for p in policies]
         bases = base if isinstance(base, list) else [base] * n
         tags = [f"ds-{uuid.uuid4().hex}" for _ in range(n)] if tagged else None
         trace = policy is not None or self._front.global_policy is not None  # traces are collected after generate
@@ -268,6 +273,27 @@ class Steerer:
         if len(values) != n:
             raise ValueError(f"{name}: got {len(values)} entries for {n} prompts")
         return values
+
+    @property
+    def named_vectors(self) -> dict[str, Any]:
+        """The vectors registered with :meth:`register_vector`, by name."""
+        return dict(self._front.named)
+
+    def _dose_checked(self, policy: DynamicSteeringPolicy | None) -> DynamicSteeringPolicy | None:
+        """``policy`` after its ``max_relative_dose`` guardrail (:func:`dynsteer.dose.admit_dose`): unchanged
+        without one, clipped (with a warning naming each action) or rejected (``SteeringValidationError``)."""
+        if policy is None or policy.max_relative_dose is None:
+            return policy
+        import warnings
+
+        from dynsteer.dose import admit_dose
+
+        admitted, report = admit_dose(self, policy)
+        for e in report:
+            if e.clipped_from is not None:
+                warnings.warn(f"max_relative_dose: {e.where}.scale clipped from {e.clipped_from:g} to {e.scale:.4g} "
+                              f"(relative dose {e.peak_dose:.4g})", stacklevel=3)
+        return admitted
 
     def _vec(self, vector: VectorSource) -> VectorSource:
         return vector if isinstance(vector, str) else as_vector(vector)

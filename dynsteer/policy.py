@@ -56,8 +56,8 @@ Scope = Literal["this_token", "next_step", "rest_of_request"]
 """When a rule's gate acts: the same token (in-graph), the next step, or from the first trigger to the end."""
 ControllerKind = Literal["latch", "ema_latch", "pid", "budget", "custom"]
 
-__all__ = ["Action", "ControllerKind", "DynamicSteeringPolicy", "Monitor", "POLICY_VERSION", "Rule", "Scope",
-           "SyncControllerSpec"]
+__all__ = ["Action", "ControllerKind", "DynamicSteeringPolicy", "Monitor", "POLICY_VERSION", "RelativeDoseLimit", "Rule",
+           "Scope", "SyncControllerSpec"]
 
 
 def _finite(name: str, value: float | None) -> None:
@@ -438,6 +438,37 @@ class SyncControllerSpec(_Model):
         return self
 
 
+class RelativeDoseLimit(_Model):
+    """A guardrail on each additive action's relative dose ``|scale|·‖v‖ / mean‖h‖`` (:mod:`dynsteer.dose`).
+
+    Checked where the caller admits the policy (:class:`dynsteer.Steerer` before sending it, ``dynsteer sweep``),
+    against the residual norms measured once per model. A bare number is accepted as ``limit``.
+
+    Args:
+        limit: the largest relative dose, ``> 0``, at the controller's largest output (:meth:`DynamicSteeringPolicy.max_output`).
+        mode: ``reject`` (a ``SteeringValidationError`` naming the action and its dose) or ``clip`` (the action's
+            scale is reduced to the limit, and reported).
+
+    Example:
+        >>> RelativeDoseLimit.model_validate(0.5)
+        RelativeDoseLimit(limit=0.5, mode='reject')
+    """
+
+    limit: Real = Field(gt=0.0)
+    mode: Literal["reject", "clip"] = "reject"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_number(cls, data: Any) -> Any:
+        return {"limit": data} if isinstance(data, (int, float)) and not isinstance(data, bool) else data
+
+    @field_validator("limit")
+    @classmethod
+    def _finite_limit(cls, v: float) -> float:
+        _finite("limit", v)
+        return v
+
+
 class DynamicSteeringPolicy(_Model):
     """Monitors, the rules they gate, and an optional sync controller: one request's dynamic steering.
 
@@ -446,6 +477,8 @@ class DynamicSteeringPolicy(_Model):
         monitors: in-graph probe gates, unique names.
         rules: each a monitor and the actions its gate scales.
         controller: optional sync controller setting ``dyn_scale`` every step.
+        max_relative_dose: optional :class:`RelativeDoseLimit` on additive actions (enforced by the caller's
+            process, which knows the model's residual norms; engines ignore it).
 
     Raises:
         pydantic.ValidationError: (a ``ValueError``) duplicate monitor names, a rule naming an unknown monitor, an
@@ -464,6 +497,7 @@ class DynamicSteeringPolicy(_Model):
     monitors: tuple[Monitor, ...] = ()
     rules: tuple[Rule, ...] = ()
     controller: Optional[SyncControllerSpec] = None
+    max_relative_dose: Optional[RelativeDoseLimit] = None
 
     @model_validator(mode="after")
     def _references(self) -> "DynamicSteeringPolicy":
