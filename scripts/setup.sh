@@ -6,6 +6,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${DYNSTEER_VENV:-.venv}
 PY=${PYTHON:-python3}
+# Headless Chromium renders the sweep report in the tests (Debian package `chromium`): installed when missing.
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing chromium (apt-get)" >&2
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >/dev/null
+  else
+    echo "[setup] chromium is missing (the sweep report test needs it): apt-get install chromium" >&2
+  fi
+fi
 stamp_src=$(cat requirements/*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -f "$VENV/.dynsteer-stamp" ] && [ "$(cat "$VENV/.dynsteer-stamp")" = "$stamp_src" ]; then
   exit 0

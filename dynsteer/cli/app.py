@@ -10,6 +10,10 @@ import typer
 app = typer.Typer(help="dynsteer: dynamic activation steering for vLLM.", no_args_is_help=True,
                   pretty_exceptions_show_locals=False)
 
+from dynsteer.cli.sweep import sweep as _sweep  # noqa: E402  (typer options only; vLLM is imported when it runs)
+
+app.command(name="sweep")(_sweep)
+
 
 @app.command()
 def demo(
@@ -67,6 +71,22 @@ def serve(ctx: typer.Context) -> None:
     from dynsteer.cli.serve import run_serve
 
     run_serve(ctx.args)
+
+
+@app.command()
+def doctor(
+    model: Optional[str] = typer.Argument(None, help="model directory, 'tiny' (default: a tiny random Llama built "
+                                                     "locally) or 'smollm2' (converted once)"),
+    max_overhead: float = typer.Option(2.0, help="fail when steering every request slows decode more than this"),
+    gpu_memory_utilization: float = typer.Option(0.3, help="GPU only: vLLM's memory share for the check engine"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="show vLLM's logs"),
+) -> None:
+    """Self-check on this machine: steering fires, batchmates untouched, clear restores, prefix cache, decode cost."""
+    from dynsteer.cli.doctor import run_doctor
+
+    if not run_doctor(model, max_overhead=max_overhead, verbose=verbose,
+                      gpu_memory_utilization=gpu_memory_utilization):
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -151,6 +151,7 @@ def _steer_site_kernel(
     STASH: tl.constexpr,
     SLOTTED: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # int64 offsets: T * H and R * K * H can exceed 2**31 for large batches / tables.
     t = tl.program_id(0).to(tl.int64)
@@ -166,15 +167,22 @@ def _steer_site_kernel(
     if STASH:
         _stash(x, res, t, stage_ptr, slot_ptr, stride_stage, n_stage, offs, mask, HAS_R=HAS_R, SLOTTED=SLOTTED)
     if row != 0:
-        x = x + tl.load(vec_ptr + row * stride_vec + offs, mask=mask, other=0.0)
-        # GATED=False: the gate arguments are dead placeholders (s_ptr, 0) and compile away.
-        x = _clamp_slots(
-            x, res, row, t, offs, mask, K,
-            dir_ptr, lo_ptr, hi_ptr, s_ptr, s_ptr, s_ptr,
-            stride_dir_row, stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k,
-            stride_s_row, stride_s_k, 0, 0, 0, 0,
-            HAS_R=HAS_R, GATED=False,
-        )
+        # Both loads depend only on the row: issued together, waited for once. A row with every strength 0 at
+        # this site (steered elsewhere) skips the clamp loop and its K dependent loads.
+        v = tl.load(vec_ptr + row * stride_vec + offs, mask=mask, other=0.0)
+        ks = tl.arange(0, BLOCK_K)
+        s_all = tl.load(s_ptr + row * stride_s_row + ks * stride_s_k, mask=ks < K, other=0.0)
+        s_any = tl.max(tl.abs(s_all), axis=0)
+        x = x + v
+        if s_any != 0.0:
+            # GATED=False: the gate arguments are dead placeholders (s_ptr, 0) and compile away.
+            x = _clamp_slots(
+                x, res, row, t, offs, mask, K,
+                dir_ptr, lo_ptr, hi_ptr, s_ptr, s_ptr, s_ptr,
+                stride_dir_row, stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k,
+                stride_s_row, stride_s_k, 0, 0, 0, 0,
+                HAS_R=HAS_R, GATED=False,
+            )
     # Row 0 (unsteered, padding) is the identity: a copy whose only dependent load is the row index.
     tl.store(out_ptr + t * stride_out + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -247,6 +255,7 @@ def _steer_site_dyn_kernel(
     STASH: tl.constexpr,
     SLOTTED: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
@@ -264,9 +273,15 @@ def _steer_site_dyn_kernel(
     # Row 0 (unsteered, padding) is the identity with no monitors: a copy whose only dependent load is the row
     # index (the idle engine's whole cost per site), instead of a chain of dependent table loads.
     if row != 0:
-        # Monitors read the residual before this site's steering. The mask is uniform per program, so
-        # tokens of rows without monitors skip every monitor load with one scalar branch.
+        # Every load that depends only on the row is issued here, before the first branch, so the chain is
+        # index -> tables -> store. Monitors read the residual before this site's steering; the masks are uniform
+        # per program, so rows without monitors / dyn terms / clamps at this site skip them with scalar branches.
         mon = tl.load(mmask_ptr + row * stride_mmask)
+        dyn = tl.load(dmask_ptr + row * stride_dmask)
+        v = tl.load(vec_ptr + row * stride_vec + offs, mask=mask, other=0.0)
+        ks = tl.arange(0, BLOCK_K)
+        s_all = tl.load(s_ptr + row * stride_s_row + ks * stride_s_k, mask=ks < K, other=0.0)
+        s_any = tl.max(tl.abs(s_all), axis=0)
         if mon != 0:
             if HAS_R:
                 full = x + res
@@ -291,8 +306,7 @@ def _steer_site_dyn_kernel(
             # clamps), so order those reads after the stores. Uniform branch: no divergent barrier.
             tl.debug_barrier()
 
-        x = x + tl.load(vec_ptr + row * stride_vec + offs, mask=mask, other=0.0)
-        dyn = tl.load(dmask_ptr + row * stride_dmask)
+        x = x + v
         if dyn != 0:
             for g_slot in range(G):
                 if ((dyn >> g_slot) & 1) != 0:
@@ -300,13 +314,14 @@ def _steer_site_dyn_kernel(
                     dv = tl.load(dvec_ptr + row * stride_dvec_row + g_slot * stride_dvec_g + offs, mask=mask, other=0.0)
                     x = x + gate * dv
 
-        x = _clamp_slots(
-            x, res, row, t, offs, mask, K,
-            dir_ptr, lo_ptr, hi_ptr, s_ptr, cgate_ptr, gates_ptr,
-            stride_dir_row, stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k,
-            stride_s_row, stride_s_k, stride_cg_row, stride_cg_k, stride_gates_g, stride_gates_t,
-            HAS_R=HAS_R, GATED=True,
-        )
+        if s_any != 0.0:
+            x = _clamp_slots(
+                x, res, row, t, offs, mask, K,
+                dir_ptr, lo_ptr, hi_ptr, s_ptr, cgate_ptr, gates_ptr,
+                stride_dir_row, stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k,
+                stride_s_row, stride_s_k, stride_cg_row, stride_cg_k, stride_gates_g, stride_gates_t,
+                HAS_R=HAS_R, GATED=True,
+            )
     tl.store(out_ptr + t * stride_out + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -424,6 +439,7 @@ def steer_site_triton(
         STASH=stash,
         SLOTTED=stage_slot is not None,
         BLOCK_H=block_h,
+        BLOCK_K=max(2, triton.next_power_of_2(num_k)),
         num_warps=_num_warps(block_h),
     )
     return out
@@ -553,6 +569,7 @@ def steer_site_dyn_triton(
         STASH=stash,
         SLOTTED=stage_slot is not None,
         BLOCK_H=block_h,
+        BLOCK_K=max(2, triton.next_power_of_2(num_k)),
         num_warps=_num_warps(block_h),
     )
     return out
