@@ -1,0 +1,14 @@
+"""Sweeps: a policy or steering spec, a grid over its fields, a labelled prompt set, one engine, metrics and a report.
+
+* :mod:`dynsteer.sweep.grid` — ``path=v1,v2`` axes applied to pydantic models;
+* :mod:`dynsteer.sweep.metrics` — the per-sample metrics and their definitions;
+* :mod:`dynsteer.sweep.runner` — :func:`run_sweep` (resumable, reproducible), ``samples.jsonl`` and ``summary.csv``;
+* :mod:`dynsteer.sweep.report` — the self-contained HTML report.
+"""
+
+from dynsteer.sweep.grid import GridAxis, apply_point, grid_points, parse_axis
+from dynsteer.sweep.runner import (PromptItem, SweepConfig, SweepInterrupted, SweepMismatchError, SweepResult,
+                                   load_prompts, load_target, run_sweep)
+
+__all__ = ["GridAxis", "PromptItem", "SweepConfig", "SweepInterrupted", "SweepMismatchError", "SweepResult",
+           "apply_point", "grid_points", "load_prompts", "load_target", "parse_axis", "run_sweep"]

@@ -1,0 +1,264 @@
+"""A sweep's self-contained HTML report: the summary table (the CSV's values, as written), plots (matplotlib Agg,
+embedded as base64 PNG), relative doses, and example outputs side by side.
+
+Plots:
+    * metric vs parameter per class: each metric of :data:`PLOT_METRICS` against the first grid axis, one line per
+      class and value of the other axes, the unsteered baseline dashed;
+    * gate firing rate per variant and class (policies);
+    * probe-score traces: the concept probe's probability per generated token (or, without a probe, the first gate)
+      for the first prompt of each class, baseline and every variant;
+
+Nothing in the file depends on time, so a sweep run twice renders byte-identical reports.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from dynsteer.sweep.grid import point_label
+from dynsteer.sweep.runner import BASELINE, SweepConfig, SweepResult, format_value, summary_columns
+
+__all__ = ["PLOT_METRICS", "render_report", "write_report"]
+
+PLOT_METRICS = ("concept_probe", "concept_words", "perplexity", "repeat_4gram", "distinct_2", "changed_rate")
+MAX_EXAMPLE_COLUMNS = 8
+
+_CSS = """
+body{font-family:DejaVu Sans,Arial,sans-serif;margin:24px;color:#1b1f24;background:#fff}
+h1{font-size:22px}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ccd;padding-bottom:4px}
+table{border-collapse:collapse;font-size:12px;margin:8px 0}
+td,th{border:1px solid #ccd;padding:3px 6px;text-align:right;vertical-align:top}
+th{background:#eef1f6}td.text{text-align:left;max-width:360px;white-space:pre-wrap}
+figure{display:inline-block;margin:8px}figure img{border:1px solid #dde}
+figcaption{font-size:12px;color:#445}code{background:#f3f4f6;padding:1px 3px}
+dl{font-size:13px}dt{font-weight:bold}dd{margin:0 0 6px 16px}
+"""
+
+_DEFINITIONS = [
+    ("concept_probe", "mean over generated tokens of the concept probe's probability, on residuals captured in the "
+                      "same run"),
+    ("concept_words", "fraction of the output's words in the word list"),
+    ("perplexity", "exp(−mean log p) of the output under the unsteered model, given the prompt (fluency)"),
+    ("repeat_4gram", "fraction of token 4-grams repeating an earlier one (degeneration)"),
+    ("distinct_1 / distinct_2", "distinct token n-grams / all n-grams of an output"),
+    ("changed_rate / identical_rate", "fraction of samples whose tokens differ from / equal the unsteered run's"),
+    ("fire_rate / gate_rate / steered_tokens", "samples the policy acted on; tokens whose gate reached 0.5; tokens "
+                                               "steered per sample"),
+    ("side_effect_identical_rate", "on the classes to leave alone: fraction byte-identical to unsteered"),
+    ("selectivity", "target_steered_rate − other_steered_rate (changed outputs on the target class vs the others)"),
+    ("max_relative_dose", "largest |scale|·‖v‖ / mean‖h‖ over the variant's additive actions (peak: × controller "
+                          "bound)"),
+]
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80, metadata={"Software": None})
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _num(s: str) -> float | None:
+    try:
+        return float(s)
+    except ValueError:
+        return None
+
+
+def _axis_value(v: Any) -> Any:
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else json.dumps(v)
+
+
+def _metric_plots(cfg: SweepConfig, result: SweepResult) -> list[tuple[str, str, str]]:
+    import matplotlib.pyplot as plt
+
+    if not cfg.grid:
+        return []
+    first = cfg.grid[0]
+    others = list(cfg.grid[1:])
+    xs = [_axis_value(v) for v in first.values]
+    numeric = all(isinstance(x, (int, float)) for x in xs)
+    rows = result.summary
+    plots = []
+    for metric in PLOT_METRICS:
+        if not any(_num(r[metric]) is not None for r in rows if r["variant"] != BASELINE):
+            continue
+        fig, ax = plt.subplots(figsize=(5.6, 3.6))
+        for ci, cls in enumerate(cfg.classes()):
+            color = f"C{ci}"
+            base = [_num(r[metric]) for r in rows if r["variant"] == BASELINE and r["class"] == cls]
+            if base and base[0] is not None:
+                ax.axhline(base[0], color=color, linestyle="--", linewidth=1, label=f"{cls}: unsteered")
+            combos: dict[str, list[tuple[Any, float]]] = {}
+            for v in result.variants[1:]:
+                if v.error is not None:
+                    continue
+                row = next(r for r in rows if r["variant"] == v.id and r["class"] == cls)
+                y = _num(row[metric])
+                if y is None:
+                    continue
+                rest = point_label({a.path: v.point[a.path] for a in others}) if others else ""
+                x = _axis_value(v.point[first.path])
+                combos.setdefault(rest, []).append((x if numeric else xs.index(x), y))
+            for k, (rest, pts) in enumerate(combos.items()):
+                pts.sort(key=lambda p: p[0])
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color,
+                        linestyle=["-", ":", "-.", (0, (5, 1))][k % 4],
+                        label=f"{cls}" + (f", {rest}" if rest else ""))
+        if not numeric:
+            ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+        ax.set_xlabel(first.path)
+        ax.set_ylabel(metric)
+        ax.set_title(f"{metric} vs {first.path.split('.')[-1]}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        plots.append((f"metric-{metric}", f"{metric} against {first.path} per class (dashed: unsteered)", _png(fig)))
+    return plots
+
+
+def _gate_plot(cfg: SweepConfig, result: SweepResult) -> list[tuple[str, str, str]]:
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    if cfg.kind != "policy":
+        return []
+    variants = [v for v in result.variants if v.error is None]
+    classes = cfg.classes()
+    fig, ax = plt.subplots(figsize=(max(5.6, 0.9 * len(variants) + 2), 3.6))
+    width = 0.8 / max(len(classes), 1)
+    for ci, cls in enumerate(classes):
+        ys = []
+        for v in variants:
+            row = next(r for r in result.summary if r["variant"] == v.id and r["class"] == cls)
+            ys.append(_num(row["fire_rate"]) or 0.0)
+        ax.bar(np.arange(len(variants)) + ci * width, ys, width, label=cls, color=f"C{ci}")
+    ax.set_xticks(np.arange(len(variants)) + width * (len(classes) - 1) / 2,
+                  [v.id for v in variants], fontsize=8)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("fire_rate (samples steered by the policy)")
+    ax.set_title("gate firing rate per variant and class")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return [("gate-fire-rate", "share of samples in which the policy acted, per variant and class", _png(fig))]
+
+
+def _trace_plot(cfg: SweepConfig, result: SweepResult) -> list[tuple[str, str, str]]:
+    import matplotlib.pyplot as plt
+
+    key = "probe_trace" if cfg.probe_file is not None else "gate_trace"
+    classes = cfg.classes()
+    firsts = [next(i for i, p in enumerate(cfg.prompts) if p.cls == c) for c in classes]
+    recs = {(r["variant"], r["prompt_index"]): r for r in result.records if r["sample"] == 0}
+    if not any(recs.get((v.id, p), {}).get(key) for v in result.variants for p in firsts):
+        return []
+    fig, axes = plt.subplots(1, len(classes), figsize=(5.0 * len(classes), 3.4), squeeze=False)
+    for ax, cls, p in zip(axes[0], classes, firsts):
+        for k, v in enumerate(result.variants):
+            tr = recs.get((v.id, p), {}).get(key)
+            if tr:
+                ax.plot(range(len(tr)), tr, color="k" if v.id == BASELINE else f"C{k % 10}",
+                        linestyle="--" if v.id == BASELINE else "-", linewidth=1.2,
+                        label=f"{v.id} {v.label}"[:40])
+        ax.set_title(f"{cls}: prompt {p}", fontsize=10)
+        ax.set_xlabel("generated token")
+        ax.set_ylabel("concept probability" if key == "probe_trace" else "gate")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    what = "the concept probe's probability" if key == "probe_trace" else "the first gate"
+    return [("probe-traces", f"{what} per generated token, first prompt of each class, sample 0", _png(fig))]
+
+
+def _table(columns: Sequence[str], rows: Sequence[dict[str, str]], table_id: str) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f'<td data-col="{html.escape(c)}">{html.escape(r.get(c, ""))}</td>'
+                                    for c in columns) + "</tr>\n" for r in rows)
+    return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>\n{body}</tbody></table>'
+
+
+def _examples(cfg: SweepConfig, result: SweepResult) -> str:
+    variants = [v for v in result.variants if v.error is None][:MAX_EXAMPLE_COLUMNS + 1]
+    recs = {(r["variant"], r["prompt_index"]): r for r in result.records if r["sample"] == 0}
+    shown: list[int] = []
+    for cls in cfg.classes():
+        shown += [i for i, p in enumerate(cfg.prompts) if p.cls == cls][:2]
+    head = "<th>prompt</th><th>class</th>" + "".join(f"<th>{html.escape(v.id)}<br>{html.escape(v.label)}</th>"
+                                                     for v in variants)
+    rows = []
+    for i in shown:
+        cells = []
+        for v in variants:
+            r = recs.get((v.id, i))
+            text = "" if r is None else r["text"]
+            mark = "" if r is None or v.id == BASELINE or r["changed"] else " (identical)"
+            cells.append(f'<td class="text">{html.escape(text)}{mark}</td>')
+        rows.append(f'<tr><td class="text">{html.escape(cfg.prompts[i].text())}</td>'
+                    f'<td class="text">{html.escape(cfg.prompts[i].cls)}</td>{"".join(cells)}</tr>')
+    return f'<table id="examples"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+
+
+def _doses(result: SweepResult) -> str:
+    cols = ["variant", "where", "layer", "site", "scale", "vector_norm", "mean_norm", "dose", "peak_dose",
+            "clipped_from"]
+    rows = [{"variant": v.id, **{k: format_value(val) for k, val in d.model_dump().items()}}
+            for v in result.variants for d in v.doses]
+    return _table(cols, rows, "doses") if rows else "<p>No additive actions.</p>"
+
+
+def render_report(result: SweepResult, cfg: SweepConfig) -> str:
+    """The report as one HTML string (images inline; no external resources)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    plots = _metric_plots(cfg, result) + _gate_plot(cfg, result) + _trace_plot(cfg, result)
+    figures = "\n".join(f'<figure><img alt="{html.escape(name)}" data-plot="{html.escape(name)}" '
+                        f'src="data:image/png;base64,{data}"><figcaption>{html.escape(cap)}</figcaption></figure>'
+                        for name, cap, data in plots)
+    grid = "".join(f"<li><code>{html.escape(a.path)}</code> = {html.escape(', '.join(map(str, a.values)))}</li>"
+                   for a in cfg.grid) or "<li>(none)</li>"
+    errors = [v for v in result.variants if v.error]
+    err_html = ("<h2>Rejected variants</h2><ul>" + "".join(
+        f"<li>{html.escape(v.id)} ({html.escape(v.label)}): {html.escape(v.error or '')}</li>" for v in errors)
+        + "</ul>") if errors else ""
+    defs = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(d)}</dd>" for k, d in _DEFINITIONS)
+    classes = ", ".join(f"{c} ({sum(p.cls == c for p in cfg.prompts)})" for c in cfg.classes())
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>dynsteer sweep report</title><style>{_CSS}</style></head>
+<body>
+<h1>dynsteer sweep: {html.escape(cfg.kind)}, {len(result.variants) - 1} variants × {len(cfg.prompts)} prompts ×
+{cfg.samples} samples</h1>
+<p>Prompts by class: {html.escape(classes)}. Target class: {html.escape(str(cfg.target_class))}; left alone:
+{html.escape(', '.join(cfg.alone_classes()) or '(none)')}. Sampling: max_tokens {cfg.max_tokens}, temperature
+{cfg.temperature:g}, seeds {cfg.seed}…{cfg.seed + cfg.samples - 1}. Fingerprint <code>{cfg.fingerprint()[:16]}</code>.</p>
+<h2>Grid</h2><ul>{grid}</ul>
+<h2>Summary</h2>
+<p>The values of <code>summary.csv</code>, one row per variant and class.</p>
+{_table(summary_columns(cfg), result.summary, "summary")}
+{err_html}
+<h2>Plots</h2>
+{figures}
+<h2>Relative doses</h2>
+{_doses(result)}
+<h2>Examples (sample 0)</h2>
+{_examples(cfg, result)}
+<h2>Metric definitions</h2><dl>{defs}</dl>
+</body></html>
+"""
+
+
+def write_report(result: SweepResult, cfg: SweepConfig) -> None:
+    """Write ``report.html`` into the sweep's directory."""
+    text = render_report(result, cfg)
+    path = result.report_html
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

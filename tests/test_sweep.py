@@ -1,0 +1,270 @@
+"""``dynsteer sweep`` on SmolLM2-135M-Instruct: scale × threshold over labelled prompts, one shared engine.
+
+The policy is the dynamic-sentiment example's (a sentiment probe gates positive steering on P(negative)). Checks:
+the JSONL / CSV / HTML outputs, that the report's numbers are the CSV's and the CSV's are the samples', that every
+plot decodes to a non-blank image, that headless Chromium renders a non-blank page, that an interrupted sweep resumes
+without regenerating finished samples, that a second run is byte-identical, the relative dose and its guardrail,
+and the CLI.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+import json
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dynsteer
+from dynsteer import DynamicSteeringPolicy, DynsteerConfig, SteeringValidationError
+from dynsteer.sweep import SweepConfig, SweepInterrupted, run_sweep
+from dynsteer.sweep import metrics as M
+from tests.conftest import make_llm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import dynamic_sentiment as ds  # noqa: E402
+
+OUTPUTS = ("samples.jsonl", "summary.csv", "report.html")
+PROMPTS = [{"prompt": ds.COMPLAINTS[0], "label": "complaint"}, {"prompt": ds.PRAISE[1], "label": "praise"},
+           {"prompt": ds.COMPLAINTS[2], "label": "complaint"}, {"prompt": ds.PRAISE[2], "label": "praise"}]
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    """One SmolLM2 engine for the module, the sentiment probe trained on it, and a fresh norm cache."""
+    from dynsteer.zoo import smollm2
+
+    model = smollm2()
+    work = tmp_path_factory.mktemp("sweep")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DYNSTEER_CACHE", str(work / "cache"))
+        cfg = DynsteerConfig(capture_sites=("post_block",), capture_layers=(ds.LAYER,), max_gates=2)
+        with make_llm(model, max_model_len=512, **cfg.engine_kwargs()) as llm:
+            steerer = dynsteer.attach(llm)
+            probe = work / "sentiment.safetensors"
+            ds.train_probe(steerer, probe)
+            policy = ds.sentiment_policy(probe)
+            (work / "policy.yaml").write_text(policy.to_yaml())
+            prompts = work / "prompts.jsonl"
+            prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+            yield {"steerer": steerer, "llm": llm, "probe": probe, "policy": policy, "work": work,
+                   "prompts": prompts, "model": model}
+
+
+def sweep_config(rig, **kw) -> SweepConfig:
+    m = rig["policy"].resolved().monitors[0]
+    thresholds = f"{m.threshold!r},{m.threshold + 3.0 / m.sharpness!r}"
+    grid = kw.pop("grid", ["rules[0].actions[0].scale=0.5,1.0", f"monitors[0].threshold={thresholds}"])
+    return SweepConfig.build(DynamicSteeringPolicy.from_yaml((rig["work"] / "policy.yaml").read_text()), grid=grid,
+                             prompts=rig["prompts"], max_tokens=20, target_class="complaint",
+                             probe_file=rig["probe"], concept_class=1, words=("great", "love", "terrible"),
+                             batch_size=6, **kw)
+
+
+@pytest.fixture(scope="module")
+def first_run(rig):
+    import time
+
+    t0 = time.perf_counter()
+    res = run_sweep(sweep_config(rig), rig["steerer"], rig["work"] / "run-a", progress=False)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+class _Tables(HTMLParser):
+    """Rows of ``<table id=...>`` (cells by ``data-col``) and every ``<img>``'s ``src`` and ``data-plot``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: dict[str, list[dict[str, str]]] = {}
+        self.images: list[tuple[str, str]] = []
+        self._table = self._col = None
+        self._row: dict[str, str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "table":
+            self._table = a.get("id")
+            self.tables[self._table] = []
+        elif tag == "tr" and self._table:
+            self._row = {}
+        elif tag == "td" and self._row is not None:
+            self._col = a.get("data-col")
+            if self._col:
+                self._row[self._col] = ""
+        elif tag == "img":
+            self.images.append((a.get("data-plot", ""), a.get("src", "")))
+
+    def handle_endtag(self, tag):
+        if tag == "td":
+            self._col = None
+        elif tag == "tr" and self._row:
+            self.tables[self._table].append(self._row)
+            self._row = None
+        elif tag == "table":
+            self._table = None
+
+    def handle_data(self, data):
+        if self._col and self._row is not None:
+            self._row[self._col] += data
+
+
+def test_sweep_outputs_and_report_numbers(rig, first_run):
+    res, out = first_run, first_run.out_dir
+    print(f"sweep of 20 samples took {res.seconds:.1f} s")
+    assert all((out / f).is_file() for f in OUTPUTS)
+    assert res.generated == 4 * 5 and res.skipped == 0  # 4 prompts × (baseline + 2×2 grid)
+    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len({r["id"] for r in records}) == 20 and all(r["variant"] == "v000" for r in records[:4])
+    rows = list(csv.DictReader(io.StringIO((out / "summary.csv").read_text())))
+    assert len(rows) == 5 * 3  # variants × (complaint, praise, all)
+
+    # the CSV's figures are the samples' means (metrics recomputed from the tokens)
+    for r in records:
+        assert r["repeat_4gram"] == M.repeated_ngram_rate(r["token_ids"], 4)
+        assert r["distinct_2"] == M.distinct_n(r["token_ids"], 2)
+        assert r["perplexity"] is not None and 1.0 <= r["perplexity"] < 1e3
+        assert len(r["probe_trace"]) == len(r["token_ids"]) - 1  # every generated token but the last
+        assert r["concept_probe"] == pytest.approx(np.mean(r["probe_trace"]))
+    for row in rows:
+        sel = [r for r in records if r["variant"] == row["variant"] and row["class"] in (r["label"], "all")]
+        assert int(row["n"]) == len(sel)
+        for m in ("concept_probe", "perplexity", "distinct_1", "repeat_4gram"):
+            assert float(row[m]) == pytest.approx(np.mean([r[m] for r in sel]), rel=1e-5), (row["variant"], m)
+        assert float(row["changed_rate"]) == pytest.approx(np.mean([r["changed"] for r in sel]))
+    base = {r["class"]: r for r in rows if r["variant"] == "v000"}
+    assert base["all"]["identical_rate"] == "1" and base["all"]["changed_rate"] == "0"
+    assert float(base["praise"]["concept_probe"]) > float(base["complaint"]["concept_probe"])  # the probe works
+    # the strongest variant (scale 1, threshold at the probe's boundary) steers complaints and leaves praise alone
+    strong = {r["class"]: r for r in rows if r["variant"] == "v003"}
+    assert strong["all"]["rules[0].actions[0].scale"] == "1" and float(strong["complaint"]["changed_rate"]) > 0
+    assert strong["all"]["side_effect_identical_rate"] == "1" and float(strong["all"]["selectivity"]) > 0
+    assert float(strong["complaint"]["fire_rate"]) > 0 and float(strong["praise"]["fire_rate"]) == 0
+    assert float(strong["complaint"]["concept_probe"]) > float(base["complaint"]["concept_probe"])
+    # relative dose: |scale|·‖v‖ / mean‖h‖ with the cached norm
+    norm_files = list((rig["work"] / "cache" / "residual_norms").glob("*.json"))
+    assert len(norm_files) == 1
+    mean_h = json.loads(norm_files[0].read_text())["norms"][f"{ds.LAYER}.post_block"]
+    assert 10 < mean_h < 1e4
+    vnorm = np.linalg.norm(np.asarray(rig["policy"].rules[0].actions[0].vector, np.float64))
+    for scale, variant in ((0.5, "v001"), (1.0, "v003")):
+        row = next(r for r in rows if r["variant"] == variant)
+        assert float(row["max_relative_dose"]) == pytest.approx(scale * vnorm / mean_h, rel=1e-5)
+
+    # the report shows exactly the CSV's values
+    page = _Tables()
+    page.feed((out / "report.html").read_text())
+    assert page.tables["summary"] == rows
+    names = [name for name, _ in page.images]
+    assert {"metric-concept_probe", "metric-perplexity", "metric-repeat_4gram", "metric-distinct_2",
+            "gate-fire-rate", "probe-traces"} <= set(names), names
+    from PIL import Image
+
+    for name, src in page.images:
+        assert src.startswith("data:image/png;base64,"), name
+        img = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1])))
+        img.load()
+        px = np.asarray(img.convert("L"), np.float64)
+        assert img.width > 100 and img.height > 100 and px.std() > 5, name
+    assert "http://" not in (out / "report.html").read_text() and "https://" not in (out / "report.html").read_text()
+
+
+def test_sweep_is_reproducible_byte_for_byte(rig, first_run):
+    again = run_sweep(sweep_config(rig), rig["steerer"], rig["work"] / "run-b", progress=False)
+    assert again.generated == 20
+    for name in OUTPUTS:
+        assert (again.out_dir / name).read_bytes() == (first_run.out_dir / name).read_bytes(), name
+
+
+def test_sweep_resumes_after_interrupt(rig, first_run):
+    out = rig["work"] / "run-c"
+
+    def stop_after_first_batch(done, total):
+        raise SweepInterrupted(f"stopped at {done}/{total}")
+
+    with pytest.raises(SweepInterrupted):
+        run_sweep(sweep_config(rig), rig["steerer"], out, progress=False, on_batch=stop_after_first_batch)
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 6  # one batch was saved
+    with open(out / "samples.jsonl", "a") as f:
+        f.write('{"id": "v001/p0003/s000", "torn')  # a write torn by the interruption is dropped
+    resumed = run_sweep(sweep_config(rig), rig["steerer"], out, progress=False)
+    assert (resumed.skipped, resumed.generated) == (6, 14)
+    for name in OUTPUTS:
+        assert (out / name).read_bytes() == (first_run.out_dir / name).read_bytes(), name
+    done = run_sweep(sweep_config(rig), rig["steerer"], out, progress=False)
+    assert (done.skipped, done.generated) == (20, 0)
+    from dynsteer.sweep import SweepMismatchError
+
+    with pytest.raises(SweepMismatchError):
+        run_sweep(sweep_config(rig, seed=1), rig["steerer"], out, progress=False)
+
+
+def test_report_renders_in_headless_chromium(first_run, tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert browser, "chromium is missing: scripts/setup.sh installs it (apt-get install chromium)"
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,2400", f"--screenshot={shot}",
+                    first_run.report_html.resolve().as_uri()], check=True, timeout=120, capture_output=True)
+    from PIL import Image
+
+    px = np.asarray(Image.open(shot).convert("RGB"), np.int64)
+    assert px.shape[0] >= 1000 and px.shape[1] >= 1000
+    gray = px.mean(axis=2)
+    assert gray.std() > 10 and (gray < 128).mean() > 0.005  # text and plots, not a blank page
+    colors = len(np.unique(px.reshape(-1, 3)[::7], axis=0))
+    assert colors > 50, colors  # plot lines in colour, not one flat fill
+
+
+def test_relative_dose_guardrail_rejects_or_clips(rig):
+    from vllm import SamplingParams
+
+    from dynsteer.dose import residual_norms
+
+    st = rig["steerer"]
+    policy = rig["policy"].resolved()
+    mean_h = residual_norms(st, [(ds.LAYER, "post_block")])[(ds.LAYER, "post_block")]
+    vnorm = float(np.linalg.norm(np.asarray(policy.rules[0].actions[0].vector, np.float64)))
+    dose = vnorm / mean_h
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    conv = [[{"role": "user", "content": ds.COMPLAINTS[0]}]]
+    def guarded(limit):
+        return DynamicSteeringPolicy.model_validate({**policy.model_dump(), "max_relative_dose": limit})
+
+    with pytest.raises(SteeringValidationError, match=r"rules\[0\]\.actions\[0\]\.scale: relative dose"):
+        st.chat(conv, params, policy=guarded(dose / 2))  # a bare number: mode reject
+    clip = guarded({"limit": dose / 2, "mode": "clip"})
+    with pytest.warns(UserWarning, match="clipped from 1 to 0.5"):
+        clipped = st.chat(conv, params, policy=clip)
+    half = policy.model_copy(update={"rules": (policy.rules[0].model_copy(update={"actions": (
+        policy.rules[0].actions[0].model_copy(update={"scale": 0.5}),)}),)})
+    assert list(clipped[0].outputs[0].token_ids) == list(st.chat(conv, params, policy=half)[0].outputs[0].token_ids)
+    st.chat(conv, params, policy=guarded(dose * 1.01))  # under the limit: admitted unchanged
+
+
+def test_cli_sweep(rig, monkeypatch):
+    from typer.testing import CliRunner
+
+    import dynsteer.cli.sweep as cli_sweep
+    from dynsteer.cli.app import app
+
+    monkeypatch.setattr(cli_sweep, "make_engine", lambda *a, **k: rig["llm"])
+    out = rig["work"] / "cli"
+    args = ["sweep", str(rig["work"] / "policy.yaml"), "--prompts", str(rig["prompts"]), "--out", str(out),
+            "--grid", "rules[0].actions[0].scale=1.0", "--max-tokens", "12", "--target-class", "complaint",
+            "--probe", str(rig["probe"]), "--model", str(rig["model"])]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "8 samples generated, 0 already done" in result.output
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 8
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0 and "0 samples generated, 8 already done" in again.output
+    bad = CliRunner().invoke(app, [*args[:-2], "--grid", "rules[0].actions[9].scale=1"])
+    assert bad.exit_code != 0
