@@ -84,7 +84,7 @@ def test_every_row_holds_exactly_its_last_content(writes):
                 np.testing.assert_array_equal(got, expected_field(prog, name).astype(got.dtype), err_msg=f"{row} {key} {name}")
 
 
-def test_a_row_write_uploads_only_the_sites_in_use(monkeypatch):
+def test_a_row_write_uploads_only_the_sites_and_fields_in_use(monkeypatch):
     tables = SteeringTables(SITES, H, ROWS, K, max_tokens=8, max_gates=G)
     uploaded: list[int] = []
     real = tables._upload
@@ -92,9 +92,21 @@ def test_a_row_write_uploads_only_the_sites_in_use(monkeypatch):
     one = RowContent(sites={SITES[0]: SiteProgram(vec=np.ones(H, np.float32))}, digest=b"a")
     other = RowContent(sites={SITES[3]: SiteProgram(vec=np.ones(H, np.float32))}, digest=b"b")
     tables.write_row(1, one)
-    assert sum(uploaded) == 13  # one site: 13 fields, in one upload per dtype
-    assert len(uploaded) == 2
+    assert uploaded == [1]  # a plain vector: its own field only, one upload
     uploaded.clear()
-    tables.write_row(1, other)  # the old site is reset, the new one written
-    assert sum(uploaded) == 26
+    tables.write_row(1, other)  # the old site's vector is reset, the new one written
+    assert uploaded == [2]
     assert torch.count_nonzero(tables.vec_at(SITES[0], 1)) == 0
+    assert torch.equal(tables.vec_at(SITES[3], 1), torch.ones(H))
+    # a clamp at the vector's site: the clamp group (4 float32 + clamp_gate int32) and the vector (reset there)
+    clamp = Clamp(np.eye(H, dtype=np.float32)[0], -1.0, 1.0, 1.0)
+    uploaded.clear()
+    tables.write_row(1, RowContent(sites={SITES[3]: SiteProgram(clamps=[clamp])}, digest=b"c"))
+    assert sorted(uploaded) == [1, 5]
+    assert torch.count_nonzero(tables.vec_at(SITES[3], 1)) == 0
+    assert tables.views(*SITES[3])["clamp_strength"][1, 0] == 1.0
+    # back to nothing: every group it held returns to the defaults
+    tables.write_row(1, RowContent(sites={}, digest=b"d"))
+    v = tables.views(*SITES[3])
+    assert v["clamp_strength"][1].abs().sum() == 0 and torch.all(v["clamp_gate"][1] == -1)
+    assert torch.all(v["clamp_lo"][1] == -float("inf")) and torch.count_nonzero(v["clamp_dir"][1]) == 0

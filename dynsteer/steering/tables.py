@@ -101,8 +101,8 @@ class SteeringTables:
             return t
 
         self._site: dict[SiteKey, dict[str, torch.Tensor]] = {key: site_tensors() for key in self.sites}
-        # per row, the sites whose tables hold something other than the defaults
-        self._dirty: list[set[SiteKey]] = [set() for _ in range(num_rows)]
+        # per row, the sites whose tables hold something other than the defaults, and which field groups there
+        self._dirty: list[dict[SiteKey, frozenset[str]]] = [{} for _ in range(num_rows)]
         self.row_index = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.device = self.row_index.device
         # Standalone tensors (not views of one buffer), for the same reason as the site tables.
@@ -118,25 +118,29 @@ class SteeringTables:
         return self._site[key]["vec"][row]
 
     def write_row(self, row: int, content: RowContent) -> None:
-        """Write one row: the sites ``content`` touches and those its row's previous content touched (back to the
-        defaults); every other site already holds the defaults there.
+        """Write one row: at the sites ``content`` touches and those its row's previous content touched, the field
+        groups (vector, clamps, monitors, dyn terms) either one holds; everything else already holds the defaults.
 
         All fields go up in one host-to-device copy per dtype (pinned, non-blocking: admission never stalls the
-        stream) and are scattered on the device by one multi-tensor copy; before, every (site, field) pair was a
-        synchronous pageable copy, ~1,250 per row on an 8B model, which made admitting distinct configurations the
-        dominant cost of a step."""
-        keys = [key for key in self.sites if key in content.sites or key in self._dirty[row]]
+        stream) and are scattered on the device by one multi-tensor copy. Before, every (site, field) pair was a
+        synchronous pageable copy (~1,250 per row on an 8B model), then every field of a touched site went up
+        (~200 KB per site with a dynamic tier, mostly zeros); a plain vector now moves its own 4H bytes."""
+        old = self._dirty[row]
+        new = {key: _groups(prog) for key, prog in content.sites.items()}
         groups: dict[torch.dtype, tuple[list[torch.Tensor], list[np.ndarray]]] = {}
-        for key in keys:
+        for key in self.sites:
+            wanted = new.get(key, frozenset()) | old.get(key, frozenset())
+            if not wanted:
+                continue
             tensors, prog = self._site[key], content.sites.get(key)
-            for name, src in self._fields(prog):
+            for name, src in self._fields(prog, wanted):
                 dst = tensors[name][row]
                 dsts, srcs = groups.setdefault(dst.dtype, ([], []))
                 dsts.append(dst)
                 srcs.append(src)
         for dtype, (dsts, srcs) in groups.items():
             self._upload(dsts, srcs, dtype)
-        self._dirty[row] = set(content.sites)
+        self._dirty[row] = {key: g for key, g in new.items() if g}
 
     def _upload(self, dsts: list[torch.Tensor], srcs: list[np.ndarray], dtype: torch.dtype) -> None:
         np_dtype = np.float32 if dtype == torch.float32 else np.int32
@@ -151,40 +155,45 @@ class SteeringTables:
         views = [v.view(d.shape) for v, d in zip(torch.split(staged, [d.numel() for d in dsts]), dsts)]
         torch._foreach_copy_(dsts, views)
 
-    def _fields(self, prog: Any) -> list[tuple[str, np.ndarray]]:
-        K, H = self.max_clamps, self.hidden_size
-        cdir = np.zeros((K, H), np.float32)
-        lo, hi = np.full(K, -np.inf, np.float32), np.full(K, np.inf, np.float32)
-        strength = np.zeros(K, np.float32)
-        if prog is not None:
-            for k, c in enumerate(prog.clamps):
-                cdir[k], lo[k], hi[k], strength[k] = c.direction, c.lo, c.hi, c.strength
-        vec = prog.vec if prog is not None and prog.vec is not None else np.zeros(H, np.float32)
-        fields = [("vec", vec), ("clamp_dir", cdir), ("clamp_lo", lo), ("clamp_hi", hi), ("clamp_strength", strength)]
-        if self.max_gates:
-            fields += self._dynamic_fields(prog)
-        return fields
-
-    def _dynamic_fields(self, prog: Any) -> list[tuple[str, np.ndarray]]:
+    def _fields(self, prog: Any, wanted: frozenset[str]) -> list[tuple[str, np.ndarray]]:
+        """The ``wanted`` field groups' values for one site (``prog`` None: the defaults)."""
         K, H, G = self.max_clamps, self.hidden_size, self.max_gates
-        cgate = np.full(K, -1, np.int32)
-        probe, dvec = np.zeros((G, H), np.float32), np.zeros((G, H), np.float32)
-        sharp, thresh, floor = np.zeros(G, np.float32), np.zeros(G, np.float32), np.zeros(G, np.float32)
-        mon_mask = dyn_mask = 0
-        if prog is not None:
-            for k, c in enumerate(prog.clamps):
-                cgate[k] = c.gate
-            for s, m in prog.monitors.items():
+        fields: list[tuple[str, np.ndarray]] = []
+        if "vec" in wanted:
+            fields.append(("vec", prog.vec if prog is not None and prog.vec is not None else np.zeros(H, np.float32)))
+        if "clamp" in wanted:
+            cdir = np.zeros((K, H), np.float32)
+            lo, hi = np.full(K, -np.inf, np.float32), np.full(K, np.inf, np.float32)
+            strength, cgate = np.zeros(K, np.float32), np.full(K, -1, np.int32)
+            for k, c in enumerate(prog.clamps if prog is not None else ()):
+                cdir[k], lo[k], hi[k], strength[k], cgate[k] = c.direction, c.lo, c.hi, c.strength, c.gate
+            fields += [("clamp_dir", cdir), ("clamp_lo", lo), ("clamp_hi", hi), ("clamp_strength", strength)]
+            if G:
+                fields.append(("clamp_gate", cgate))
+        if "mon" in wanted and G:
+            probe = np.zeros((G, H), np.float32)
+            sharp, thresh, floor = np.zeros(G, np.float32), np.zeros(G, np.float32), np.zeros(G, np.float32)
+            mon_mask = 0
+            for s, m in (prog.monitors.items() if prog is not None else ()):
                 probe[s], sharp[s], thresh[s], floor[s] = m.probe, m.sharpness, m.threshold, m.floor
                 mon_mask |= 1 << s
-            for s, v in prog.dyn.items():
+            fields += [("mon_mask", np.array(mon_mask, np.int32)), ("mon_probe", probe), ("mon_sharp", sharp),
+                       ("mon_thresh", thresh), ("mon_floor", floor)]
+        if "dyn" in wanted and G:
+            dvec, dyn_mask = np.zeros((G, H), np.float32), 0
+            for s, v in (prog.dyn.items() if prog is not None else ()):
                 dvec[s] = v
                 dyn_mask |= 1 << s
-        return [("clamp_gate", cgate), ("mon_mask", np.array(mon_mask, np.int32)), ("mon_probe", probe),
-                ("mon_sharp", sharp), ("mon_thresh", thresh), ("mon_floor", floor),
-                ("dyn_mask", np.array(dyn_mask, np.int32)), ("dyn_vec", dvec)]
+            fields += [("dyn_mask", np.array(dyn_mask, np.int32)), ("dyn_vec", dvec)]
+        return fields
 
     def nbytes(self) -> int:
         per_site = sum(t.numel() * t.element_size() for t in next(iter(self._site.values()), {}).values())
         shared = [self.row_index, *self.gate_buffers.values()]
         return per_site * len(self._site) + sum(t.numel() * t.element_size() for t in shared)
+
+
+def _groups(prog: Any) -> frozenset[str]:
+    """The field groups a site program sets away from the defaults (what ``write_row`` must upload or reset)."""
+    return frozenset(name for name, on in (("vec", prog.vec is not None), ("clamp", bool(prog.clamps)),
+                                           ("mon", bool(prog.monitors)), ("dyn", bool(prog.dyn))) if on)
