@@ -13,7 +13,8 @@ own process below it, as vLLM runs by default):
 * ``dynsteer-capture``: the same plus capture buffers at ``post_block`` of the steered layer.
 * ``dynsteer-inline``: the default config with ``forward="inline"`` (each site's work as torch ops traced into the
   compiled graph, which inductor may fuse with the neighbouring residual add and norm, instead of one opaque op
-  launch per site); modes ``i_idle``, ``i_static1``, ``i_pr64``, ``i_prdyn`` (in ``--reduced`` too; it is the
+  launch per site); modes ``i_idle``, ``i_static1``, ``i_pr64``, ``i_prdyn`` (not in ``--reduced``: on the H200,
+  2026-11-23, it measured +53 to +68 % against the custom op's +5 to +16 %, so the op stays the default; it is the
   first engine dropped where memory is short, e.g. on an H100).
 * ``hotwire``: hotwire-vllm 0.1.2 (``--hotwire-wheel``), installed with ``pip install --no-deps --target`` into a
   private folder on that engine's ``PYTHONPATH`` only (its ``vllm.general_plugins`` entry point is found there);
@@ -161,8 +162,7 @@ ENGINES = ["absent", "absent2", "dynsteer", "hotwire", "hook", "dynsteer-capture
            "dynsteer-inline"]  # start / keep priority
 ENGINE_KIND = {"absent": "absent", "absent2": "absent", "dynsteer": "dynsteer", "dynsteer-capture": "dynsteer",
                "dynsteer-inline": "dynsteer", "hotwire": "hotwire", "hook": "hook"}
-REDUCED_MODES = ["absent", "aa", "idle", "static1", "static8", "pr64", "gate", "prdyn", "sync", "hwload",
-                 "i_idle", "i_static1", "i_pr64", "i_prdyn", "hwidle",
+REDUCED_MODES = ["absent", "aa", "idle", "static1", "static8", "pr64", "gate", "prdyn", "sync", "hwload", "hwidle",
                  "hwsteered"]
 
 
