@@ -10,6 +10,18 @@ import typer
 app = typer.Typer(help="dynsteer: dynamic activation steering for vLLM.", no_args_is_help=True,
                   pretty_exceptions_show_locals=False)
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        version()
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(show_version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                            help="print dynsteer's and vLLM's versions and exit")) -> None:
+    """dynsteer: dynamic activation steering for vLLM."""
+
 from dynsteer.cli.sweep import sweep as _sweep  # noqa: E402  (typer options only; vLLM is imported when it runs)
 
 app.command(name="sweep")(_sweep)
@@ -66,8 +78,8 @@ def monitor(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
              add_help_option=False)
 def serve(ctx: typer.Context) -> None:
-    """vLLM's OpenAI server (dynsteer loaded) plus /v1/steering/{vectors,policy,capabilities}: dynsteer serve MODEL
-    [vLLM serve options] [--steering-allow-remote]; --help lists vLLM's options."""
+    """vLLM's OpenAI server with dynsteer plus /v1/steering/ endpoints (vectors, policy, capabilities); takes every
+    vllm serve option and --steering-allow-remote (see dynsteer serve --help)."""
     from dynsteer.cli.serve import run_serve
 
     run_serve(ctx.args)

@@ -1,0 +1,69 @@
+"""``dynsteer doctor``: passes on CPU with the tiny model and prints its report; its checks fail when steering is
+broken; ``dynsteer --version``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from dynsteer.cli import doctor
+from dynsteer.spec import ModelShape
+from tests.conftest import ON_GPU
+
+EXE = Path(sys.executable).with_name("dynsteer")
+CHECKS = ("hooked", "steering fires", "batchmates untouched", "clear restores baseline", "prefix cache",
+          "decode cost")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU run; on a GPU run `dynsteer doctor` by hand")
+def test_doctor_passes_on_cpu_and_prints_its_report(tiny_llama_path):
+    env = {**os.environ, "COLUMNS": "200"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # as a user runs it: engine core in its own process
+    proc = subprocess.run([str(EXE), "doctor", str(tiny_llama_path), "--max-overhead", "3"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if "│" in line]
+    for name in CHECKS:
+        assert any(name in row and "PASS" in row for row in rows), name
+    assert "FAIL" not in proc.stdout and "all checks passed" in proc.stdout
+    assert "INFO" not in proc.stdout  # vLLM's logs went to the log file
+    log = proc.stdout.rsplit("vLLM's log:", 1)[1].split(")")[0].split()
+    assert Path("".join(log)).read_text().count("INFO") > 0
+
+
+class _Broken:
+    """A steerer whose engine ignores steering and has no prefix cache: every behavioural check must fail."""
+
+    shape = ModelShape(num_layers=4, hidden_size=16, architecture="Fake")
+
+    def describe(self):
+        return [{"rows_total": 63}]
+
+    def generate(self, prompts, params, steering=None, use_tqdm=False):
+        n = 1 if isinstance(prompts, str) else len(prompts)
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1, 2, 3])], num_cached_tokens=0)] * n
+
+    def set_layer_vector(self, *a, **k):
+        pass
+
+    def clear_all(self):
+        pass
+
+
+def test_doctor_checks_fail_when_steering_does_nothing():
+    checks = {c.name: c for c in doctor._checks(None, _Broken(), max_overhead=1e9)}
+    assert checks["hooked"].ok
+    for name in ("steering fires", "batchmates untouched", "clear restores baseline", "prefix cache"):
+        assert not checks[name].ok, checks[name]
+    assert "cached tokens" in checks["prefix cache"].detail
+
+
+def test_version_option():
+    out = subprocess.run([str(EXE), "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("dynsteer ") and "vLLM 0.26" in out.stdout
