@@ -177,7 +177,7 @@ def test_sweep_outputs_and_report_numbers(rig, first_run):
 
 
 def test_sweep_is_reproducible_byte_for_byte(rig, first_run):
-    again = run_sweep(sweep_config(rig), rig["steerer"], rig["work"] / "run-b", progress=False)
+    again = run_sweep(sweep_config(rig), rig["steerer"], rig["work"] / "run-b", progress=True)
     assert again.generated == 20
     for name in OUTPUTS:
         assert (again.out_dir / name).read_bytes() == (first_run.out_dir / name).read_bytes(), name

@@ -2,13 +2,15 @@
 
 * :mod:`dynsteer.sweep.grid` — ``path=v1,v2`` axes applied to pydantic models;
 * :mod:`dynsteer.sweep.metrics` — the per-sample metrics and their definitions;
-* :mod:`dynsteer.sweep.runner` — :func:`run_sweep` (resumable, reproducible), ``samples.jsonl`` and ``summary.csv``;
+* :mod:`dynsteer.sweep.config` — :class:`SweepConfig`, prompt and policy/spec files;
+* :mod:`dynsteer.sweep.runner` — :func:`run_sweep` (resumable, reproducible), ``samples.jsonl``;
+* :mod:`dynsteer.sweep.summary` — ``summary.csv``: per variant and class;
 * :mod:`dynsteer.sweep.report` — the self-contained HTML report.
 """
 
 from dynsteer.sweep.grid import GridAxis, apply_point, grid_points, parse_axis
-from dynsteer.sweep.runner import (PromptItem, SweepConfig, SweepInterrupted, SweepMismatchError, SweepResult,
-                                   load_prompts, load_target, run_sweep)
+from dynsteer.sweep.config import PromptItem, SweepConfig, load_prompts, load_target
+from dynsteer.sweep.runner import SweepInterrupted, SweepMismatchError, SweepResult, run_sweep
 
 __all__ = ["GridAxis", "PromptItem", "SweepConfig", "SweepInterrupted", "SweepMismatchError", "SweepResult",
            "apply_point", "grid_points", "load_prompts", "load_target", "parse_axis", "run_sweep"]

@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from dynsteer.sweep.grid import point_label
-from dynsteer.sweep.runner import BASELINE, SweepConfig, SweepResult, format_value, summary_columns
+from dynsteer.sweep.config import BASELINE, SweepConfig
+from dynsteer.sweep.runner import SweepResult
+from dynsteer.sweep.summary import format_value, summary_columns
 
 __all__ = ["PLOT_METRICS", "render_report", "write_report"]
 

@@ -16,30 +16,26 @@ Example:
 
 from __future__ import annotations
 
-import csv
-import hashlib
-import io
 import json
 import os
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dynsteer.dose import DoseEntry, dose_places, enforce_dose_limit, relative_doses, residual_norms
 from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import SteeringSpec
 from dynsteer.sweep import metrics as M
-from dynsteer.sweep.grid import GridAxis, GridPathError, apply_point, grid_points, parse_axis, point_label
+from dynsteer.sweep.config import BASELINE, SweepConfig
+from dynsteer.sweep.grid import GridPathError, apply_point, grid_points, point_label
+from dynsteer.sweep.summary import summarize, summary_csv_text
 
-__all__ = ["PromptItem", "SweepConfig", "SweepInterrupted", "SweepMismatchError", "SweepResult", "Variant",
-           "format_value", "load_prompts", "load_target", "run_sweep"]
-
-BASELINE = "v000"
-UNLABELLED = "unlabelled"
+__all__ = ["BASELINE", "SweepInterrupted", "SweepMismatchError", "SweepResult", "Variant", "make_variants",
+           "run_sweep", "summarize"]
 
 
 class SweepMismatchError(RuntimeError):
@@ -48,171 +44,6 @@ class SweepMismatchError(RuntimeError):
 
 class SweepInterrupted(RuntimeError):
     """Raised by an ``on_batch`` callback to stop a sweep after a batch (what is done stays done)."""
-
-
-class PromptItem(BaseModel):
-    """One prompt of the set: a user message (``prompt``) or a whole conversation (``messages``), and its class.
-
-    Attributes:
-        prompt: the user message (chat) or raw prompt text (``chat=False``).
-        messages: a conversation (``[{"role": ..., "content": ...}]``), instead of ``prompt``.
-        label: its class (``None``: ``"unlabelled"``).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    prompt: Optional[str] = None
-    messages: Optional[tuple[dict[str, str], ...]] = None
-    label: Optional[str] = None
-
-    @model_validator(mode="after")
-    def _one(self) -> "PromptItem":
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give prompt or messages (exactly one)")
-        return self
-
-    @property
-    def cls(self) -> str:
-        return self.label if self.label is not None else UNLABELLED
-
-    def text(self) -> str:
-        """The prompt as shown in reports (the last message of a conversation)."""
-        return self.prompt if self.prompt is not None else self.messages[-1].get("content", "")  # type: ignore
-
-
-def load_prompts(path: str | Path) -> list[PromptItem]:
-    """Read a JSONL prompt file: one object per line, ``{"prompt": ..., "label": ...}`` or ``{"messages": [...],
-    "label": ...}`` (``label`` optional; ``text``/``class`` are accepted as aliases); a bare JSON string is a prompt.
-
-    Raises:
-        ValueError: naming the line that is not a valid prompt.
-    """
-    items = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-            if isinstance(obj, str):
-                obj = {"prompt": obj}
-            if isinstance(obj, dict):
-                obj = {{"text": "prompt", "class": "label"}.get(k, k): v for k, v in obj.items()}
-            items.append(PromptItem.model_validate(obj))
-        except ValueError as exc:
-            raise ValueError(f"{path}:{n}: not a prompt: {exc}") from None
-    if not items:
-        raise ValueError(f"{path}: no prompts")
-    return items
-
-
-def load_target(path: str | Path) -> DynamicSteeringPolicy | SteeringSpec:
-    """A policy or steering-spec file (YAML or JSON): a policy if it has ``monitors``/``rules``/``controller``."""
-    import yaml
-
-    data = yaml.safe_load(Path(path).read_text())
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping (a DynamicSteeringPolicy or a SteeringSpec)")
-    if {"monitors", "rules", "controller", "max_relative_dose"} & set(data):
-        return DynamicSteeringPolicy.model_validate(data)
-    return SteeringSpec.model_validate(data)
-
-
-class SweepConfig(BaseModel):
-    """Everything that defines a sweep (and its fingerprint: change any field but ``batch_size`` and it is another
-    sweep).
-
-    Attributes:
-        kind: ``policy`` or ``spec``.
-        base: the base policy or spec (JSON form; probe-file monitors already loaded, so their ``threshold`` and
-            ``sharpness`` can be swept).
-        grid: the swept fields (:mod:`dynsteer.sweep.grid`); variants are their cartesian product.
-        prompts: the labelled prompt set.
-        samples: samples per prompt and variant; sample ``s`` uses seed ``seed + s``.
-        seed: the first sample's seed.
-        max_tokens, temperature, top_p: sampling (``temperature=0``: greedy).
-        chat: apply the model's chat template (``prompt`` becomes a user message).
-        target_class: the class the policy should steer (selectivity); ``None``: no selectivity figures.
-        leave_alone: classes the policy should leave alone (side effects); default: every class but the target.
-        probe_file: a probe file whose probability is the concept score (captured in the same run).
-        concept_class: which probe class is the concept (1: the probe's positive class).
-        words: a word list for the word concept score.
-        batch_size: requests per engine batch (and per resume checkpoint).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: Literal["policy", "spec"]
-    base: dict[str, Any]
-    grid: tuple[GridAxis, ...] = ()
-    prompts: tuple[PromptItem, ...] = Field(min_length=1)
-    samples: int = Field(default=1, ge=1)
-    seed: int = 0
-    max_tokens: int = Field(default=32, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    chat: bool = True
-    target_class: Optional[str] = None
-    leave_alone: Optional[tuple[str, ...]] = None
-    probe_file: Optional[str] = None
-    concept_class: Literal[0, 1] = 1
-    words: tuple[str, ...] = ()
-    batch_size: int = Field(default=64, ge=1)
-
-    @classmethod
-    def build(cls, target: DynamicSteeringPolicy | SteeringSpec, *, grid: Sequence[str | GridAxis] = (),
-              prompts: str | Path | Sequence[PromptItem | dict[str, Any] | str], **kwargs: Any) -> "SweepConfig":
-        """A config from a policy or spec object, grid strings (``"path=v1,v2"``) and a prompt file or list."""
-        if isinstance(target, DynamicSteeringPolicy):
-            kind, base = "policy", json.loads(target.resolved().to_json())
-        else:
-            kind, base = "spec", json.loads(target.model_dump_json())
-        if isinstance(prompts, (str, Path)):
-            items = load_prompts(prompts)
-        else:
-            items = [p if isinstance(p, PromptItem) else PromptItem.model_validate(
-                {"prompt": p} if isinstance(p, str) else p) for p in prompts]
-        axes = [a if isinstance(a, GridAxis) else parse_axis(a) for a in grid]
-        if kwargs.get("probe_file") is not None:
-            kwargs["probe_file"] = str(Path(kwargs["probe_file"]).resolve())
-        cfg = cls(kind=kind, base=base, grid=tuple(axes), prompts=tuple(items), **kwargs)
-        cfg.check_paths()
-        return cfg
-
-    def check_paths(self) -> None:
-        """Fail early on a grid path that addresses no field of the base (values are checked per variant).
-
-        Raises:
-            GridPathError: naming the path.
-        """
-        base = self.target()
-        for axis in self.grid:
-            try:
-                apply_point(base, {axis.path: axis.values[0]})
-            except GridPathError:
-                raise
-            except ValueError as exc:
-                if "Extra inputs are not permitted" in str(exc):
-                    raise GridPathError(f"grid path {axis.path!r}: no such field") from None
-
-    def target(self) -> DynamicSteeringPolicy | SteeringSpec:
-        model = DynamicSteeringPolicy if self.kind == "policy" else SteeringSpec
-        return model.model_validate_json(json.dumps(self.base))
-
-    def classes(self) -> list[str]:
-        """Prompt classes in order of first appearance."""
-        return list(dict.fromkeys(p.cls for p in self.prompts))
-
-    def alone_classes(self) -> list[str]:
-        if self.leave_alone is not None:
-            return list(self.leave_alone)
-        return [c for c in self.classes() if c != self.target_class] if self.target_class is not None else []
-
-    def fingerprint(self) -> str:
-        """sha256 of everything that decides the samples (the probe file's bytes included)."""
-        data = self.model_dump(mode="json", exclude={"batch_size"})
-        if self.probe_file is not None:
-            data["probe_sha256"] = hashlib.sha256(Path(self.probe_file).read_bytes()).hexdigest()
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass
@@ -270,19 +101,6 @@ class SweepResult:
     @property
     def report_html(self) -> Path:
         return self.out_dir / "report.html"
-
-
-def format_value(v: Any) -> str:
-    """How a summary value is written (CSV and report alike): ``""`` for none, 6 significant digits for floats."""
-    if v is None:
-        return ""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        return "nan" if v != v else f"{v:.6g}"
-    if isinstance(v, (dict, list, tuple)):
-        return json.dumps(v, sort_keys=True)
-    return str(v)
 
 
 def _r(x: float) -> float:
@@ -439,7 +257,8 @@ def run_sweep(cfg: SweepConfig, steerer: Any, out_dir: str | Path, *, progress: 
     try:
         for start in range(0, len(pending), cfg.batch_size):
             chunk = pending[start:start + cfg.batch_size]
-            records = _run_chunk(cfg, steerer, chunk, capture, probe, baseline, SamplingParams)
+            records = _run_chunk(cfg, steerer, chunk, capture, probe, baseline, SamplingParams,
+                                 _RequestProgress(bar) if bar is not None else False)
             with open(samples_path, "a") as f:
                 for rec in records:
                     f.write(json.dumps(rec, sort_keys=True) + "\n")
@@ -448,8 +267,6 @@ def run_sweep(cfg: SweepConfig, steerer: Any, out_dir: str | Path, *, progress: 
             for rec in records:
                 done[rec["id"]] = rec
             generated += len(records)
-            if bar is not None:
-                bar[0].update(bar[1], advance=len(records))
             if on_batch is not None:
                 on_batch(skipped + generated, len(units))
     finally:
@@ -482,13 +299,44 @@ def _progress(enabled: bool, total: int, skipped: int) -> Any:
     return prog, prog.add_task("sweep", total=total)
 
 
+class _RequestProgress:
+    """What vLLM's ``use_tqdm`` accepts (a tqdm factory): advances the sweep's rich bar as each request finishes."""
+
+    def __init__(self, bar: tuple[Any, Any]) -> None:
+        self.progress, self.task = bar
+
+    def __call__(self, iterable: Any = None, **_: Any) -> Any:
+        return iterable if iterable is not None else _Bar(self.progress, self.task)
+
+
+class _Bar:
+    def __init__(self, progress: Any, task: Any) -> None:
+        self.progress, self.task, self.n, self.postfix = progress, task, 0, ""
+        self._t0 = time.perf_counter()
+
+    @property
+    def format_dict(self) -> dict[str, float]:
+        return {"elapsed": max(time.perf_counter() - self._t0, 1e-9)}
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        self.progress.update(self.task, advance=n)
+
+    def refresh(self) -> None:
+        self.progress.refresh()
+
+    def close(self) -> None:
+        pass
+
+
 def _run_chunk(cfg: SweepConfig, steerer: Any, chunk: list[tuple[str, Variant, int, int]], capture: Any,
-               probe: Any, baseline: dict[tuple[int, int], list[int]], SamplingParams: Any) -> list[dict[str, Any]]:
+               probe: Any, baseline: dict[tuple[int, int], list[int]], SamplingParams: Any,
+               use_tqdm: Any = False) -> list[dict[str, Any]]:
     params = [SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
                              seed=cfg.seed + s) for _, _, _, s in chunk]
     steering = [v.spec for _, v, _, _ in chunk]
     policies = [v.policy for _, v, _, _ in chunk]
-    kwargs: dict[str, Any] = {"steering": steering, "capture": capture, "use_tqdm": False}
+    kwargs: dict[str, Any] = {"steering": steering, "capture": capture, "use_tqdm": use_tqdm}
     if any(p is not None for p in policies):
         kwargs["policy"] = policies
     if cfg.chat:
@@ -542,61 +390,4 @@ def _perplexities(steerer: Any, pairs: list[tuple[list[int], list[int]]], Sampli
         found[(p, o)] = M.perplexity(lps)
     return [found.get((tuple(p), tuple(o))) if o else None for p, o in pairs]
 
-
-SUMMARY_METRICS = ("concept_probe", "concept_words", "perplexity", "repeat_4gram", "distinct_1", "distinct_2",
-                   "changed_rate", "identical_rate", "fire_rate", "gate_rate", "steered_tokens")
-VARIANT_COLUMNS = ("side_effect_identical_rate", "target_steered_rate", "other_steered_rate", "selectivity",
-                   "max_relative_dose", "max_peak_dose", "clipped_actions", "error")
-
-
-def summary_columns(cfg: SweepConfig) -> list[str]:
-    """The columns of ``summary.csv``, in order."""
-    return ["variant", "label", *[a.path for a in cfg.grid], "class", "n", *SUMMARY_METRICS, *VARIANT_COLUMNS]
-
-
-def summarize(cfg: SweepConfig, variants: list[Variant], records: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """One row per variant and class (then ``all``), formatted with :func:`format_value` (the metrics module's
-    definitions: :mod:`dynsteer.sweep.metrics`)."""
-    by_variant: dict[str, list[dict[str, Any]]] = {}
-    for r in records:
-        by_variant.setdefault(r["variant"], []).append(r)
-    alone = set(cfg.alone_classes())
-    rows = []
-    for v in variants:
-        recs = by_variant.get(v.id, [])
-
-        def rate(sel: Callable[[dict[str, Any]], bool], key: str, recs=recs) -> float | None:
-            return M.mean_or_none(r[key] for r in recs if sel(r))
-
-        per_variant = {
-            "side_effect_identical_rate": rate(lambda r: r["label"] in alone, "identical") if alone else None,
-            "target_steered_rate": (rate(lambda r: r["label"] == cfg.target_class, "changed")
-                                    if cfg.target_class is not None else None),
-            "other_steered_rate": (rate(lambda r: r["label"] != cfg.target_class, "changed")
-                                   if cfg.target_class is not None else None),
-            "max_relative_dose": v.max_dose, "max_peak_dose": v.max_peak_dose,
-            "clipped_actions": v.clipped if v.doses else None, "error": v.error}
-        t, o = per_variant["target_steered_rate"], per_variant["other_steered_rate"]
-        per_variant["selectivity"] = t - o if t is not None and o is not None else None
-        for cls in [*cfg.classes(), "all"]:
-            sel = [r for r in recs if cls == "all" or r["label"] == cls]
-            row: dict[str, Any] = {"variant": v.id, "label": v.label,
-                                   **{a.path: v.point.get(a.path) for a in cfg.grid}, "class": cls, "n": len(sel)}
-            for m in ("concept_probe", "concept_words", "perplexity", "repeat_4gram", "distinct_1", "distinct_2",
-                      "steered_tokens", "gate_rate"):
-                row[m] = M.mean_or_none(r[m] for r in sel)
-            row["changed_rate"] = M.mean_or_none(r["changed"] for r in sel)
-            row["identical_rate"] = M.mean_or_none(r["identical"] for r in sel)
-            row["fire_rate"] = M.mean_or_none(r["fired"] for r in sel)
-            row.update(per_variant)
-            rows.append({c: format_value(row.get(c)) for c in summary_columns(cfg)})
-    return rows
-
-
-def summary_csv_text(cfg: SweepConfig, rows: list[dict[str, str]]) -> str:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=summary_columns(cfg), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return buf.getvalue()
 
