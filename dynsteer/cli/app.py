@@ -101,6 +101,11 @@ def doctor(
         raise typer.Exit(1)
 
 
+from dynsteer.cli.probe import probe_app  # noqa: E402 - `dynsteer probe train|eval`
+
+app.add_typer(probe_app, name="probe")
+
+
 @app.command()
 def version() -> None:
     """Print dynsteer's and vLLM's versions."""
