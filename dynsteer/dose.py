@@ -56,7 +56,7 @@ from dynsteer.vectors import as_vector
 
 Place = tuple[int, str]
 
-__all__ = ["DoseEntry", "REFERENCE_TEXTS", "enforce_dose_limit", "measure_residual_norms", "norm_cache_path",
+__all__ = ["DoseEntry", "REFERENCE_TEXTS", "applied_dose", "enforce_dose_limit", "measure_residual_norms", "norm_cache_path",
            "relative_doses", "residual_norms"]
 
 REFERENCE_TEXTS: tuple[str, ...] = (
@@ -272,6 +272,27 @@ def enforce_dose_limit(policy: DynamicSteeringPolicy, norms: Mapping[Place, floa
         new_rules = tuple(r.model_copy(update={"actions": tuple(acts)}) for r, acts in zip(policy.rules, rules))
         policy = policy.model_copy(update={"rules": new_rules})
     return policy, report
+
+
+def applied_dose(trace: Any, policy: DynamicSteeringPolicy, entries: list[DoseEntry]) -> np.ndarray:
+    """The relative dose a request actually received at each traced token: the largest over additive actions of
+    ``|applied gate| · dose`` (the applied gate includes the controller's ``dyn_scale``).
+
+    Args:
+        trace: the request's :class:`dynsteer.DynamicTrace` (its first slots are the policy's rules, in order).
+        policy: the policy it ran.
+        entries: :func:`relative_doses` of that policy.
+
+    Returns:
+        ``[tokens]`` float64 (zeros where nothing was applied).
+    """
+    n_rules = len(policy.rules)
+    per_rule = np.array([max((e.dose for e in entries if e.where.startswith(f"rules[{i}].")), default=0.0)
+                         for i in range(n_rules)], np.float64)
+    if not len(trace.position) or not n_rules:
+        return np.zeros(len(trace.position))
+    applied = np.abs(np.asarray(trace.applied, np.float64).reshape(len(trace.position), -1)[:, :n_rules])
+    return (applied * per_rule).max(axis=1)
 
 
 def admit_dose(steerer: Any, policy: DynamicSteeringPolicy) -> tuple[DynamicSteeringPolicy, list[DoseEntry]]:

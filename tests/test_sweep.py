@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import dynsteer
-from dynsteer import DynamicSteeringPolicy, DynsteerConfig, SteeringValidationError
+from dynsteer import AddVector, DynamicSteeringPolicy, DynsteerConfig, SteeringSpec, SteeringValidationError
 from dynsteer.sweep import SweepConfig, SweepInterrupted, run_sweep
 from dynsteer.sweep import metrics as M
 from tests.conftest import make_llm
@@ -158,6 +158,11 @@ def test_sweep_outputs_and_report_numbers(rig, first_run):
         row = next(r for r in rows if r["variant"] == variant)
         assert float(row["max_relative_dose"]) == pytest.approx(scale * vnorm / mean_h, rel=1e-5)
 
+    for r in records:  # the dose actually applied: the variant's dose wherever the gate (× dyn_scale) was 1
+        if r["variant"] == "v003":
+            assert max(r["dose_trace"]) <= float(strong["all"]["max_relative_dose"]) * (1 + 1e-5)
+            assert (max(r["dose_trace"]) > 0) == r["fired"]
+
     # the report shows exactly the CSV's values
     page = _Tables()
     page.feed((out / "report.html").read_text())
@@ -247,6 +252,29 @@ def test_relative_dose_guardrail_rejects_or_clips(rig):
         policy.rules[0].actions[0].model_copy(update={"scale": 0.5}),)}),)})
     assert list(clipped[0].outputs[0].token_ids) == list(st.chat(conv, params, policy=half)[0].outputs[0].token_ids)
     st.chat(conv, params, policy=guarded(dose * 1.01))  # under the limit: admitted unchanged
+
+
+def test_spec_sweep_with_seeded_sampling(rig):
+    """A static steering spec, 2 sampled continuations per prompt: seeds pair every sample with its baseline."""
+    vec = np.asarray(rig["policy"].resolved().rules[0].actions[0].vector, np.float32)
+    spec = SteeringSpec(vectors=[AddVector(layer=ds.LAYER, vector=vec, scale=1.0, tier="decode")])
+    cfg = SweepConfig.build(spec, grid=["vectors[0].scale=0.0,1.5"], prompts=rig["prompts"], samples=2, seed=7,
+                            temperature=0.8, max_tokens=12, target_class="complaint", words=("the", "and"))
+    res = run_sweep(cfg, rig["steerer"], rig["work"] / "spec", progress=False)
+    assert res.generated == 4 * 2 * 3
+    recs = {r["id"]: r for r in res.records}
+    assert {r["seed"] for r in res.records} == {7, 8}
+    base = [recs[f"v000/p{p:04d}/s{s:03d}"]["token_ids"] for p in range(4) for s in range(2)]
+    assert any(base[i] != base[i + 1] for i in range(0, 8, 2))  # the two seeds sample differently
+    rows = {(r["variant"], r["class"]): r for r in res.summary}
+    assert rows[("v001", "all")]["identical_rate"] == "1"  # scale 0 with the same seeds: the baseline's samples
+    assert float(rows[("v002", "all")]["changed_rate"]) > 0.5 and rows[("v002", "all")]["fire_rate"] == ""
+    assert rows[("v001", "all")]["max_relative_dose"] == "0" and float(rows[("v002", "all")]["max_relative_dose"]) > 0
+    assert rows[("v002", "all")]["concept_words"] != "" and rows[("v002", "all")]["concept_probe"] == ""
+    page = _Tables()
+    page.feed(res.report_html.read_text())
+    assert page.tables["summary"] == list(csv.DictReader(io.StringIO(res.summary_csv.read_text())))
+    assert "metric-changed_rate" in [n for n, _ in page.images] and "gate-fire-rate" not in [n for n, _ in page.images]
 
 
 def test_cli_sweep(rig, monkeypatch):

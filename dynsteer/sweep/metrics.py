@@ -21,6 +21,9 @@ Per sample (one generated continuation; ``tokens`` are its generated token ids, 
 * ``steered_tokens`` (policies) — generated tokens at which the policy acted: some rule's applied gate times the
   controller's ``dyn_scale`` was non-zero (from the request's trace); ``fired = steered_tokens > 0``;
   ``gate_rate`` — the fraction of traced tokens whose first slot's gate reached 0.5.
+* ``applied_dose`` (policies) — the mean over traced tokens of the relative dose actually applied at each token
+  (``dose_trace``: the largest over additive actions of ``|applied gate| · |scale|·‖v‖ / mean‖h‖``, the applied
+  gate including the controller's ``dyn_scale``; :func:`dynsteer.dose.applied_dose`).
 
 Per variant and class (rows of ``summary.csv``): the mean of each sample metric over the samples of that class,
 ``changed_rate`` / ``identical_rate`` (means of the flags), ``fire_rate`` (mean of ``fired``), and across classes:

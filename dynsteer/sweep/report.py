@@ -27,7 +27,8 @@ from dynsteer.sweep.summary import format_value, summary_columns
 
 __all__ = ["PLOT_METRICS", "render_report", "write_report"]
 
-PLOT_METRICS = ("concept_probe", "concept_words", "perplexity", "repeat_4gram", "distinct_2", "changed_rate")
+PLOT_METRICS = ("concept_probe", "concept_words", "perplexity", "repeat_4gram", "distinct_2", "changed_rate",
+                "applied_dose")
 MAX_EXAMPLE_COLUMNS = 8
 
 _CSS = """
@@ -55,6 +56,7 @@ _DEFINITIONS = [
     ("selectivity", "target_steered_rate − other_steered_rate (changed outputs on the target class vs the others)"),
     ("max_relative_dose", "largest |scale|·‖v‖ / mean‖h‖ over the variant's additive actions (peak: × controller "
                           "bound)"),
+    ("applied_dose", "mean over generated tokens of the relative dose actually applied (gate × dyn_scale × dose)"),
 ]
 
 

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from dynsteer.dose import DoseEntry, dose_places, enforce_dose_limit, relative_doses, residual_norms
+from dynsteer.dose import (DoseEntry, applied_dose, dose_places, enforce_dose_limit, relative_doses,
+                           residual_norms)
 from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import SteeringSpec
 from dynsteer.sweep import metrics as M
@@ -182,17 +183,21 @@ def _check_out_dir(out: Path, cfg: SweepConfig, overwrite: bool) -> None:
                                    sort_keys=True) + "\n")
 
 
-def _trace_fields(trace: Any) -> dict[str, Any]:
-    if trace is None:
-        return {"steered_tokens": None, "fired": None, "gate_rate": None, "gate_trace": None, "score_trace": None}
-    applied = np.asarray(trace.applied, np.float64).reshape(len(trace.position), -1)
-    scale = np.asarray(trace.scale, np.float64).reshape(-1, 1)
-    steered = int(np.count_nonzero(np.any(applied * scale != 0, axis=1))) if len(trace.position) else 0
-    gates = trace.gates(0) if len(trace.position) else np.zeros(0)
+def _trace_fields(trace: Any, v: Variant) -> dict[str, Any]:
+    if trace is None or v.policy is None:
+        return {"steered_tokens": None, "fired": None, "gate_rate": None, "gate_trace": None, "score_trace": None,
+                "dose_trace": None, "applied_dose": None}
+    n = len(trace.position)
+    applied = np.asarray(trace.applied, np.float64).reshape(n, -1)[:, :len(v.policy.rules)]
+    steered = int(np.count_nonzero(np.any(applied != 0, axis=1))) if n else 0
+    gates = trace.gates(0) if n else np.zeros(0)
+    dose = applied_dose(trace, v.policy, v.doses) if v.doses else None
     return {"steered_tokens": steered, "fired": steered > 0,
-            "gate_rate": float(np.mean(gates >= 0.5)) if len(gates) else None,
+            "gate_rate": float(np.mean(gates >= 0.5)) if n else None,
             "gate_trace": [_r(float(g)) for g in gates],
-            "score_trace": [_r(float(s)) for s in (trace.scores(0) if len(trace.position) else [])]}
+            "score_trace": [_r(float(x)) for x in (trace.scores(0) if n else [])],
+            "dose_trace": None if dose is None else [_r(float(d)) for d in dose],
+            "applied_dose": None if dose is None or not n else float(np.mean(dose))}
 
 
 def run_sweep(cfg: SweepConfig, steerer: Any, out_dir: str | Path, *, progress: bool = True,
@@ -368,7 +373,7 @@ def _run_chunk(cfg: SweepConfig, steerer: Any, chunk: list[tuple[str, Variant, i
             "concept_words": M.concept_words(comp.text, cfg.words),
             "perplexity": perp, "repeat_4gram": M.repeated_ngram_rate(tokens, 4),
             "distinct_1": M.distinct_n(tokens, 1), "distinct_2": M.distinct_n(tokens, 2),
-            **_trace_fields(getattr(out, "trace", None) if v.policy is not None else None)}
+            **_trace_fields(getattr(out, "trace", None), v)}
         records.append(rec)
     return records
 

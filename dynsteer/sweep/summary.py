@@ -32,7 +32,7 @@ def format_value(v: Any) -> str:
 
 
 SUMMARY_METRICS = ("concept_probe", "concept_words", "perplexity", "repeat_4gram", "distinct_1", "distinct_2",
-                   "changed_rate", "identical_rate", "fire_rate", "gate_rate", "steered_tokens")
+                   "changed_rate", "identical_rate", "fire_rate", "gate_rate", "steered_tokens", "applied_dose")
 VARIANT_COLUMNS = ("side_effect_identical_rate", "target_steered_rate", "other_steered_rate", "selectivity",
                    "max_relative_dose", "max_peak_dose", "clipped_actions", "error")
 
@@ -71,8 +71,8 @@ def summarize(cfg: SweepConfig, variants: list[Variant], records: list[dict[str,
             row: dict[str, Any] = {"variant": v.id, "label": v.label,
                                    **{a.path: v.point.get(a.path) for a in cfg.grid}, "class": cls, "n": len(sel)}
             for m in ("concept_probe", "concept_words", "perplexity", "repeat_4gram", "distinct_1", "distinct_2",
-                      "steered_tokens", "gate_rate"):
-                row[m] = M.mean_or_none(r[m] for r in sel)
+                      "steered_tokens", "gate_rate", "applied_dose"):
+                row[m] = M.mean_or_none(r.get(m) for r in sel)
             row["changed_rate"] = M.mean_or_none(r["changed"] for r in sel)
             row["identical_rate"] = M.mean_or_none(r["identical"] for r in sel)
             row["fire_rate"] = M.mean_or_none(r["fired"] for r in sel)
