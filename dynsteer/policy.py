@@ -47,7 +47,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from dynsteer.spec import (SITES, Layer, ModelShape, Real, Site, SteeringValidationError, VectorSource,
-                           check_clamp_bounds, check_name, resolve_vector)
+                           check_clamp_bounds, check_name, check_site, resolve_vector)
 from dynsteer.vectors import Vector
 
 POLICY_VERSION = 1
@@ -599,9 +599,7 @@ class DynamicSteeringPolicy(_Model):
             if shape.layers is not None and layer not in shape.layers:
                 raise SteeringValidationError(f"{where}.layer: layer {layer} is not hooked in this engine "
                                               f"(hooked: {list(shape.layers)})")
-            if site not in shape.sites:
-                raise SteeringValidationError(f"{where}.site: site {site!r} is not hooked in this engine "
-                                              f"(hooked: {list(shape.sites)})")
+            check_site(site, shape, where)
 
         for i, m in enumerate(self.monitors):
             where = f"{prefix}monitors[{i}]"

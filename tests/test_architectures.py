@@ -22,7 +22,7 @@ from tests.conftest import ON_GPU, make_llm, token_ids
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning"]
 ARCHS = (*CPU_LOADABLE, *FAMILY_ARCHS)
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 PARALLEL = ("cohere", "gpt_j", "gpt_neox")  # attention and MLP in parallel: no post_attn site
 # The transformers module whose input is the post_attn value (the stream the MLP branch reads): the mid norm, or the MLP
 # itself in post-norm layers.
@@ -91,9 +91,13 @@ def test_absent_site_is_rejected_naming_site_and_architecture(family):
         pytest.skip("every site exists in this architecture")
     name = st.shape.architecture
     spec = SteeringSpec(vectors=[AddVector(layer=0, site="post_attn", vector=_vector(st))])
-    with pytest.raises(dynsteer.SteeringValidationError, match=f"site 'post_attn' does not exist in architecture "
-                                                               f"'{name}'.*parallel"):
+    said = f"site 'post_attn' does not exist in architecture '{name}'.*parallel"
+    with pytest.raises(dynsteer.SteeringValidationError, match=said):
         st.generate(PROMPTS[:1], greedy(), steering=spec)
+    with pytest.raises(dynsteer.SteeringValidationError, match=said):
+        st.set_layer_vector(0, _vector(st), site="post_attn")
+    with pytest.raises(dynsteer.SteeringValidationError, match=said):
+        st.generate(PROMPTS[:1], greedy(), capture=CaptureSpec(layers=(0,), sites=("post_attn",)))
 
 
 def hf_residuals(model_dir, arch: str, ids: list[int]) -> dict[tuple[int, str], np.ndarray]:
@@ -148,6 +152,30 @@ def test_captured_residuals_equal_a_transformers_forward(family):
 def test_family_coverage():
     """The issue's floor: 15 families, two MoE and one parallel-block family among them."""
     assert len(ARCHS) >= 15 and len(set(MOE) & set(ARCHS)) >= 2 and set(PARALLEL) & set(ARCHS)
+
+
+@pytest.mark.parametrize("module, model_class, expected", [
+    ("internlm2", "InternLM2ForCausalLM", ("InternLMDecoderLayer", "ffn_norm")),  # norms read from forward's source
+    ("exaone", "ExaoneForCausalLM", ("ExaoneDecoderLayer", "ln_2")),
+    ("minicpm", "MiniCPMForCausalLM", "MiniCPMDecoderLayer.forward does not carry (hidden_states, residual)"),
+    ("opt", "OPTForCausalLM", None),  # no layer whose forward takes (positions, hidden_states)
+])
+def test_discovery_reads_layers_and_norms_from_vllm_source(module, model_class, expected):
+    import importlib
+
+    from dynsteer.engine.adapters import discover_adapter, layer_candidates
+
+    cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), model_class)
+    found = layer_candidates(cls)
+    if expected is None:
+        assert found == []
+        return
+    (layer,) = found
+    got = discover_adapter(layer, None, model_class)  # as if undeclared: discovery alone
+    if isinstance(expected, str):
+        assert isinstance(got, str) and got.startswith(expected)
+    else:
+        assert (got.layer_class, got.mid_norm, got.stream, got.mid_mode) == (*expected, "sum", "fused")
 
 
 def _tiny_foreign(tmp_path_factory, name: str, build) -> str:

@@ -14,7 +14,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from dynsteer.spec import ModelShape, Site, SteeringValidationError
+from dynsteer.spec import ModelShape, Site, SteeringValidationError, check_site
 
 PositionMode = Literal["last_prompt", "all_prompt", "all_generated", "all"]
 Positions = Union[PositionMode, tuple[StrictInt, ...]]
@@ -50,6 +50,8 @@ class CaptureSpec(BaseModel):
             if not 0 <= layer < shape.num_layers:
                 raise SteeringValidationError(f"{field}.layers[{i}]: layer {layer} out of range (0..{shape.num_layers - 1})")
         for layer, site in self.places():
+            if site in dict(shape.absent_sites):  # the architecture has no such site: say which and why
+                check_site(site, shape, f"{field}.sites")
             if (layer, site) not in captured:
                 raise SteeringValidationError(
                     f"{field}: ({layer}, {site!r}) has no capture buffer in this engine; enable it with "

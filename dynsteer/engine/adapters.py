@@ -406,7 +406,10 @@ def patch_model_loader(cls: type) -> None:
 
     @functools.wraps(orig)
     def load_model(self: Any, vllm_config: Any, model_config: Any, *args: Any, **kwargs: Any) -> nn.Module:
-        reason = wire_model(model_config)
+        try:
+            reason = wire_model(model_config)
+        except Exception as exc:  # noqa: BLE001 - discovery must not break a model dynsteer cannot hook
+            reason = f"discovering its decoder layers failed ({type(exc).__name__}: {exc})"
         model = orig(self, vllm_config, model_config, *args, **kwargs)
         rt = find_runtime(model)
         arch = (model_config.architectures or ["?"])[0]

@@ -82,6 +82,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("stablelm", ("StableLmForCausalLM", "StableLMEpochForCausalLM"), **_PLAIN),
     Family("phimoe", ("PhiMoEForCausalLM",), **_PLAIN),
     Family("orion", ("OrionForCausalLM",), **_PLAIN),
+    Family("minicpm", ("MiniCPMForCausalLM",), **_PLAIN),  # depth-scaled branches, like Granite's multiplier
     # Post-norm layers: branch outputs are normed before the add, the MLP reads the stream itself.
     Family("olmo3", ("Olmo3ForCausalLM",), **_POST_NORM),
     Family("exaone4", ("Exaone4ForCausalLM",), **_POST_NORM),

