@@ -228,14 +228,18 @@ def test_report_renders_in_headless_chromium(first_run, tmp_path):
     assert colors > 50, colors  # plot lines in colour, not one flat fill
 
 
-def test_relative_dose_guardrail_rejects_or_clips(rig):
+def test_relative_dose_guardrail_rejects_or_clips(rig, monkeypatch):
     from vllm import SamplingParams
 
+    import dynsteer.dose as dose_mod
     from dynsteer.dose import residual_norms
 
     st = rig["steerer"]
     policy = rig["policy"].resolved()
     mean_h = residual_norms(st, [(ds.LAYER, "post_block")])[(ds.LAYER, "post_block")]
+    # measured once per model: from now on (admission included) the cached norm is used
+    monkeypatch.setattr(dose_mod, "measure_residual_norms", lambda *a, **k: pytest.fail("norms measured again"))
+    assert residual_norms(st, [(ds.LAYER, "post_block")]) == {(ds.LAYER, "post_block"): mean_h}
     vnorm = float(np.linalg.norm(np.asarray(policy.rules[0].actions[0].vector, np.float64)))
     dose = vnorm / mean_h
     params = SamplingParams(temperature=0.0, max_tokens=8)

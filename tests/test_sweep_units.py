@@ -116,3 +116,17 @@ def test_summary_selectivity_and_side_effects():
     assert v1["all"]["max_relative_dose"] == "0.15" and v1["all"]["concept_words"] == ""
     v2 = [r for r in rows if r["variant"] == "v002"]
     assert v2[0]["n"] == "0" and "relative dose" in v2[0]["error"]
+
+
+def test_cli_engine_config_covers_probe_and_actions(tmp_path):
+    from dynsteer.cli.sweep import engine_config
+    from dynsteer.probes.fileformat import save_probe
+    from dynsteer.probes.estimators import DiffMeanProbe
+
+    X = np.vstack([np.eye(H)[0] + 0.1 * np.arange(H), -np.eye(H)[0] + 0.1 * np.arange(H)])
+    path = tmp_path / "p.safetensors"
+    save_probe(path, DiffMeanProbe().fit(X, np.array([1, 0])), model_id="m", layer=4, site="pre_attn")
+    cfg = SweepConfig.build(policy(), grid=[], prompts=["x"], probe_file=path)
+    dc = engine_config(cfg)
+    assert set(dc.capture_sites) == {"pre_attn", "post_block"} and set(dc.capture_layers) == {2, 4}
+    assert dc.max_gates == 2

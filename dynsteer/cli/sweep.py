@@ -8,14 +8,13 @@ from typing import Any, Optional
 
 import typer
 
-__all__ = ["make_engine", "sweep"]
+__all__ = ["engine_config", "make_engine", "sweep"]
 
 
-def make_engine(model: str, cfg: Any, *, dtype: str = "auto", max_model_len: int = 1024, eager: bool = True) -> Any:
-    """A ``vllm.LLM`` able to run ``cfg``: capture buffers at the probe's and the additive actions' places, enough
-    gate slots for the policy's rules (a separate function so tests can hand in a running engine)."""
-    from vllm import LLM
-
+def engine_config(cfg: Any) -> Any:
+    """The :class:`~dynsteer.DynsteerConfig` a sweep needs: capture buffers at the probe's place (concept score) and
+    at the additive actions' places (to measure their residual norms once), and a gate slot per rule (+1 for a
+    controller-only monitor)."""
     from dynsteer import DynsteerConfig
     from dynsteer.dose import dose_places
     from dynsteer.probes.fileformat import load_probe
@@ -26,10 +25,16 @@ def make_engine(model: str, cfg: Any, *, dtype: str = "auto", max_model_len: int
         probe = load_probe(cfg.probe_file)
         places.add((probe.layer, probe.site))
     gates = max(2, len(getattr(target, "rules", ())) + 1)
-    dcfg = DynsteerConfig(capture_sites=tuple(sorted({s for _, s in places})) or (),
+    return DynsteerConfig(capture_sites=tuple(sorted({s for _, s in places})),
                           capture_layers=tuple(sorted({layer for layer, _ in places})) or None, max_gates=gates)
+
+
+def make_engine(model: str, cfg: Any, *, dtype: str = "auto", max_model_len: int = 1024, eager: bool = True) -> Any:
+    """A ``vllm.LLM`` with :func:`engine_config` (a separate function so tests can hand in a running engine)."""
+    from vllm import LLM
+
     return LLM(model=model, dtype=dtype, max_model_len=max_model_len, seed=0, enforce_eager=eager,
-               **dcfg.engine_kwargs())
+               **engine_config(cfg).engine_kwargs())
 
 
 def sweep(
