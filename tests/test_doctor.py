@@ -67,3 +67,16 @@ def test_doctor_checks_fail_when_steering_does_nothing():
 def test_version_option():
     out = subprocess.run([str(EXE), "--version"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("dynsteer ") and "vLLM 0.26" in out.stdout
+
+
+def test_demo_score_and_verbose_flag():
+    from typer.testing import CliRunner
+
+    from dynsteer.cli.app import app
+    from dynsteer.cli.demo import sentiment_score
+
+    assert sentiment_score(["What a wonderful, happy day!", "Nothing here."]) == pytest.approx(100 * 2 / 7)
+    assert sentiment_score(["Awful and sad, the worst."]) == pytest.approx(-100 * 3 / 5)
+    assert sentiment_score([""]) == 0.0
+    res = CliRunner().invoke(app, ["demo", "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "--verbose" in res.output

@@ -33,11 +33,13 @@ def demo(
     layer: int = typer.Option(15, help="decoder layer to steer"),
     scale: float = typer.Option(1.0, help="multiple of the contrastive vector to add (negative flips it)"),
     max_tokens: int = typer.Option(40, help="tokens to generate per prompt"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="show vLLM's logs (default: written to a file)"),
 ) -> None:
-    """Steer SmolLM2 with a contrastive sentiment vector on CPU and print a before/after table."""
+    """Steer SmolLM2 with a contrastive sentiment vector on CPU and print a before/after table with a score per
+    column."""
     from dynsteer.cli.demo import run_demo
 
-    run_demo(model=model, layer=layer, scale=scale, max_tokens=max_tokens)
+    run_demo(model=model, layer=layer, scale=scale, max_tokens=max_tokens, verbose=verbose)
 
 
 @app.command()

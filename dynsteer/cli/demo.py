@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,29 @@ PROMPTS = [
     "Describe the weather today.",
     "What do you think of Mondays?",
 ]
+# The score under each column: sentiment words in its outputs, (positive − negative) per 100 words. A word list,
+# not a classifier: it is there to show the direction each column moved, on a scale that is easy to check by hand.
+POSITIVE_WORDS = frozenset("""
+    amazing awesome beautiful best brilliant calm cheerful delicious delight delighted delightful enjoy enjoyed
+    enjoying excellent excited exciting fantastic fun glad good grateful great happy happiness hope hopeful joy
+    joyful kind love loved lovely lucky nice peaceful perfect pleasant relaxing smile sunny sunshine thank thanks
+    thrilled warm wonderful""".split())
+NEGATIVE_WORDS = frozenset("""
+    angry annoying anxious awful bad bitter boring cold cruel dark depressing disappointed disappointing disgusting
+    dreadful dull fear gloomy grim hate hated horrible hurt lonely lost mad miserable nasty pain painful poor rainy
+    rude sad sadly scared sick stormy stress stressful terrible tired ugly unhappy upset worse worst wrong""".split())
+
+
+def sentiment_score(texts: list[str]) -> float:
+    """(positive − negative sentiment words) per 100 words over ``texts`` (0 without words)."""
+    import re
+
+    words = [w for t in texts for w in re.findall(r"[a-z']+", t.lower())]
+    if not words:
+        return 0.0
+    pos = sum(w in POSITIVE_WORDS for w in words)
+    neg = sum(w in NEGATIVE_WORDS for w in words)
+    return 100.0 * (pos - neg) / len(words)
 
 
 def contrastive_vector(model_dir: Path, layer: int) -> np.ndarray:
@@ -60,12 +84,21 @@ def contrastive_vector(model_dir: Path, layer: int) -> np.ndarray:
     return (mean_residual(POSITIVE) - mean_residual(NEGATIVE)).numpy().astype(np.float32)
 
 
-def run_demo(model: Path | None, layer: int, scale: float, max_tokens: int) -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+def run_demo(model: Path | None, layer: int, scale: float, max_tokens: int, verbose: bool = False) -> None:
+    """Print the before/after table; vLLM's logs go to a file unless ``verbose``."""
     from rich.console import Console
-    from rich.table import Table
 
-    console = Console()
+    from dynsteer.cli.logs import quiet_vllm
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with quiet_vllm(verbose, "dynsteer-demo") as (log, terminal):
+        _demo(Console(file=terminal), model, layer, scale, max_tokens)
+    if log is not None:
+        Console().print(f"[dim]vLLM's log: {log} (--verbose shows it here)[/dim]")
+
+
+def _demo(console: Any, model: Path | None, layer: int, scale: float, max_tokens: int) -> None:
+    from rich.table import Table
     if model is None:
         from dynsteer.zoo import smollm2
 
@@ -92,16 +125,20 @@ def run_demo(model: Path | None, layer: int, scale: float, max_tokens: int) -> N
     # All three variants of every prompt run in one continuous batch.
     batch = [conv for conv in conversations for _ in columns]
     specs = [spec for _ in conversations for spec in columns.values()]
-    outputs = steerer.chat(batch, params, steering=specs)
-    table = Table(title=f"SmolLM2-135M-Instruct, steering at layer {layer} (post_block), greedy", show_lines=True)
+    outputs = steerer.chat(batch, params, steering=specs, use_tqdm=False)
+    table = Table(title=f"SmolLM2-135M-Instruct, steering at layer {layer} (post_block), greedy", show_lines=True,
+                  caption="score: sentiment words in the column's outputs, (positive − negative) per 100 words")
     table.add_column("prompt", style="bold")
     for name in columns:
         table.add_column(name)
-    for i, prompt in enumerate(PROMPTS):
-        row = outputs[i * len(columns):(i + 1) * len(columns)]
-        table.add_row(prompt, *(o.outputs[0].text.strip() for o in row))
+    texts = [[o.outputs[0].text.strip() for o in outputs[i * len(columns):(i + 1) * len(columns)]]
+             for i in range(len(PROMPTS))]
+    for prompt, row in zip(PROMPTS, texts):
+        table.add_row(prompt, *row)
+    scores = [sentiment_score([row[j] for row in texts]) for j in range(len(columns))]
+    table.add_row("[italic]score[/italic]", *(f"[bold]{s:+.1f}[/bold]" for s in scores))
     console.print(table)
-    unsteered_again = steerer.chat(conversations, params)
+    unsteered_again = steerer.chat(conversations, params, use_tqdm=False)
     same = [a.outputs[0].text == b.outputs[0].text
             for a, b in zip(unsteered_again, outputs[::len(columns)])]
     console.print(f"unsteered rows identical to an unsteered-only batch: {all(same)}")
