@@ -75,7 +75,7 @@ def repeated_ngram_rate(tokens: Sequence[int], n: int = 4) -> float:
         0.2
     """
     grams = _ngrams(tokens, n)
-    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+    return (len(grams) - len(set(grams))) / len(grams) if grams else 0.0
 
 
 def concept_words(text: str, words: Iterable[str]) -> float | None:
