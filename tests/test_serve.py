@@ -305,12 +305,23 @@ def test_load_mixed_traffic(server, baseline):
               "latency_ms": {"p50": round(p50, 1), "p95": round(p95, 1), "p99": round(p99, 1),
                              "max": round(float(lat.max()), 1)},
               "model": "tiny random Llama (4 layers, hidden 128)", "device": "cuda" if ON_GPU else "cpu",
-              "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+              "cpus": os.cpu_count(), "cpu_model": _cpu_model(),
+              "load_average_1m": round(os.getloadavg()[0], 2),
               "date": datetime.date.today().isoformat(), "dynsteer": dynsteer.__version__}
     print("\nserve load test:", json.dumps(record))
     out = os.environ.get("DYNSTEER_SERVE_LOAD_JSON")
     if out:
         Path(out).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def test_openai_client_example(server, baseline):
