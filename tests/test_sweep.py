@@ -258,14 +258,19 @@ def test_relative_dose_guardrail_rejects_or_clips(rig, monkeypatch):
     st.chat(conv, params, policy=guarded(dose * 1.01))  # under the limit: admitted unchanged
 
 
-def test_spec_sweep_with_seeded_sampling(rig):
-    """A static steering spec, 2 sampled continuations per prompt: seeds pair every sample with its baseline."""
+def test_spec_sweep_with_seeded_sampling(rig, monkeypatch):
+    """A static steering spec, 2 sampled continuations per prompt: seeds pair every sample with its baseline; all
+    variants go to the engine in one batch."""
+    calls = []
+    chat = rig["steerer"].chat
+    monkeypatch.setattr(rig["steerer"], "chat",
+                        lambda convs, *a, **k: calls.append(len(convs)) or chat(convs, *a, **k))
     vec = np.asarray(rig["policy"].resolved().rules[0].actions[0].vector, np.float32)
     spec = SteeringSpec(vectors=[AddVector(layer=ds.LAYER, vector=vec, scale=1.0, tier="decode")])
     cfg = SweepConfig.build(spec, grid=["vectors[0].scale=0.0,1.5"], prompts=rig["prompts"], samples=2, seed=7,
                             temperature=0.8, max_tokens=12, target_class="complaint", words=("the", "and"))
     res = run_sweep(cfg, rig["steerer"], rig["work"] / "spec", progress=False)
-    assert res.generated == 4 * 2 * 3
+    assert res.generated == 4 * 2 * 3 and calls == [24]  # baseline and both variants: one generate call
     recs = {r["id"]: r for r in res.records}
     assert {r["seed"] for r in res.records} == {7, 8}
     base = [recs[f"v000/p{p:04d}/s{s:03d}"]["token_ids"] for p in range(4) for s in range(2)]
