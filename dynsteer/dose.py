@@ -56,8 +56,8 @@ from dynsteer.vectors import as_vector
 
 Place = tuple[int, str]
 
-__all__ = ["DoseEntry", "REFERENCE_TEXTS", "applied_dose", "enforce_dose_limit", "measure_residual_norms", "norm_cache_path",
-           "relative_doses", "residual_norms"]
+__all__ = ["DoseEntry", "REFERENCE_TEXTS", "admit_dose", "applied_dose", "dose_places", "enforce_dose_limit",
+           "measure_residual_norms", "norm_cache_path", "relative_doses", "residual_norms"]
 
 REFERENCE_TEXTS: tuple[str, ...] = (
     "The committee met on Tuesday to discuss the budget for the coming year.",

@@ -56,8 +56,8 @@ Scope = Literal["this_token", "next_step", "rest_of_request"]
 """When a rule's gate acts: the same token (in-graph), the next step, or from the first trigger to the end."""
 ControllerKind = Literal["latch", "ema_latch", "pid", "budget", "custom"]
 
-__all__ = ["Action", "ControllerKind", "DynamicSteeringPolicy", "Monitor", "POLICY_VERSION", "RelativeDoseLimit", "Rule",
-           "Scope", "SyncControllerSpec"]
+__all__ = ["Action", "ControllerKind", "DynamicSteeringPolicy", "Monitor", "POLICY_VERSION", "RelativeDoseLimit",
+           "Rule", "Scope", "SyncControllerSpec"]
 
 
 def _finite(name: str, value: float | None) -> None:
@@ -445,7 +445,8 @@ class RelativeDoseLimit(_Model):
     against the residual norms measured once per model. A bare number is accepted as ``limit``.
 
     Args:
-        limit: the largest relative dose, ``> 0``, at the controller's largest output (:meth:`DynamicSteeringPolicy.max_output`).
+        limit: the largest relative dose, ``> 0``, at the controller's largest output
+            (:meth:`DynamicSteeringPolicy.max_output`).
         mode: ``reject`` (a ``SteeringValidationError`` naming the action and its dose) or ``clip`` (the action's
             scale is reduced to the limit, and reported).
 

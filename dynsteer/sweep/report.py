@@ -242,7 +242,8 @@ def render_report(result: SweepResult, cfg: SweepConfig) -> str:
 {cfg.samples} samples</h1>
 <p>Prompts by class: {html.escape(classes)}. Target class: {html.escape(str(cfg.target_class))}; left alone:
 {html.escape(', '.join(cfg.alone_classes()) or '(none)')}. Sampling: max_tokens {cfg.max_tokens}, temperature
-{cfg.temperature:g}, seeds {cfg.seed}…{cfg.seed + cfg.samples - 1}. Fingerprint <code>{cfg.fingerprint()[:16]}</code>.</p>
+{cfg.temperature:g}, seeds {cfg.seed}…{cfg.seed + cfg.samples - 1}.
+Fingerprint <code>{cfg.fingerprint()[:16]}</code>.</p>
 <h2>Grid</h2><ul>{grid}</ul>
 <h2>Summary</h2>
 <p>The values of <code>summary.csv</code>, one row per variant and class.</p>
