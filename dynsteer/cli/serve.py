@@ -23,9 +23,11 @@ def serve_parser():
     serve = ServeSubcommand()
     sub = serve.subparser_init(subparsers)
     sub.usage = "dynsteer serve [model_tag] [vLLM serve options] [--steering-allow-remote]"
-    sub.add_argument(ALLOW_REMOTE, action="store_true", default=False,
-                     help="dynsteer: with no --api-key, serve /v1/steering/* to non-loopback clients too "
-                          "(default: loopback only)")
+    group = sub.add_argument_group("dynsteer", "dynsteer's steering endpoints (/v1/steering/vectors, /policy, "
+                                               "/capabilities); --help=dynsteer")
+    group.add_argument(ALLOW_REMOTE, action="store_true", default=False,
+                       help="with no --api-key, serve /v1/steering/* to non-loopback clients too "
+                            "(default: loopback and unix-socket clients only)")
     sub.set_defaults(dispatch_function=serve.cmd)
     return parser, serve
 
