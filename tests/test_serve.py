@@ -314,6 +314,41 @@ def test_load_mixed_traffic(server, baseline):
         Path(out).write_text(json.dumps(record, indent=2) + "\n")
 
 
+def test_policy_changes_under_traffic(server, baseline):
+    """The global policy set and cleared 6 times while 48 requests are in flight: every request succeeds, every
+    change lands, and once cleared the unsteered outputs equal the baseline again."""
+    url, model = server
+    body = {"policy": always_on_policy(7).model_dump(mode="json", exclude_none=True)}
+
+    async def run() -> list[int]:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=300) as c, \
+                httpx.AsyncClient(base_url=f"{url}/v1/steering", headers=headers, timeout=120) as h:
+            async def one(i: int) -> str:
+                out = await c.completions.create(model=model, prompt=PROMPTS[i % 3], max_tokens=MAX_TOKENS,
+                                                 temperature=0)
+                return out.choices[0].text
+
+            async def toggle() -> list[int]:
+                codes = []
+                for i in range(6):
+                    r = await (h.put("/policy", json=body) if i % 2 == 0 else h.delete("/policy"))
+                    codes.append(r.status_code)
+                    await asyncio.sleep(0.05)
+                return codes
+
+            *texts, codes = await asyncio.gather(*(one(i) for i in range(48)), toggle())
+            assert len(texts) == 48 and all(isinstance(t, str) for t in texts)
+            return codes
+
+    assert asyncio.run(run()) == [200] * 6
+    assert steering(server, "GET", "policy") == (200, {"policy": None})
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+        assert [complete(c, model, p) for p in PROMPTS] == baseline
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
