@@ -17,13 +17,12 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import openai  # a vLLM dependency (requirements/vllm-cpu-runtime.txt pins it): never skipped
 import pytest
 
 import dynsteer
 from dynsteer import Action, AddVector, DynamicSteeringPolicy, Monitor, Rule, SteeringSpec
 from tests.conftest import ON_GPU
-
-openai = pytest.importorskip("openai")
 
 KEY = "test-key-7f3a"
 HIDDEN, MON_LAYER, ACT_LAYER = 128, 1, 2
