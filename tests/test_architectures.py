@@ -22,7 +22,7 @@ from tests.conftest import ON_GPU, make_llm, token_ids
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning"]
 ARCHS = (*CPU_LOADABLE, *FAMILY_ARCHS)
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie45_moe")
 PARALLEL = ("cohere", "gpt_j", "gpt_neox")  # attention and MLP in parallel: no post_attn site
 # The transformers module whose input is the post_attn value (the stream the MLP branch reads): the mid norm, or the MLP
 # itself in post-norm layers.

