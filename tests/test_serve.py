@@ -7,6 +7,7 @@ import asyncio
 import datetime
 import json
 import os
+import shutil
 import platform
 import socket
 import subprocess
@@ -42,6 +43,12 @@ def always_on_policy(seed: int = 1) -> DynamicSteeringPolicy:
         rules=[Rule(monitor="m", actions=[Action(kind="add", layer=ACT_LAYER, vector=vec(seed))])])
 
 
+def _console_script() -> Path:
+    """The ``dynsteer`` script beside this interpreter (a venv), else the one on PATH (a system-wide install)."""
+    here = Path(sys.executable).with_name("dynsteer")
+    return here if here.exists() else Path(shutil.which("dynsteer") or here)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama_path, tmp_path_factory):
     """``dynsteer serve`` on a free loopback port; yields (base url, model)."""
@@ -51,7 +58,7 @@ def server(tiny_llama_path, tmp_path_factory):
         port = s.getsockname()[1]
     args = ["--dtype", "bfloat16"] if ON_GPU else ["--dtype", "float32", "--enforce-eager"]
     cfg = {"dynsteer": {"max_gates": 2, "max_rows": 16}}
-    exe = Path(sys.executable).with_name("dynsteer")
+    exe = _console_script()
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     proc = subprocess.Popen([str(exe), "serve", str(tiny_llama_path), "--host", "127.0.0.1", "--port", str(port),
                              "--max-model-len", "256", "--max-num-seqs", "16", "--api-key", KEY, "--seed", "0",
