@@ -177,6 +177,8 @@ def test_named_vectors_register_list_use_delete(server, client, baseline):
     assert steering(server, "PUT", "policy", {"policy": pol})[0] == 200
     status, body = steering(server, "DELETE", "vectors/calm")
     assert status == 409 and "calm" in error_message(body)
+    status, body = steering(server, "POST", "vectors", {"name": "calm", "vector": [0.25] * HIDDEN})
+    assert status == 409 and "replacing" in error_message(body)
     assert steering(server, "DELETE", "policy")[0] == 200
     assert steering(server, "DELETE", "vectors/calm") == (200, {"deleted": "calm"})
     assert steering(server, "DELETE", "vectors/joy") == (200, {"deleted": "joy"})

@@ -111,6 +111,10 @@ class SteeringEndpoints:
             arr = _check(lambda: check_vector(as_vector(body.vector), front.shape.hidden_size, "vector"), "vector")
             async with self._lock:
                 previous = front.named.get(body.name)
+                if previous is not None and _references(front, body.name):
+                    # the global steering's rows and live requests' cache hashes were made with the old values
+                    raise HTTPException(409, f"name: vector {body.name!r} is used by the global steering; clear the "
+                                             f"global policy before replacing it")
                 front.register(body.name, arr)  # before the RPC, no await between (module docstring)
                 try:
                     await engine.collective_rpc("dynsteer_register_vector", args=(body.name, pack_vector(arr)))
