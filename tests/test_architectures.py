@@ -100,6 +100,14 @@ def test_absent_site_is_rejected_naming_site_and_architecture(family):
         st.generate(PROMPTS[:1], greedy(), capture=CaptureSpec(layers=(0,), sites=("post_attn",)))
 
 
+def test_engine_config_with_only_absent_sites_fails_at_load(capfd):
+    with pytest.raises(Exception) as err:
+        with make_llm(tiny_model("gpt_j"), **DynsteerConfig(sites=("post_attn",)).engine_kwargs()):
+            pass
+    said = str(err.value) + capfd.readouterr().err
+    assert "names no site architecture 'GPTJForCausalLM' has: post_attn: " in said and "parallel" in said
+
+
 def hf_residuals(model_dir, arch: str, ids: list[int]) -> dict[tuple[int, str], np.ndarray]:
     """The residual stream at each site of every layer from a plain transformers forward (float32): a layer's input
     (pre_attn), the input of the module that starts its MLP branch (post_attn) and its output (post_block)."""

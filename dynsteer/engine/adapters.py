@@ -110,6 +110,10 @@ def _runtime_for_current_model() -> SteeringRuntime:
         _building.clear()  # a new model: runtimes of earlier models stay reachable from their own hooks
         cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
         shape = shape_from_vllm_config(vllm_config)
+        if not shape.sites:  # e.g. sites=("post_attn",) on a parallel attention + MLP block
+            raise UnsupportedArchitectureError(
+                f"dynsteer: DynsteerConfig.sites {list(cfg.sites)} names no site architecture "
+                f"{shape.architecture!r} has: " + "; ".join(f"{s}: {r}" for s, r in shape.absent_sites))
         num_layers = shape.num_layers
         layers = tuple(range(num_layers)) if shape.layers is None else shape.layers
         sched = vllm_config.scheduler_config
