@@ -53,11 +53,12 @@ from dynsteer.vectors import Vector
 POLICY_VERSION = 1
 
 Scope = Literal["this_token", "next_step", "rest_of_request"]
+MonitorReads = Literal["token", "prompt_last"]
 """When a rule's gate acts: the same token (in-graph), the next step, or from the first trigger to the end."""
 ControllerKind = Literal["latch", "ema_latch", "pid", "budget", "custom"]
 
 __all__ = ["Action", "ControllerKind", "DynamicSteeringPolicy", "Monitor", "POLICY_VERSION", "RelativeDoseLimit",
-           "Rule", "Scope", "SyncControllerSpec"]
+           "MonitorReads", "Rule", "Scope", "SyncControllerSpec"]
 
 
 def _finite(name: str, value: float | None) -> None:
@@ -108,6 +109,10 @@ class Monitor(_Model):
         direction: probe direction ``[hidden]`` (inline form; usually unit norm, any non-zero norm is accepted).
         sharpness: slope of the gate's logit per unit of projection, ``> 0`` (inline form).
         threshold: projection at which the gate is 0.5, finite (inline form).
+        reads: ``token`` (default): the gate of every generated token, from that token's residual;
+            ``prompt_last``: a prompt-level (CAST-style) gate, computed once inside the forward pass from the residual
+            of the prompt's last token and held for every generated token of the request (rules it gates, or that
+            name it as ``condition``, act on the whole generation or not at all).
 
     Example:
         >>> m = Monitor(name="m", layer=1, direction=[0.6, 0.8], sharpness=2.0, threshold=0.5)
@@ -125,6 +130,7 @@ class Monitor(_Model):
     direction: Optional[Vector] = None
     sharpness: Optional[Real] = Field(default=None, gt=0.0)
     threshold: Optional[Real] = None
+    reads: MonitorReads = "token"
 
     @field_validator("probe")
     @classmethod
@@ -172,7 +178,7 @@ class Monitor(_Model):
 
     @classmethod
     def from_probe_file(cls, path: str | Path, *, name: str, calibrated: bool = False,
-                        target_class: int = 1) -> "Monitor":
+                        target_class: int = 1, reads: str = "token") -> "Monitor":
         """An inline monitor equal to the probe in ``path``: its layer, site and gate parameters.
 
         Args:
@@ -186,15 +192,17 @@ class Monitor(_Model):
 
         if target_class not in (0, 1):
             raise ValueError(f"target_class must be 0 or 1, got {target_class!r}")
-        return cls.from_probe(load_probe(path), name=name, calibrated=calibrated, target_class=target_class)
+        return cls.from_probe(load_probe(path), name=name, calibrated=calibrated, target_class=target_class,
+                              reads=reads)
 
     @classmethod
-    def from_probe(cls, probe: Any, *, name: str, calibrated: bool = False, target_class: int = 1) -> "Monitor":
+    def from_probe(cls, probe: Any, *, name: str, calibrated: bool = False, target_class: int = 1,
+                   reads: str = "token") -> "Monitor":
         """An inline monitor equal to a loaded :class:`dynsteer.probes.fileformat.Probe` (see :meth:`from_probe_file`)."""
         p = probe.gate_params(calibrated=calibrated)
         sign = 1.0 if target_class == 1 else -1.0  # σ(−z) = 1 − σ(z)
         return cls(name=name, layer=probe.layer, site=probe.site, direction=sign * p.probe, sharpness=p.sharpness,
-                   threshold=sign * p.threshold)
+                   threshold=sign * p.threshold, reads=reads)
 
     def resolve(self, probes: Mapping[str, Any] | None = None, *, allow_files: bool = True) -> "Monitor":
         """The inline form; checks that the probe's layer and site match this monitor.
@@ -216,14 +224,14 @@ class Monitor(_Model):
                 raise ValueError(f"unknown probe {self.probe!r} (registered: {known}; the operator registers probe "
                                  f"files with DynsteerConfig(probes={{name: path}}))")
             m = Monitor.from_probe(probes[self.probe], name=self.name, calibrated=self.calibrated,
-                                   target_class=self.target_class)
+                                   target_class=self.target_class, reads=self.reads)
             source = f"probe {self.probe!r}"
         else:
             if not allow_files:
                 raise ValueError("file paths are not accepted in requests; register the probe file with "
                                  "DynsteerConfig(probes={name: path}) and reference it as probe=name")
             m = Monitor.from_probe_file(self.probe_file, name=self.name, calibrated=self.calibrated,  # type: ignore
-                                        target_class=self.target_class)
+                                        target_class=self.target_class, reads=self.reads)
             source = f"probe file {self.probe_file!r}"
         if (m.layer, m.site) != (self.layer, self.site):
             raise ValueError(f"monitor {self.name!r}: {source} reads layer {m.layer} site {m.site!r}, but the "
@@ -322,6 +330,9 @@ class Rule(_Model):
             gate is read back from the device, so the request finishes within two steps of that position, with
             the tokens generated until then and ``stop_reason = "dynsteer policy: rule <i> (monitor <name>):
             <abort>"``; its KV blocks stay shareable. A rule may abort without actions.
+        condition: the name of a prompt-level monitor (``reads="prompt_last"``) whose held gate multiplies this
+            rule's gate: the rule acts only in requests whose prompt the condition accepts (CAST-style), per token
+            as its own monitor says.
 
     Example:
         >>> Rule(monitor="m", actions=[Action(kind="ablate", layer=5, vector="dir")]).scope
@@ -336,6 +347,7 @@ class Rule(_Model):
     gate_floor: Real = Field(default=0.0, ge=0.0, le=1.0)
     enabled: StrictBool = True
     abort: Optional[str] = Field(default=None, min_length=1, max_length=200)
+    condition: Optional[str] = Field(default=None, min_length=1, max_length=128)
 
     @model_validator(mode="after")
     def _acts_or_aborts(self) -> "Rule":
@@ -512,6 +524,20 @@ class DynamicSteeringPolicy(_Model):
             mon = by_name.get(rule.monitor)
             if mon is None:
                 raise ValueError(f"rules[{i}].monitor: unknown monitor {rule.monitor!r} (known: {known})")
+            if rule.condition is not None:
+                cond = by_name.get(rule.condition)
+                if cond is None:
+                    raise ValueError(f"rules[{i}].condition: unknown monitor {rule.condition!r} (known: {known})")
+                if cond.reads == "token":
+                    raise ValueError(f"rules[{i}].condition: monitor {cond.name!r} reads every token; a condition "
+                                     f"is a prompt-level monitor (reads='prompt_last')")
+            if mon.reads != "token":
+                if rule.scope != "this_token":
+                    raise ValueError(f"rules[{i}].scope: monitor {mon.name!r} reads the prompt, so its gate is "
+                                     f"already held for the whole request; use the default scope 'this_token'")
+                if rule.abort is not None:
+                    raise ValueError(f"rules[{i}].abort: not supported for a prompt-level monitor ({mon.name!r})")
+                continue  # the held gate exists before the first generated token reaches any layer
             for j, a in enumerate(rule.actions):
                 where = f"rules[{i}].actions[{j}]"
                 if a.layer < mon.layer:
@@ -523,6 +549,12 @@ class DynamicSteeringPolicy(_Model):
                     raise ValueError(
                         f"{where}.site: site {a.site!r} at layer {a.layer} comes before monitor {mon.name!r}'s "
                         f"site {mon.site!r}; the gate does not exist yet there")
+        prompt_level = [m.name for m in self.monitors if m.reads != "token"]
+        if prompt_level and (self.controller is not None or any(r.scope != "this_token" for r in self.rules)):
+            where = "controller" if self.controller is not None else next(
+                f"rules[{i}].scope" for i, r in enumerate(self.rules) if r.scope != "this_token")
+            raise ValueError(f"{where}: prompt-level monitors ({', '.join(prompt_level)}) cannot yet be combined "
+                             f"with a sync controller or next_step / rest_of_request rules")
         if self.controller is not None:
             if self.controller.monitor is None:
                 if len(self.monitors) != 1:

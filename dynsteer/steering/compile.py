@@ -80,7 +80,7 @@ def compile_phase(specs: list[tuple[str, SteeringSpec]], phase: Phase, shape: Mo
 
     Args:
         policy: ``(field prefix, policy)`` of the request's dynamic policy, compiled (and validated) with the decode
-            phase only; the prefill phase ignores it.
+            phase; the prefill phase takes only its prompt-level monitors.
 
     Raises:
         SteeringValidationError: a bad field, more clamps at one place than the engine's ``max_clamps``, or more
@@ -110,7 +110,13 @@ def compile_phase(specs: list[tuple[str, SteeringSpec]], phase: Phase, shape: Mo
                     f"site {c.site!r} (raise the engine's max_clamps)")
             prog.clamps.append(Clamp(u, -np.inf if c.lo is None else c.lo, np.inf if c.hi is None else c.hi,
                                      c.strength))
-    if policy is not None and phase == "decode":  # prompt tokens are never gated: the prefill row has no policy
+    if policy is not None and phase == "prefill":  # prompt-level monitors only: they score, never steer
+        from dynsteer.steering.dynamic import compile_prompt_monitors
+
+        prefix, pol = policy
+        for key, extra in compile_prompt_monitors(pol, shape, prefix).items():
+            sites.setdefault(key, SiteProgram()).monitors.update(extra.monitors)
+    if policy is not None and phase == "decode":  # prompt tokens are never gated: the prefill row acts on nothing
         from dynsteer.steering.dynamic import compile_policy  # the policy schema imports this package's spec
 
         prefix, pol = policy

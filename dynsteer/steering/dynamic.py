@@ -25,7 +25,7 @@ decisions.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -54,6 +54,8 @@ class SlotPlan:
     floor: float
     scope: str  # a rule's scope; "monitor" for a controller-only slot (no actions)
     acts: bool = True  # its rule is enabled and has actions (a disabled rule's gate is computed, never applied)
+    prompt: bool = False  # a prompt-level monitor: its gate is computed once at the prompt's last token and held
+    cond: int | None = None  # the slot of the rule's prompt-level condition (its held gate multiplies this one)
 
 
 def policy_slots(policy: "DynamicSteeringPolicy") -> tuple[list[SlotPlan], int | None]:
@@ -63,7 +65,7 @@ def policy_slots(policy: "DynamicSteeringPolicy") -> tuple[list[SlotPlan], int |
     for rule in policy.rules:
         m = policy.monitor(rule.monitor)
         slots.append(SlotPlan(m.name, float(m.sharpness), float(m.threshold), rule.gate_floor, rule.scope,
-                              rule.enabled and bool(rule.actions)))
+                              rule.enabled and bool(rule.actions), prompt=m.reads != "token"))
     ctrl_slot = None
     cm = policy.controller_monitor()
     if cm is not None:
@@ -71,7 +73,33 @@ def policy_slots(policy: "DynamicSteeringPolicy") -> tuple[list[SlotPlan], int |
         if ctrl_slot is None:
             slots.append(SlotPlan(cm.name, float(cm.sharpness), float(cm.threshold), 0.0, "monitor"))
             ctrl_slot = len(slots) - 1
+    # each prompt-level condition gets a slot of its own (no floor, no actions): its held gate is the multiplier
+    conds: dict[str, int] = {}
+    for i, rule in enumerate(policy.rules):
+        if rule.condition is None:
+            continue
+        if rule.condition not in conds:
+            m = policy.monitor(rule.condition)
+            slots.append(SlotPlan(m.name, float(m.sharpness), float(m.threshold), 0.0, "monitor", acts=False,
+                                  prompt=True))
+            conds[rule.condition] = len(slots) - 1
+        slots[i] = replace(slots[i], cond=conds[rule.condition])
     return slots, ctrl_slot
+
+
+def compile_prompt_monitors(policy: "DynamicSteeringPolicy", shape: ModelShape,
+                            prefix: str = "policy.") -> dict[SiteKey, SiteProgram]:
+    """The monitors a policy's prompt-level slots put into the request's *prefill* row (their scores at the prompt's
+    last token decide the held gates; prefill rows carry no gated action, so they steer nothing)."""
+    slots, _ = policy_slots(policy)
+    sites: dict[SiteKey, SiteProgram] = {}
+    for s, slot in enumerate(slots):
+        if slot.prompt:
+            m = policy.monitor(slot.monitor)
+            probe = resolve_vector(m.direction, f"{prefix}monitors.{m.name}.direction", shape, None)
+            prog = sites.setdefault((m.layer, m.site), SiteProgram())
+            prog.monitors[s] = MonitorProgram(probe.astype(np.float32), slot.sharpness, slot.threshold, slot.floor)
+    return sites
 
 
 def compile_policy(policy: "DynamicSteeringPolicy", shape: ModelShape, named: dict[str, np.ndarray] | None,
@@ -96,9 +124,11 @@ def compile_policy(policy: "DynamicSteeringPolicy", shape: ModelShape, named: di
         what = "this engine has no dynamic tier" if shape.max_gates == 0 else f"at most {shape.max_gates}"
         raise SteeringValidationError(
             f"{prefix}rules: the policy needs {len(slots)} gate slots (one per rule, plus the controller's monitor "
-            f"when no rule reads it); {what} (raise DynsteerConfig.max_gates)")
+            f"when no rule reads it, plus one per prompt-level condition); {what} (raise DynsteerConfig.max_gates)")
     sites: dict[SiteKey, SiteProgram] = {}
     for s, slot in enumerate(slots):
+        if slot.prompt:  # no per-token monitor: the slot's gate is staged from the held prompt decision
+            continue
         m = policy.monitor(slot.monitor)
         probe = resolve_vector(m.direction, f"{prefix}monitors.{m.name}.direction", shape, None)
         prog = sites.setdefault((m.layer, m.site), SiteProgram())
@@ -162,6 +192,8 @@ class DynState:
     params: np.ndarray = field(default_factory=lambda: np.zeros((3, 0), np.float32))
     # slot -> stop reason, for enabled rules with ``abort`` (watched on the read-backs; see DynamicDriver.poll)
     aborts: dict[int, str] = field(default_factory=dict)
+    held: int | None = None  # prompt-level slots: the request's row of the driver's held-gate buffer
+    decided: bool = False  # prompt-level slots: the prompt's last token has been scheduled (its gates latch once)
 
     @classmethod
     def for_policy(cls, policy: "DynamicSteeringPolicy", registry: Any = None,
@@ -191,6 +223,11 @@ class DynState:
     def act_mask(self) -> int:
         """Bitmask of the gate slots whose gate steers (a rule's slot; a controller-only monitor's does not)."""
         return sum(1 << i for i, slot in enumerate(self.slots) if slot.scope != "monitor" and slot.acts)
+
+    @property
+    def prompt_level(self) -> bool:
+        """Whether any slot is a prompt-level gate (held from the prompt's last token)."""
+        return any(s.prompt for s in self.slots)
 
     @property
     def host_tier(self) -> bool:
@@ -236,8 +273,12 @@ class DynState:
         and read-back ``values [T, 4G+1]``."""
         g = len(self.slots)
         G = (values.shape[1] - 1) // 4
-        scores = values[:, :g]
+        scores = values[:, :g].copy()
         gate = raw_gates(scores, self.params) if len(values) else scores
+        prompt = [i for i, slot in enumerate(self.slots) if slot.prompt]
+        if prompt and len(values):  # no per-token score: the gate is the held prompt decision (what was applied)
+            scores[:, prompt] = np.nan
+            gate[:, prompt] = values[:, G:G + g][:, prompt]
         return {"position": positions.tolist(), "score": scores.astype(np.float64).tolist(),
                 "gate": gate.astype(np.float64).tolist(), "applied": values[:, G:G + g].astype(np.float64).tolist(),
                 "scale": values[:, 4 * G].astype(np.float64).tolist()}
@@ -351,6 +392,96 @@ class SyncStats:
 CTL, POS, COLS, UPD = range(4)
 
 
+class PromptGates:
+    """Prompt-level (CAST-style) gates on the device, the host never waiting.
+
+    A prompt-level slot's monitor sits in the request's prefill row, so the forward writes its score at every prompt
+    token. After the forward that computed the prompt's last token, ``latch`` turns that score into the gate
+    (``σ(sharpness·(score − threshold))``, 0 below the floor: the kernel's formula) in the request's row of ``held``;
+    before every later forward, ``stage`` writes the held gate into the slot's ``gates`` column of each generated
+    token (the decode row has no monitor for it, so the value stands for the whole pass) and, for a rule with a
+    prompt-level ``condition``, the condition's held gate into that rule's ``gate_mul`` (its per-token gate is
+    multiplied in the kernel). All of it is indexing on device buffers with indices copied from pinned memory.
+    The last prompt token is latched once: a request recomputed after preemption keeps its first decision.
+    """
+
+    def __init__(self, gates: torch.Tensor, gate_mul: torch.Tensor, scores: torch.Tensor, max_requests: int) -> None:
+        G = gates.shape[0]
+        self.gates, self.gate_mul, self.scores, self.G = gates, gate_mul, scores, G
+        # column G is 1: the multiplier of a slot without a condition
+        self.held = torch.zeros(max(max_requests, 1), G + 1, dtype=torch.float32, device=gates.device)
+        self.held[:, G] = 1.0
+        self._free = list(range(max(max_requests, 1) - 1, -1, -1))
+        self._latch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def place(self, st: DynState) -> None:
+        if not st.prompt_level or st.held is not None:
+            return
+        if not self._free:
+            raise RuntimeError("no free prompt-level gate row (every one holds a live request)")
+        st.held = self._free.pop()
+        self.held[st.held, :self.G].zero_()  # no decision yet: the gate is 0 until the prompt's last token latches
+
+    def free(self, st: DynState) -> None:
+        if st.held is not None:
+            self._free.append(st.held)
+            st.held = None
+
+    def stage(self, states: list[DynState], decode: np.ndarray, d_req: np.ndarray, last: np.ndarray,
+              l_req: np.ndarray) -> bool:
+        """Before the forward: the held gates of this step's generated tokens (``decode``: token columns, ``d_req``:
+        index into ``states``), and the latch of the prompts whose last token it computes (``last``, ``l_req``).
+        Returns whether a ``gate_mul`` column was written (the driver resets those columns at the next step)."""
+        lat, held_g, cond_g = [], [], []
+        for t, r in zip(last.tolist(), l_req.tolist()):
+            st = states[r]
+            if st.decided or st.held is None:
+                continue
+            st.decided = True
+            for g, slot in enumerate(st.slots):
+                if slot.prompt:
+                    lat.append((t, st.held, g, st.params[0, g], st.params[1, g], st.params[2, g]))
+        for t, r in zip(decode.tolist(), d_req.tolist()):
+            st = states[r]
+            if st.held is None:
+                continue
+            for g, slot in enumerate(st.slots):
+                c = self.G if slot.cond is None else slot.cond
+                if slot.prompt:
+                    held_g.append((t, st.held, g, c))
+                elif slot.cond is not None:
+                    cond_g.append((t, st.held, g, c))
+        if lat:
+            a = np.array(lat, np.float64)
+            self._latch = (_device(a[:, :3].T.astype(np.int64), self.held.device),
+                           _device(a[:, 3:].T.astype(np.float32), self.held.device))
+        if held_g:
+            t, p, g, c = _device(np.array(held_g, np.int64).T, self.held.device)
+            self.gates[g, t] = self.held[p, g] * self.held[p, c]
+        if cond_g:
+            t, p, g, c = _device(np.array(cond_g, np.int64).T, self.held.device)
+            self.gate_mul[g, t] = self.held[p, c]
+        return bool(cond_g)
+
+    def latch(self) -> None:
+        """After the forward: the gates of the prompts whose last token it computed, held for their requests."""
+        if self._latch is None:
+            return
+        (t, p, g), (sharp, thresh, floor) = self._latch
+        self._latch = None
+        raw = torch.sigmoid(sharp * (self.scores[g, t] - thresh))
+        self.held[p, g] = torch.where(raw >= floor, raw, torch.zeros_like(raw))
+
+
+def _device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``a`` on ``device`` without waiting: from pinned memory, non-blocking (the caching host allocator keeps the
+    pinned block until the copy has run)."""
+    host = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class DynamicDriver:
     """Before each forward: stage one int32 control word per token and launch the control kernel (gate
     multipliers from the device sync tier's state); after it: launch the update kernel (controllers advance on the
@@ -392,6 +523,7 @@ class DynamicDriver:
         self.faults: dict[str, str] = {}  # requests whose custom controller failed: stopped by the runtime
         self._step: tuple[StepTokens, int, int] | None = None
         self._dirty = 0  # gate multipliers [:dirty] may hold sync-tier values
+        self.prompt = PromptGates(gates, gate_mul, scores, max(max_slots, 256))
         if self.cuda:  # compile both kernels now, not at the first sync-tier step (a latency spike mid-serving)
             self.words[UPD, 0] = 0  # token 0's word is -1: nothing is updated
             self.control(self.words[CTL], self.state, self.replay, gate_mul, gate_add, self.scale_used, 1)
@@ -414,6 +546,7 @@ class DynamicDriver:
         counted)."""
         if st.tier:
             return
+        self.prompt.place(st)
         if not st.sync:
             st.tier = "plain"
         elif not st.device_eligible or not self._free_slots:
@@ -436,6 +569,7 @@ class DynamicDriver:
 
     def free(self, st: DynState) -> None:
         """The request finished (or its policy was replaced): release its slot or its host-tier place, once."""
+        self.prompt.free(st)
         if st.tier == "host":
             self.host_tier -= 1
             st.tier = "host-freed"
@@ -511,6 +645,13 @@ class DynamicDriver:
         self._step = (tokens.subset(read), len(upd), m)
         self.stats.host_ms += (time.perf_counter() - t1) * 1e3
 
+    def stage_prompt(self, states: list[DynState], decode: np.ndarray, d_req: np.ndarray, last: np.ndarray,
+                     l_req: np.ndarray, upto: int) -> None:
+        """Prompt-level gates of this step (see :class:`PromptGates`); after :meth:`plan`'s control kernel, so the
+        conditions' multipliers land on top of its defaults, which it restores at the next step."""
+        if self.prompt.stage(states, decode, d_req, last, l_req):
+            self._dirty = max(self._dirty, upto)
+
     def _stage_replays(self, states: dict[str, DynState], lookup: Any, tokens: StepTokens,
                        replays: np.ndarray, words: np.ndarray) -> None:
         """Tokens whose multipliers come from the host: host-tier requests, and recomputed positions of
@@ -547,6 +688,7 @@ class DynamicDriver:
 
     def after_forward(self) -> None:
         """Advance the device sync tier and start copying this step's dynamic-token values to the host."""
+        self.prompt.latch()
         step, self._step = self._step, None
         if step is None:
             return

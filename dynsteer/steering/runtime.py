@@ -97,6 +97,7 @@ class _Batch:
     host: np.ndarray  # host sync tier
     act: np.ndarray  # bitmask of gate slots that steer (rules with actions)
     signature: np.ndarray  # object: decode configuration digest (hex)
+    prompt: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # prompt-level gates (held per request)
     streams: dict[str, np.ndarray] = field(default_factory=dict)  # stream -> which requests it publishes
 
 
@@ -380,6 +381,12 @@ class SteeringRuntime:
             else:
                 tokens = StepTokens.empty()
             self.dynamic.plan(self._dyn, self._state_of, tokens, upto)
+            if b.prompt.any():  # prompt-level gates: latch at the prompt's last token, held while generating
+                on = b.prompt[req_of_token]
+                dec = np.flatnonzero(is_decode & on)
+                last = np.flatnonzero(~is_decode & on & (position == b.prompt_lens[req_of_token] - 1))
+                states = [self._dyn.get(i) for i in ids]
+                self.dynamic.stage_prompt(states, dec, req_of_token[dec], last, req_of_token[last], upto)
             if self.dynamic.faults:
                 self._stop_faulted()
         if self._finishing:
@@ -406,6 +413,7 @@ class SteeringRuntime:
             host=np.array([st is not None and st.tier == "host" for st in dyn], bool).reshape(n),
             act=np.array([0 if st is None else st.act_mask for st in dyn], np.int64),
             signature=np.array([e.decode.digest.hex() for e in entries] + [None], object)[:n],
+            prompt=np.array([st is not None and st.prompt_level for st in dyn], bool).reshape(n),
             streams={name: _stream_mask(spec, entries) for name, spec in self.stream_specs.items()})
 
     # ---- async tier: streams ---------------------------------------------------------------------------------------
