@@ -87,7 +87,8 @@ def test_train_from_a_capture_folder_written_by_the_engine(tiny_llama_path, tmp_
 
     root = tmp_path / "caps"
     cfg = dynsteer.DynsteerConfig(capture_sites=("post_block",), capture_layers=(1, 2),
-                                  capture_consumers={"memory": {}, "filesystem": {"root": str(root), "layout": "packed"}})
+                                  capture_consumers={"memory": {},
+                                                     "filesystem": {"root": str(root), "layout": "packed"}})
     rng = np.random.default_rng(0)
     words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "once", "upon", "time", "world"]
     prompts = [" ".join(rng.choice(words, 5)) + (" good" if i % 2 else " bad") for i in range(40)]

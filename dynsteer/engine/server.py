@@ -2,9 +2,10 @@
 
 vLLM 0.26's seam for extra routes is the endpoint plugin (``vllm/plugins/endpoint_plugins/interface.py``): an object
 with ``attach_router(app)`` (called in ``build_app`` after the core routers) and ``async init_state(engine_client,
-state, args)`` (called in ``init_app_state``). :class:`SteeringEndpoints` is one. ``dynsteer serve`` hands it to
-vLLM by adding it to what ``vllm.plugins.load_endpoint_plugins`` returns (:func:`install`), so no entry point and no
-``VLLM_PLUGINS`` allowlist is involved, and plain ``vllm serve`` never exposes these routes.
+state, args)`` (called in ``init_app_state``). :class:`SteeringEndpoints` is one. ``dynsteer serve`` (:func:`serve`:
+vLLM's own serve parser and command, in this process) hands it to vLLM by adding it to what
+``vllm.plugins.load_endpoint_plugins`` returns (:func:`install`), so no entry point and no ``VLLM_PLUGINS`` allowlist
+is involved, and plain ``vllm serve`` never exposes these routes.
 
 Changes reach the engine the way :class:`dynsteer.Steerer` sends them (``collective_rpc`` with the worker methods of
 :mod:`dynsteer.engine.worker_ext`), and the frontend's admission state (:mod:`dynsteer.engine.apc`) is updated *before*
@@ -25,6 +26,8 @@ import hashlib
 import ipaddress
 import logging
 import secrets
+import sys
+from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -284,3 +287,42 @@ def install(allow_remote: bool = False) -> SteeringEndpoints:
 
     plugins.load_endpoint_plugins = load_endpoint_plugins
     return endpoints
+
+
+ALLOW_REMOTE = "--steering-allow-remote"
+
+
+def serve_parser() -> tuple[Any, Any]:
+    """vLLM's ``serve`` parser with dynsteer's one option added."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="dynsteer", description="vLLM's OpenAI-compatible server with dynsteer's "
+                                                                 "steering endpoints (/v1/steering/...).")
+    subparsers = parser.add_subparsers(required=True, dest="subparser")
+    command = ServeSubcommand()
+    sub = command.subparser_init(subparsers)
+    sub.usage = "dynsteer serve [model_tag] [vLLM serve options] [--steering-allow-remote]"
+    group = sub.add_argument_group("dynsteer", "dynsteer's steering endpoints (/v1/steering/vectors, /policy, "
+                                               "/capabilities); --help=dynsteer")
+    group.add_argument(ALLOW_REMOTE, action="store_true", default=False,
+                       help="with no --api-key, serve /v1/steering/* to non-loopback clients too "
+                            "(default: loopback and unix-socket clients only)")
+    sub.set_defaults(dispatch_function=command.cmd)
+    return parser, command
+
+
+def serve(argv: Sequence[str]) -> None:
+    """``vllm serve`` with ``argv`` (its options plus ``--steering-allow-remote``) and the steering endpoints, in this
+    process: vLLM's parser, validation and ``ServeSubcommand.cmd``, after :func:`install`."""
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    cli_env_setup()
+    parser, command = serve_parser()
+    args = parser.parse_args(["serve", *argv])
+    command.validate(args)
+    if getattr(args, "headless", False) or (args.api_server_count or 1) > 1 or getattr(args, "grpc", False):
+        sys.exit("dynsteer serve: the steering endpoints need a single HTTP API server in this process "
+                 "(no --headless, --grpc or --api-server-count > 1)")
+    install(allow_remote=args.steering_allow_remote)
+    args.dispatch_function(args)
