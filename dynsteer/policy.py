@@ -384,6 +384,10 @@ class SyncControllerSpec(_Model):
     Args:
         kind: the controller.
         monitor: whose score/gate feeds it; ``None`` is allowed when the policy has exactly one monitor.
+        units: ``score`` (default): ``on``/``off``/``target`` are projections (``x·direction``);
+            ``probability``: they are the monitor's gate probability in ``(0, 1)`` — for a monitor from a probe
+            file, its ``predict_proba`` (calibrated: relative to the calibration threshold) — converted to scores
+            when the policy is resolved, so no raw projection values appear in the configuration.
 
     Example:
         >>> SyncControllerSpec(kind="budget", max_steered_tokens=32,
@@ -407,6 +411,27 @@ class SyncControllerSpec(_Model):
     max_steered_tokens: Optional[StrictInt] = Field(default=None, ge=0)
     name: Optional[str] = None
     options: Optional[dict[str, Any]] = None
+    units: Literal["score", "probability"] = "score"
+
+    def in_score_units(self, monitor: "Monitor", where: str = "controller") -> "SyncControllerSpec":
+        """This spec with ``on``/``off``/``target`` (and a budget's inner ones) in score units: probabilities map
+        through the monitor's gate, ``score = threshold + logit(p) / sharpness`` (the score at which the monitor's
+        probability is ``p``; for a probe file, its ``predict_proba``). ``monitor`` must be inline."""
+        upd: dict[str, Any] = {}
+        if self.inner is not None:
+            upd["inner"] = self.inner.in_score_units(monitor, f"{where}.inner")
+        if self.units == "probability":
+            sharp, thr = float(monitor.sharpness), float(monitor.threshold)  # type: ignore[arg-type]
+            for name in ("on", "off", "target"):
+                p = getattr(self, name)
+                if p is None:
+                    continue
+                if not 0.0 < p < 1.0:
+                    raise SteeringValidationError(f"{where}.{name}: {p} is not a probability in (0, 1) "
+                                                  f"(units='probability')")
+                upd[name] = thr + math.log(p / (1.0 - p)) / sharp
+            upd["units"] = "score"
+        return self.model_copy(update=upd) if upd else self
 
     @model_validator(mode="before")
     @classmethod
@@ -596,7 +621,12 @@ class DynamicSteeringPolicy(_Model):
             except (OSError, ValueError) as exc:
                 field = "probe" if m.probe is not None else "probe_file"
                 raise SteeringValidationError(f"{prefix}monitors[{i}].{field}: {exc}") from None
-        return self.model_copy(update={"monitors": tuple(monitors)})
+        upd: dict[str, Any] = {"monitors": tuple(monitors)}
+        if self.controller is not None and all(m.is_inline for m in monitors):
+            cm = self.controller.monitor
+            mon = next(m for m in monitors if m.name == cm) if cm else monitors[0]
+            upd["controller"] = self.controller.in_score_units(mon, f"{prefix}controller")
+        return self.model_copy(update=upd)
 
     def max_output(self) -> float:
         """The largest ``|dyn_scale|`` the controller can output (1 without one; custom: unbounded, clipped by

@@ -281,3 +281,27 @@ def test_monitor_gate_reference_compiles() -> None:
         want = monitor_gate_reference(*inputs)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_controller_thresholds_in_probability_units_convert_through_the_monitor_gate():
+    import math
+
+    from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec
+    from dynsteer.controllers.sync import make_controller
+
+    mon = Monitor(name="m", layer=1, direction=[1.0, 0.0], sharpness=2.0, threshold=1.0)
+    rule = Rule(monitor="m", actions=[Action(kind="add", layer=1, vector=[0.0, 1.0])])
+    inner = SyncControllerSpec(kind="ema_latch", alpha=0.5, on=0.9, off=0.5, scale=1.0, units="probability")
+    pol = DynamicSteeringPolicy(monitors=[mon], rules=[rule], controller=SyncControllerSpec(
+        kind="budget", max_steered_tokens=4, inner=inner))
+    with pytest.raises(ValueError, match="controller.units"):
+        make_controller(pol.controller.inner)  # unresolved probabilities are never read as scores
+    got = pol.resolved().controller.inner
+    assert got.units == "score" and got.off == pytest.approx(1.0)  # p = 0.5 is the monitor's threshold
+    assert got.on == pytest.approx(1.0 + math.log(9.0) / 2.0)
+    assert mon.gate([got.on, 0.0]) == pytest.approx(0.9)  # the converted score is where the gate reads 0.9
+    assert pol.resolved().resolved() == pol.resolved()  # idempotent
+    bad = pol.model_copy(update={"controller": SyncControllerSpec(kind="latch", on=1.5, off=0.5, scale=1.0,
+                                                                  units="probability")})
+    with pytest.raises(ValueError, match=r"controller\.on: 1\.5 is not a probability"):
+        bad.resolved()

@@ -296,6 +296,9 @@ def make_controller(spec: Any, registry: Any = None, max_scale: float = math.inf
         >>> make_controller(SyncControllerSpec(kind="pid", target=0.0, kp=1.0, ki=0.1, kd=0.0))
         PID(target=0.0, kp=1.0, ki=0.1, kd=0.0, min_scale=0.0, max_scale=1.0)
     """
+    if getattr(spec, "units", "score") != "score":  # never read probabilities as projections
+        raise ValueError("controller.units: 'probability' thresholds are converted when the policy is resolved "
+                         "(DynamicSteeringPolicy.resolved); this spec was not")
     if spec.kind == "latch":
         return ThresholdLatch(on=spec.on, off=spec.off, scale=spec.scale)
     if spec.kind == "ema_latch":
