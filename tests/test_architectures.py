@@ -3,7 +3,7 @@ unsteered rows byte-identical, clearing restores the output exactly, and capture
 transformers forward at every available site (with the site definitions of dynsteer.engine.adapters). A site an
 architecture lacks is reported and rejected; an unsupported architecture fails at load naming itself and why.
 
-One engine per family serves all of that family's checks (a module-scoped fixture parametrised by family).
+One engine per family serves all of that family's checks (:class:`TestFamily`).
 """
 
 from __future__ import annotations
@@ -36,76 +36,8 @@ def greedy(n: int = 10):
     return SamplingParams(temperature=0.0, max_tokens=n)
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def family(request):
-    """(arch, llm, steerer, unsteered outputs) of one engine with capture buffers at every site."""
-    arch = request.param
-    path = tiny_model(arch)
-    cfg = DynsteerConfig(capture_sites=dynsteer.SITES)
-    # float32 on GPU too (as tests/test_capture.py), so the comparison with transformers stays tight.
-    with make_llm(path, **{**cfg.engine_kwargs(), "dtype": "float32"}) as llm:
-        st = dynsteer.attach(llm)
-        yield arch, path, llm, st, token_ids(llm.generate(PROMPTS, greedy()))
-
-
 def _vector(st, seed: int = 1) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(st.hidden_size) * 8).astype(np.float32)
-
-
-def test_describe_reports_sites(family):
-    arch, _, _, st, _ = family
-    shape = st.describe()[0]["shape"]
-    absent = dict(shape["absent_sites"])
-    if arch in PARALLEL:
-        assert tuple(shape["sites"]) == ("pre_attn", "post_block")
-        assert set(absent) == {"post_attn"} and "parallel" in absent["post_attn"]
-    else:
-        assert tuple(shape["sites"]) == dynsteer.SITES and not absent
-    assert st.shape.sites == tuple(shape["sites"])
-
-
-def test_every_site_steers_mixed_batches(family):
-    arch, _, _, st, base = family
-    v = _vector(st)
-    assert base[0] != base[1], f"{arch}: greedy output does not depend on the prompt"
-    for site in st.shape.sites:
-        spec = SteeringSpec(vectors=[AddVector(layer=1, site=site, vector=v)])
-        mixed = token_ids(st.generate(PROMPTS, greedy(), steering=[spec, None, spec]))
-        assert mixed[0] != base[0] or mixed[2] != base[2], f"{arch}/{site} did not steer"
-        assert mixed[1] == base[1], f"{arch}/{site}: unsteered row changed"
-
-
-def test_clearing_restores_exactly(family):
-    arch, _, llm, st, base = family
-    layer = min(2, st.num_layers - 1)
-    for site in st.shape.sites:
-        st.set_layer_vector(layer, _vector(st, 2), site=site)
-        assert token_ids(llm.generate(PROMPTS, greedy())) != base, f"{arch}/{site}: global vector did not steer"
-        st.clear_all()
-        assert token_ids(llm.generate(PROMPTS, greedy())) == base, f"{arch}/{site}: clearing did not restore"
-
-
-def test_absent_site_is_rejected_naming_site_and_architecture(family):
-    arch, _, llm, st, _ = family
-    if arch not in PARALLEL:
-        pytest.skip("every site exists in this architecture")
-    name = st.shape.architecture
-    spec = SteeringSpec(vectors=[AddVector(layer=0, site="post_attn", vector=_vector(st))])
-    said = f"site 'post_attn' does not exist in architecture '{name}'.*parallel"
-    with pytest.raises(dynsteer.SteeringValidationError, match=said):
-        st.generate(PROMPTS[:1], greedy(), steering=spec)
-    with pytest.raises(dynsteer.SteeringValidationError, match=said):
-        st.set_layer_vector(0, _vector(st), site="post_attn")
-    with pytest.raises(dynsteer.SteeringValidationError, match=said):
-        st.generate(PROMPTS[:1], greedy(), capture=CaptureSpec(layers=(0,), sites=("post_attn",)))
-
-
-def test_engine_config_with_only_absent_sites_fails_at_load(capfd):
-    with pytest.raises(Exception) as err:
-        with make_llm(tiny_model("gpt_j"), **DynsteerConfig(sites=("post_attn",)).engine_kwargs()):
-            pass
-    said = str(err.value) + capfd.readouterr().err
-    assert "names no site architecture 'GPTJForCausalLM' has: post_attn: " in said and "parallel" in said
 
 
 def hf_residuals(model_dir, arch: str, ids: list[int]) -> dict[tuple[int, str], np.ndarray]:
@@ -137,24 +69,86 @@ def hf_residuals(model_dir, arch: str, ids: list[int]) -> dict[tuple[int, str], 
     return out
 
 
-def test_captured_residuals_equal_a_transformers_forward(family):
-    arch, path, _, st, _ = family
-    spec = CaptureSpec(layers=tuple(range(st.num_layers)), sites=st.shape.sites, positions="all")
-    outs = st.generate(PROMPTS[:2], greedy(6), capture=spec)
-    for out in outs:
-        cap = out.capture
-        assert cap is not None and cap.status == "ok"
-        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)[:-1]  # the last token is never fed back
-        ref = hf_residuals(path, arch, ids)
-        assert set(cap.arrays) == {(l, s) for l in range(st.num_layers) for s in st.shape.sites}
-        for place, arr in cap.arrays.items():
-            assert arr.shape == (len(ids), st.hidden_size)
-            if ON_GPU:  # GPU float32 kernels may use TF32 inside: compare each row's relative error
-                err = np.linalg.norm(arr - ref[place], axis=1) / np.linalg.norm(ref[place], axis=1)
-                assert err.max() < 1e-2, (arch, place, err.max())
-            else:
-                np.testing.assert_allclose(arr, ref[place], rtol=1e-3, atol=1e-3 * float(np.abs(ref[place]).max()),
-                                           err_msg=f"{arch} {place}")
+class TestFamily:
+    """One engine per family (a class-scoped fixture parametrised by family, torn down before the tests below run,
+    so one engine is alive at a time)."""
+
+    @pytest.fixture(scope="class", params=ARCHS)
+    def family(self, request):
+        """(arch, llm, steerer, unsteered outputs) of one engine with capture buffers at every site."""
+        arch = request.param
+        path = tiny_model(arch)
+        cfg = DynsteerConfig(capture_sites=dynsteer.SITES)
+        # float32 on GPU too (as tests/test_capture.py), so the comparison with transformers stays tight.
+        with make_llm(path, **{**cfg.engine_kwargs(), "dtype": "float32"}) as llm:
+            st = dynsteer.attach(llm)
+            yield arch, path, llm, st, token_ids(llm.generate(PROMPTS, greedy()))
+
+    def test_sites_are_reported_and_an_absent_site_is_rejected(self, family):
+        arch, _, _, st, _ = family
+        shape = st.describe()[0]["shape"]
+        absent = dict(shape["absent_sites"])
+        assert st.shape.sites == tuple(shape["sites"])
+        if arch not in PARALLEL:
+            assert tuple(shape["sites"]) == dynsteer.SITES and not absent
+            return
+        assert tuple(shape["sites"]) == ("pre_attn", "post_block")
+        assert set(absent) == {"post_attn"} and "parallel" in absent["post_attn"]
+        # A spec, a global vector and a capture naming it are rejected, naming the site, the architecture and why.
+        said = f"site 'post_attn' does not exist in architecture '{st.shape.architecture}'.*parallel"
+        spec = SteeringSpec(vectors=[AddVector(layer=0, site="post_attn", vector=_vector(st))])
+        with pytest.raises(dynsteer.SteeringValidationError, match=said):
+            st.generate(PROMPTS[:1], greedy(), steering=spec)
+        with pytest.raises(dynsteer.SteeringValidationError, match=said):
+            st.set_layer_vector(0, _vector(st), site="post_attn")
+        with pytest.raises(dynsteer.SteeringValidationError, match=said):
+            st.generate(PROMPTS[:1], greedy(), capture=CaptureSpec(layers=(0,), sites=("post_attn",)))
+
+    def test_every_site_steers_mixed_batches(self, family):
+        arch, _, _, st, base = family
+        v = _vector(st)
+        assert base[0] != base[1], f"{arch}: greedy output does not depend on the prompt"
+        for site in st.shape.sites:
+            spec = SteeringSpec(vectors=[AddVector(layer=1, site=site, vector=v)])
+            mixed = token_ids(st.generate(PROMPTS, greedy(), steering=[spec, None, spec]))
+            assert mixed[0] != base[0] or mixed[2] != base[2], f"{arch}/{site} did not steer"
+            assert mixed[1] == base[1], f"{arch}/{site}: unsteered row changed"
+
+    def test_clearing_restores_exactly(self, family):
+        arch, _, llm, st, base = family
+        layer = min(2, st.num_layers - 1)
+        for site in st.shape.sites:
+            st.set_layer_vector(layer, _vector(st, 2), site=site)
+            assert token_ids(llm.generate(PROMPTS, greedy())) != base, f"{arch}/{site}: global vector did not steer"
+            st.clear_all()
+            assert token_ids(llm.generate(PROMPTS, greedy())) == base, f"{arch}/{site}: clearing did not restore"
+
+    def test_captured_residuals_equal_a_transformers_forward(self, family):
+        arch, path, _, st, _ = family
+        spec = CaptureSpec(layers=tuple(range(st.num_layers)), sites=st.shape.sites, positions="all")
+        outs = st.generate(PROMPTS[:2], greedy(6), capture=spec)
+        for out in outs:
+            cap = out.capture
+            assert cap is not None and cap.status == "ok"
+            ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)[:-1]  # the last token is never fed back
+            ref = hf_residuals(path, arch, ids)
+            assert set(cap.arrays) == {(l, s) for l in range(st.num_layers) for s in st.shape.sites}
+            for place, arr in cap.arrays.items():
+                assert arr.shape == (len(ids), st.hidden_size)
+                if ON_GPU:  # GPU float32 kernels may use TF32 inside: compare each row's relative error
+                    err = np.linalg.norm(arr - ref[place], axis=1) / np.linalg.norm(ref[place], axis=1)
+                    assert err.max() < 1e-2, (arch, place, err.max())
+                else:
+                    np.testing.assert_allclose(arr, ref[place], rtol=1e-3, atol=1e-3 * float(np.abs(ref[place]).max()),
+                                               err_msg=f"{arch} {place}")
+
+
+def test_engine_config_with_only_absent_sites_fails_at_load(capfd):
+    with pytest.raises(Exception) as err:
+        with make_llm(tiny_model("gpt_j"), **DynsteerConfig(sites=("post_attn",)).engine_kwargs()):
+            pass
+    said = str(err.value) + capfd.readouterr().err
+    assert "names no site architecture 'GPTJForCausalLM' has: post_attn: " in said and "parallel" in said
 
 
 def test_family_coverage():
