@@ -10,7 +10,7 @@ Example:
     >>> print(sweep.table())                                                # doctest: +SKIP
 """
 
-from dynsteer.probes.collect import Activations, align, chat_prompts, collect
+from dynsteer.probes.collect import Activations, align, chat_prompts, collect, collect_generated
 from dynsteer.probes.estimators import DiffMeanProbe, LDAProbe, LinearProbe, LogisticProbe
 from dynsteer.probes.fileformat import PROBE_FILE_FORMAT, Calibration, Probe, ProbeMeta, load_probe, save_probe
 from dynsteer.probes.gate import GateParams, gate, gate_logit, gate_params
@@ -21,5 +21,5 @@ from dynsteer.probes.metrics import (CalibrationWarning, LayerScore, SweepResult
 __all__ = ["Activations", "Calibration", "CalibrationWarning", "DiffMeanProbe", "GateParams", "LDAProbe", "LayerScore",
            "LinearProbe", "LogisticProbe", "PROBE_FILE_FORMAT", "Probe", "ProbeMeta", "SweepResult", "accuracy",
            "align", "auroc", "calibrate", "calibrate_threshold", "calibration_curve", "chat_prompts", "collect",
-           "fpr_at", "fpr_interval", "gate", "gate_logit", "gate_params", "layer_sweep", "load_probe", "recall_at",
-           "recall_at_fpr", "save_probe"]
+           "collect_generated", "fpr_at", "fpr_interval", "gate", "gate_logit", "gate_params", "layer_sweep",
+           "load_probe", "recall_at", "recall_at_fpr", "save_probe"]
