@@ -2,9 +2,10 @@
 
 Two inputs:
 
-* an **activations file** (``.npz``, :func:`save_activations`): ``layer_<L>`` arrays ``[n, hidden]``, ``y`` ``[n]``
-  and a ``meta`` JSON string (site, model id, hidden size, positions); what :func:`dynsteer.probes.collect` returns,
-  saved;
+* an **activations file** (``.npz``, :func:`save_activations`): ``layer_<L>`` arrays ``[n, hidden]``, ``y`` ``[n]``,
+  ``groups`` ``[n]`` when rows come from generated tokens (:func:`dynsteer.probes.collect_generated`: the prompt of
+  each row, which training keeps whole) and a ``meta`` JSON string (site, model id, hidden size, positions); what
+  :func:`dynsteer.probes.collect` returns, saved;
 * a **capture folder** written by a ``filesystem`` capture consumer (read with :class:`dynsteer.CaptureReader`) plus
   labels per capture tag (:func:`activations_from_captures`): each request becomes one row, its last captured
   position or the mean over its positions.
@@ -38,6 +39,8 @@ def save_activations(path: str | Path, acts: Activations) -> Path:
         arrays["y"] = np.asarray(acts.y)
     if acts.n_positions is not None:
         arrays["n_positions"] = np.asarray(acts.n_positions, np.int64)
+    if acts.groups is not None:  # collect_generated: the prompt of each row, so training keeps prompts whole
+        arrays["groups"] = np.asarray(acts.groups, np.int64)
     meta = {"format": ACTIVATIONS_FORMAT, "site": acts.site, "model_id": acts.model_id,
             "hidden_size": int(acts.hidden_size), "positions": acts.positions if isinstance(acts.positions, str)
             else "explicit"}
@@ -58,12 +61,13 @@ def load_activations(path: str | Path) -> Activations:
         X = {int(k[len("layer_"):]): np.asarray(data[k], np.float32) for k in data.files if k.startswith("layer_")}
         y = np.asarray(data["y"]) if "y" in data.files else None
         n_positions = np.asarray(data["n_positions"]) if "n_positions" in data.files else None
+        groups = np.asarray(data["groups"]) if "groups" in data.files else None
     if not X:
         raise ValueError(f"{path}: no layer_<L> arrays")
     _check_rows(X, y, str(path))
     return Activations(X=X, y=y, site=meta.get("site", "post_block"), model_id=meta.get("model_id", ""),
                        hidden_size=int(meta.get("hidden_size") or next(iter(X.values())).shape[1]),
-                       positions=meta.get("positions", "last_prompt"), n_positions=n_positions)
+                       positions=meta.get("positions", "last_prompt"), n_positions=n_positions, groups=groups)
 
 
 def read_labels(path: str | Path) -> dict[str, int]:

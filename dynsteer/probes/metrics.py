@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +22,7 @@ import numpy as np
 from sklearn.base import clone
 from sklearn.calibration import calibration_curve as _sk_calibration_curve
 from sklearn.metrics import accuracy_score, roc_auc_score
-from sklearn.model_selection import StratifiedKFold, train_test_split
+from sklearn.model_selection import StratifiedGroupKFold, StratifiedKFold, train_test_split
 
 from dynsteer.probes.collect import Activations
 
@@ -172,6 +172,9 @@ class SweepResult:
         test_idx: indices of the held-out samples.
         separable: ``False`` when the cross-validation could not tell the best layer from the runner-up (their
             mean AUROCs differ by less than the larger spread); a :class:`CalibrationWarning` said so.
+        fold_idx: the samples of each cross-validation fold's validation part (indices into the activations, all
+            in ``train_idx``; the same folds for every layer).
+        groups: the group of each sample when the splits kept groups whole, else ``None``.
     """
 
     scores: dict[int, LayerScore]
@@ -180,6 +183,8 @@ class SweepResult:
     test_idx: np.ndarray
     test_scores: dict[int, np.ndarray] = field(default_factory=dict)
     separable: bool = True
+    fold_idx: list[np.ndarray] = field(default_factory=list)
+    groups: np.ndarray | None = None
 
     @property
     def auroc(self) -> dict[int, float]:
@@ -213,8 +218,43 @@ class SweepResult:
         return "\n".join(lines)
 
 
+def _sweep_groups(acts: Activations, groups: Any, n: int) -> np.ndarray | None:
+    if groups is False:
+        return None
+    if groups is None or groups is True:
+        g = getattr(acts, "groups", None)
+        if g is None and groups is True:
+            raise ValueError("layer_sweep: groups=True, but the activations carry no groups")
+    else:
+        g = groups
+    if g is None:
+        return None
+    g = np.asarray(g)
+    if len(g) != n:
+        raise ValueError(f"layer_sweep: groups has {len(g)} entries for {n} samples")
+    return g
+
+
+def _group_split(y: np.ndarray, g: np.ndarray, test_size: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Held-out split of whole groups, stratified by each group's most common label (when every label leads at
+    least two groups), as ``train_test_split`` does for samples."""
+    names, inverse = np.unique(g, return_inverse=True)
+    classes, y_code = np.unique(y, return_inverse=True)
+    counts = np.zeros((len(names), len(classes)), np.int64)
+    np.add.at(counts, (inverse, y_code), 1)
+    lead = counts.argmax(1)
+    if len(names) < 2:
+        raise ValueError(f"layer_sweep: {len(names)} group; a grouped held-out split needs at least 2")
+    stratify = lead if np.min(np.bincount(lead, minlength=len(classes))) >= 2 else None
+    train_g, test_g = train_test_split(np.arange(len(names)), test_size=test_size, random_state=seed,
+                                       stratify=stratify)
+    idx = np.arange(len(y))
+    return idx[np.isin(inverse, train_g)], idx[np.isin(inverse, test_g)]
+
+
 def layer_sweep(acts: Activations, estimator_factory: Callable[[], Any] | Any, test_size: float = 0.3,
-                seed: int = 0, cv: int = 5) -> SweepResult:
+                seed: int = 0, cv: int = 5, groups: np.ndarray | Sequence[Any] | bool | None = None
+                ) -> SweepResult:
     """Choose a layer by stratified ``cv``-fold cross-validation on a training split; report every layer on the
     held-out rest.
 
@@ -231,21 +271,41 @@ def layer_sweep(acts: Activations, estimator_factory: Callable[[], Any] | Any, t
         test_size: held-out fraction.
         seed: split seed (the same splits are used for every layer, so layers are compared on the same samples).
         cv: folds (reduced to the smaller class's count in the training split when that is lower; at least 2).
+        groups: a group per sample (e.g. the prompt a generated token came from), kept whole: the held-out split
+            takes whole groups (stratified by each group's most common label) and the folds are
+            ``StratifiedGroupKFold``, so no group's samples sit on both sides of a split (one reply's tokens are
+            near-duplicates; split apart, they leak and inflate the scores). ``None`` (the default): ``acts.groups``
+            when the activations carry them (:func:`~dynsteer.probes.collect_generated`), else per-sample splits;
+            ``False``: per-sample splits even so. With groups, ``cv`` is also reduced to the number of groups
+            holding the rarer class in the training split.
     """
     if acts.y is None:
         raise ValueError("layer_sweep needs labelled activations (collect(..., labels=...))")
     y = np.asarray(acts.y)
     idx = np.arange(len(y))
-    train_idx, test_idx = train_test_split(idx, test_size=test_size, random_state=seed, stratify=y)
+    g = _sweep_groups(acts, groups, len(y))
+    if g is None:
+        train_idx, test_idx = train_test_split(idx, test_size=test_size, random_state=seed, stratify=y)
+    else:
+        train_idx, test_idx = _group_split(y, g, test_size, seed)
     # An estimator class is itself a factory; an estimator instance is cloned so the caller's object stays unfitted.
     is_instance = hasattr(estimator_factory, "get_params") and not isinstance(estimator_factory, type)
     make = (lambda: clone(estimator_factory)) if is_instance else estimator_factory
     y_train = y[train_idx]
-    folds = min(cv, int(np.min(np.unique(y_train, return_counts=True)[1])))
-    if folds < 2:
-        raise ValueError(f"layer_sweep: the training split has {folds} sample(s) of a class; cross-validation "
-                         f"needs at least 2 per class")
-    splits = list(StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed).split(train_idx, y_train))
+    if g is None:
+        folds = min(cv, int(np.min(np.unique(y_train, return_counts=True)[1])))
+        if folds < 2:
+            raise ValueError(f"layer_sweep: the training split has {folds} sample(s) of a class; cross-validation "
+                             f"needs at least 2 per class")
+        splits = list(StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed).split(train_idx, y_train))
+    else:
+        g_train = g[train_idx]
+        folds = min(cv, min(len(np.unique(g_train[y_train == c])) for c in np.unique(y)))
+        if folds < 2:
+            raise ValueError(f"layer_sweep: the training split has {folds} group(s) holding a class; grouped "
+                             f"cross-validation needs at least 2 per class")
+        splits = list(StratifiedGroupKFold(n_splits=folds, shuffle=True, random_state=seed)
+                      .split(train_idx, y_train, g_train))
     scores: dict[int, LayerScore] = {}
     estimators: dict[int, Any] = {}
     test_scores: dict[int, np.ndarray] = {}
@@ -267,7 +327,7 @@ def layer_sweep(acts: Activations, estimator_factory: Callable[[], Any] | Any, t
         estimators[layer] = est
         test_scores[layer] = s
     result = SweepResult(scores=scores, estimators=estimators, train_idx=train_idx, test_idx=test_idx,
-                         test_scores=test_scores)
+                         test_scores=test_scores, fold_idx=[train_idx[val_i] for _, val_i in splits], groups=g)
     rank = result.ranking()
     if len(rank) > 1:
         a, b = scores[rank[0]], scores[rank[1]]
