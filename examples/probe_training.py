@@ -11,6 +11,11 @@ API → one logistic probe per layer; 5-fold cross-validation on a stratified tr
 layer, the 132 held-out sentences (66 negatives) only report it → a decision threshold at 5 % FPR calibrated on the
 held-out split, with its interval → saved as a dynsteer probe file, reloaded, checked against the engine's shape,
 and turned into gate parameters.
+
+Which collection, and why: ``collect(..., chat=True)``, sentences under the chat template read at the last prompt
+token, because that is what a prompt-level gate reads. A gate that reads every generated token (a
+``DynamicSteeringPolicy`` monitor) reads the model's own replies, whose decode-time residuals differ from prefill
+ones; train that one on ``collect_generated`` (one row per generated token, prompts kept whole in the folds).
 """
 
 from __future__ import annotations

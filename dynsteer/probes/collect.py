@@ -5,8 +5,8 @@ Two collections, for two places a probe reads:
 * :func:`collect`: one row per prompt, read in the prompt (its last token by default), raw text or under the chat
   template (``chat=True``): what a prompt-level gate reads.
 * :func:`collect_generated`: one row per generated token, read while the model writes its own reply (under the chat
-  template by default): what a per-token monitor reads. Decode-time residuals differ from prefill ones (cosine about
-  0.97 on SmolLM2), so a probe fitted on prompts can classify prompts well and still gate replies badly; rows carry
+  template by default): what a per-token monitor reads. Decode-time residuals differ from prefill ones (cosine
+  about 0.97), so a probe fitted on prompts can classify prompts well and still gate replies badly; rows carry
   the prompt index as ``groups``, so that :func:`~dynsteer.probes.layer_sweep` keeps one reply's tokens in one fold.
 
 For :func:`collect`, each batch of prompts is one engine pass (greedy, ``max_tokens=1``): the prompt is prefilled,
