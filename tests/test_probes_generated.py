@@ -14,7 +14,7 @@ import torch
 
 import dynsteer
 from dynsteer import CaptureSpec, DynsteerConfig
-from dynsteer.probes import Activations, LogisticProbe, chat_prompts, collect_generated, layer_sweep
+from dynsteer.probes import Activations, LogisticProbe, calibrate, chat_prompts, collect_generated, layer_sweep
 from dynsteer.probes.io import load_activations, save_activations
 from tests.conftest import ON_GPU, make_llm
 
@@ -142,13 +142,18 @@ def test_a_labeller_labels_each_token_and_drops_minus_one_on_raw_text(steerer):
     # last_generated: one row per reply, the last token read, equal to that row of all_generated
     full = collect_generated(steerer, prompts, [1, 0], layers=(LAYERS[0],), chat_template=False,
                              max_tokens=MAX_TOKENS, progress=False)
-    last = collect_generated(steerer, prompts, [1, 0], layers=(LAYERS[0],), chat_template=False,
+    last = collect_generated(steerer.llm, prompts, [1, 0], layers=(LAYERS[0],), chat_template=False,  # the LLM
                              max_tokens=MAX_TOKENS, positions="last_generated", progress=False)
     ends = [int(np.flatnonzero(full.groups == k)[-1]) for k in range(2)]
     assert last.groups.tolist() == [0, 1] and last.y.tolist() == [1, 0] and last.positions == "last_generated"
     assert last.token_positions.tolist() == full.token_positions[ends].tolist()
     np.testing.assert_allclose(last.X[LAYERS[0]], full.X[LAYERS[0]][ends], rtol=1e-5,
                                atol=1e-5 * float(np.abs(full.X[LAYERS[0]]).max()))
+
+    # a whole conversation is rendered as it stands, system message included
+    conv = [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Say hello."}]
+    fr = collect_generated(steerer, [conv], [1], layers=(LAYERS[0],), max_tokens=4, progress=False)
+    assert "<|im_start|>system\nYou answer in French.<|im_end|>" in fr.prompts[0] and 1 <= len(fr) <= 3
 
 
 def test_bad_requests_fail_naming_the_field(steerer):
@@ -191,6 +196,10 @@ def test_a_layer_sweep_on_generated_tokens_keeps_each_prompt_in_one_fold(collect
         assert all(not a & b for b in fold_groups[i + 1:])  # no prompt's tokens in two folds
         assert {LABELS[k] for k in a} == {0, 1}
     assert sorted(np.concatenate(sweep.fold_idx).tolist()) == sorted(sweep.train_idx.tolist())
+    # ... and the held-out tokens calibrate a threshold as any other scores do
+    best = sweep.best_layer
+    cal = calibrate(sweep.test_scores[best], acts.y[sweep.test_idx], 0.05, min_negatives=0)
+    assert cal.n == len(sweep.test_idx) and cal.n_negatives == int(np.sum(acts.y[sweep.test_idx] == 0))
     # groups travel through the activations file, so `dynsteer probe train` keeps prompts whole too
     back = load_activations(save_activations(tmp_path / "gen.npz", acts))
     assert back.groups.tolist() == g.tolist()
