@@ -53,7 +53,7 @@ from dynsteer.vectors import Vector
 POLICY_VERSION = 1
 
 Scope = Literal["this_token", "next_step", "rest_of_request"]
-MonitorReads = Literal["token", "prompt_last"]
+MonitorReads = Literal["token", "prompt_last", "prompt_mean"]
 """When a rule's gate acts: the same token (in-graph), the next step, or from the first trigger to the end."""
 ControllerKind = Literal["latch", "ema_latch", "pid", "budget", "custom"]
 
@@ -112,7 +112,9 @@ class Monitor(_Model):
         reads: ``token`` (default): the gate of every generated token, from that token's residual;
             ``prompt_last``: a prompt-level (CAST-style) gate, computed once inside the forward pass from the residual
             of the prompt's last token and held for every generated token of the request (rules it gates, or that
-            name it as ``condition``, act on the whole generation or not at all).
+            name it as ``condition``, act on the whole generation or not at all); ``prompt_mean``: the same from
+            the mean score over every prompt token (the score is linear, so this is the probe on the mean residual;
+            such requests never reuse cached prompt blocks, since the monitor must see every prompt token).
 
     Example:
         >>> m = Monitor(name="m", layer=1, direction=[0.6, 0.8], sharpness=2.0, threshold=0.5)
@@ -555,7 +557,7 @@ class DynamicSteeringPolicy(_Model):
                     raise ValueError(f"rules[{i}].condition: unknown monitor {rule.condition!r} (known: {known})")
                 if cond.reads == "token":
                     raise ValueError(f"rules[{i}].condition: monitor {cond.name!r} reads every token; a condition "
-                                     f"is a prompt-level monitor (reads='prompt_last')")
+                                     f"is a prompt-level monitor (reads='prompt_last' or 'prompt_mean')")
             if mon.reads != "token":
                 if rule.scope != "this_token":
                     raise ValueError(f"rules[{i}].scope: monitor {mon.name!r} reads the prompt, so its gate is "

@@ -27,7 +27,8 @@ def greedy(n: int = N):
 @pytest.fixture(scope="module")
 def engine(tiny_llama_path):
     cfg = DynsteerConfig(capture_sites=("post_block",), capture_layers=(MON_LAYER,), max_gates=4)
-    with make_llm(tiny_llama_path, **cfg.engine_kwargs()) as llm:
+    # 16-token blocks with prefix caching: long prompts are cached, which the prompt-mean test relies on
+    with make_llm(tiny_llama_path, enable_prefix_caching=True, block_size=16, **cfg.engine_kwargs()) as llm:
         yield llm, dynsteer.attach(llm)
 
 
@@ -152,3 +153,29 @@ def test_bad_prompt_level_policies_name_the_field(build, field):
 def test_unknown_read_mode_is_rejected():
     with pytest.raises(ValueError, match="reads"):
         Monitor(name="m", layer=1, direction=[1.0, 0.0], sharpness=1.0, threshold=0.0, reads="prompt_everything")
+
+
+def test_prompt_mean_gate_equals_the_probe_on_the_mean_prompt_residual_and_ignores_the_cache(engine):
+    llm, st = engine
+    h = st.hidden_size
+    prompts = [" ".join([p] * 8) for p in PROMPTS]  # several KV blocks each: cacheable
+    outs = st.generate(prompts, greedy(2), capture=CaptureSpec(sites=["post_block"], layers=[MON_LAYER],
+                                                               positions="all_prompt"))
+    means = np.array([o.capture[(MON_LAYER, "post_block")].astype(np.float64).mean(0) @ unit(h, 0) for o in outs])
+    assert all(len(o.capture.positions) == len(o.prompt_token_ids) for o in outs)
+    thr = float(np.median(means))
+    mon = prompt_monitor(h, thr).model_copy(update={"reads": "prompt_mean"})
+    pol = DynamicSteeringPolicy(monitors=[mon], rules=[
+        Rule(monitor="topic", actions=[Action(kind="add", layer=ACT_LAYER, vector=vec(h, 1))])])
+    want = 1 / (1 + np.exp(-2.0 * (means - thr)))
+    assert min(len(o.prompt_token_ids) for o in outs) >= 32
+    llm.generate(prompts, greedy(2))  # every prompt's blocks are cached now: the mean must not start from them
+    for _ in range(2):
+        got = st.generate(prompts, greedy(), policy=pol)
+        for out, g in zip(got, want):
+            applied = out.trace.applied_gates(0)
+            assert np.all(applied == applied[0]) and abs(applied[0] - g) <= TOL, (applied[0], g)
+    # and it differs from the last token's decision for some prompt (it is not the last-token gate in disguise)
+    last = st.generate(prompts, greedy(), policy=pol.model_copy(update={"monitors": (
+        prompt_monitor(h, thr),)}))
+    assert any(abs(a.trace.applied_gates(0)[0] - b.trace.applied_gates(0)[0]) > 1e-3 for a, b in zip(got, last))

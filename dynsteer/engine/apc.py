@@ -106,8 +106,8 @@ class FrontendState:
             if cacheable and size <= self.limits.cache_bytes:
                 self._memo[key] = (size, cached)
         prefill, decode, rows, dynamic, recompute_prompt = cached
-        if recompute_prompt:
-            prefill = f"{prefill}capture-{uuid.uuid4().hex}"
+        if recompute_prompt:  # prompt capture, or a prompt-mean monitor
+            prefill = f"{prefill}recompute-{uuid.uuid4().hex}"
         return prefill, decode, rows, dynamic
 
     def _admit(self, payload: Any) -> tuple[str, str, str, bool, bool]:
@@ -126,6 +126,13 @@ class FrontendState:
                 recompute_prompt = decoded.capture.positions not in ("last_prompt", "all_generated")
         prefill, decode = (compile_phase(specs, phase, self.shape, self.named, policy).digest.hex()
                            for phase in ("prefill", "decode"))
+        salt = prefill
+        if policy is not None and any(m.reads != "token" for m in policy[1].monitors):
+            # Prompt-level monitors sit in the prefill row but only read: the KV is that of the policy-free prefill,
+            # so the cache key is too (a gated request still shares prompt blocks with unsteered traffic). A mean
+            # over the prompt must see every prompt token: such a request never starts from cached blocks.
+            salt = compile_phase(specs, "prefill", self.shape, self.named).digest.hex()
+            recompute_prompt |= any(m.reads == "prompt_mean" for m in policy[1].monitors)
         needed = len({d for d in (prefill, decode) if d})
         if needed > self.capacity:
             raise SteeringValidationError(
@@ -133,7 +140,7 @@ class FrontendState:
                 f"phases differ); the engine has {self.capacity} (raise DynsteerConfig.max_rows)")
         dynamic = policy is not None and bool(policy[1].rules or policy[1].controller)
         static_decode = compile_phase(specs, "decode", self.shape, self.named).digest.hex() if dynamic else decode
-        return prefill, static_decode, f"{prefill},{decode}", dynamic, recompute_prompt
+        return salt, static_decode, f"{prefill},{decode}", dynamic, recompute_prompt
 
 
 def shape_from_vllm_config(vllm_config: Any) -> ModelShape:

@@ -55,6 +55,7 @@ class SlotPlan:
     scope: str  # a rule's scope; "monitor" for a controller-only slot (no actions)
     acts: bool = True  # its rule is enabled and has actions (a disabled rule's gate is computed, never applied)
     prompt: bool = False  # a prompt-level monitor: its gate is computed once at the prompt's last token and held
+    mean: bool = False  # prompt-level over the mean score of every prompt token (else the last token's score)
     cond: int | None = None  # the slot of the rule's prompt-level condition (its held gate multiplies this one)
 
 
@@ -65,7 +66,8 @@ def policy_slots(policy: "DynamicSteeringPolicy") -> tuple[list[SlotPlan], int |
     for rule in policy.rules:
         m = policy.monitor(rule.monitor)
         slots.append(SlotPlan(m.name, float(m.sharpness), float(m.threshold), rule.gate_floor, rule.scope,
-                              rule.enabled and bool(rule.actions), prompt=m.reads != "token"))
+                              rule.enabled and bool(rule.actions), prompt=m.reads != "token",
+                              mean=m.reads == "prompt_mean"))
     ctrl_slot = None
     cm = policy.controller_monitor()
     if cm is not None:
@@ -81,7 +83,7 @@ def policy_slots(policy: "DynamicSteeringPolicy") -> tuple[list[SlotPlan], int |
         if rule.condition not in conds:
             m = policy.monitor(rule.condition)
             slots.append(SlotPlan(m.name, float(m.sharpness), float(m.threshold), 0.0, "monitor", acts=False,
-                                  prompt=True))
+                                  prompt=True, mean=m.reads == "prompt_mean"))
             conds[rule.condition] = len(slots) - 1
         slots[i] = replace(slots[i], cond=conds[rule.condition])
     return slots, ctrl_slot
@@ -194,6 +196,7 @@ class DynState:
     aborts: dict[int, str] = field(default_factory=dict)
     held: int | None = None  # prompt-level slots: the request's row of the driver's held-gate buffer
     decided: bool = False  # prompt-level slots: the prompt's last token has been scheduled (its gates latch once)
+    mean_next: int = 0  # prompt-mean slots: prompt positions below this one are summed already (once each)
 
     @classmethod
     def for_policy(cls, policy: "DynamicSteeringPolicy", registry: Any = None,
@@ -396,23 +399,27 @@ class PromptGates:
     """Prompt-level (CAST-style) gates on the device, the host never waiting.
 
     A prompt-level slot's monitor sits in the request's prefill row, so the forward writes its score at every prompt
-    token. After the forward that computed the prompt's last token, ``latch`` turns that score into the gate
-    (``σ(sharpness·(score − threshold))``, 0 below the floor: the kernel's formula) in the request's row of ``held``;
-    before every later forward, ``stage`` writes the held gate into the slot's ``gates`` column of each generated
-    token (the decode row has no monitor for it, so the value stands for the whole pass) and, for a rule with a
-    prompt-level ``condition``, the condition's held gate into that rule's ``gate_mul`` (its per-token gate is
-    multiplied in the kernel). All of it is indexing on device buffers with indices copied from pinned memory.
-    The last prompt token is latched once: a request recomputed after preemption keeps its first decision.
+    token. After a forward, ``latch`` adds the scores of prompt-mean slots to the request's running sum (each prompt
+    position once, in float64) and, once the prompt's last token has been computed, turns the last token's score (or
+    the mean) into the gate (``σ(sharpness·(score − threshold))``, 0 below the floor: the kernel's formula) in the
+    request's row of ``held``. Before every later forward, ``stage`` writes the held gate into the slot's ``gates``
+    column of each generated token (the decode row has no monitor for it, so the value stands for the whole pass)
+    and, for a rule with a prompt-level ``condition``, the condition's held gate into that rule's ``gate_mul`` (the
+    kernel multiplies its per-token gate by it). All of it is indexing on device buffers with indices copied from
+    pinned memory. A request decides once: recomputed after preemption, it keeps its first decision.
     """
 
     def __init__(self, gates: torch.Tensor, gate_mul: torch.Tensor, scores: torch.Tensor, max_requests: int) -> None:
         G = gates.shape[0]
         self.gates, self.gate_mul, self.scores, self.G = gates, gate_mul, scores, G
+        n = max(max_requests, 1)
         # column G is 1: the multiplier of a slot without a condition
-        self.held = torch.zeros(max(max_requests, 1), G + 1, dtype=torch.float32, device=gates.device)
+        self.held = torch.zeros(n, G + 1, dtype=torch.float32, device=gates.device)
         self.held[:, G] = 1.0
-        self._free = list(range(max(max_requests, 1) - 1, -1, -1))
+        self.sums = torch.zeros(n, max(G, 1), dtype=torch.float64, device=gates.device)  # prompt-mean running sums
+        self._free = list(range(n - 1, -1, -1))
         self._latch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._sum: list[tuple[int, int, int, int]] = []  # (first column, end column, held row, slot)
 
     def place(self, st: DynState) -> None:
         if not st.prompt_level or st.held is not None:
@@ -421,29 +428,44 @@ class PromptGates:
             raise RuntimeError("no free prompt-level gate row (every one holds a live request)")
         st.held = self._free.pop()
         self.held[st.held, :self.G].zero_()  # no decision yet: the gate is 0 until the prompt's last token latches
+        self.sums[st.held].zero_()
 
     def free(self, st: DynState) -> None:
         if st.held is not None:
             self._free.append(st.held)
             st.held = None
 
-    def stage(self, states: list[DynState], decode: np.ndarray, d_req: np.ndarray, last: np.ndarray,
-              l_req: np.ndarray) -> bool:
+    def stage(self, states: list[DynState | None], decode: np.ndarray, d_req: np.ndarray, prompt: np.ndarray,
+              p_req: np.ndarray, p_pos: np.ndarray, p_len: np.ndarray) -> bool:
         """Before the forward: the held gates of this step's generated tokens (``decode``: token columns, ``d_req``:
-        index into ``states``), and the latch of the prompts whose last token it computes (``last``, ``l_req``).
-        Returns whether a ``gate_mul`` column was written (the driver resets those columns at the next step)."""
+        index into ``states``), and what the forward's prompt tokens of undecided requests contribute (``prompt``,
+        ``p_req``, their positions and prompt lengths). Returns whether a ``gate_mul`` column was written (the driver
+        resets those columns at the next step)."""
         lat, held_g, cond_g = [], [], []
-        for t, r in zip(last.tolist(), l_req.tolist()):
-            st = states[r]
-            if st.decided or st.held is None:
-                continue
-            st.decided = True
-            for g, slot in enumerate(st.slots):
-                if slot.prompt:
-                    lat.append((t, st.held, g, st.params[0, g], st.params[1, g], st.params[2, g]))
+        if len(prompt):
+            starts = np.flatnonzero(np.r_[True, p_req[1:] != p_req[:-1]])  # a request's tokens are contiguous
+            for a, b in zip(starts.tolist(), [*starts[1:].tolist(), len(prompt)]):
+                st = states[int(p_req[a])]
+                if st is None or st.decided or st.held is None:
+                    continue
+                ts, ps, plen = prompt[a:b], p_pos[a:b], int(p_len[a])
+                new = ps >= st.mean_next
+                if new.any():
+                    t0, t1 = int(ts[new][0]), int(ts[new][-1]) + 1
+                    self._sum += [(t0, t1, st.held, g) for g, slot in enumerate(st.slots) if slot.mean]
+                    st.mean_next = int(ps[new][-1]) + 1
+                last = np.flatnonzero(ps == plen - 1)
+                if not len(last):
+                    continue
+                st.decided = True
+                for g, slot in enumerate(st.slots):
+                    if slot.prompt:
+                        # a mean slot reads its sum (encoded as column -prompt length); a last token slot its score
+                        col = -plen if slot.mean else int(ts[last[0]])
+                        lat.append((col, st.held, g, st.params[0, g], st.params[1, g], st.params[2, g]))
         for t, r in zip(decode.tolist(), d_req.tolist()):
             st = states[r]
-            if st.held is None:
+            if st is None or st.held is None:
                 continue
             for g, slot in enumerate(st.slots):
                 c = self.G if slot.cond is None else slot.cond
@@ -464,12 +486,18 @@ class PromptGates:
         return bool(cond_g)
 
     def latch(self) -> None:
-        """After the forward: the gates of the prompts whose last token it computed, held for their requests."""
+        """After the forward: prompt-mean sums, then the gates of the prompts whose last token it computed."""
+        for t0, t1, p, g in self._sum:  # one small reduction per request and slot: deterministic on every rank
+            self.sums[p, g] += self.scores[g, t0:t1].to(torch.float64).sum()
+        self._sum = []
         if self._latch is None:
             return
-        (t, p, g), (sharp, thresh, floor) = self._latch
+        (col, p, g), (sharp, thresh, floor) = self._latch
         self._latch = None
-        raw = torch.sigmoid(sharp * (self.scores[g, t] - thresh))
+        mean = col < 0  # the prompt's mean: sum / length (length = -col)
+        score = torch.where(mean, (self.sums[p, g] / (-col).clamp(min=1)).to(torch.float32),
+                            self.scores[g, col.clamp(min=0)])
+        raw = torch.sigmoid(sharp * (score - thresh))
         self.held[p, g] = torch.where(raw >= floor, raw, torch.zeros_like(raw))
 
 
@@ -645,11 +673,11 @@ class DynamicDriver:
         self._step = (tokens.subset(read), len(upd), m)
         self.stats.host_ms += (time.perf_counter() - t1) * 1e3
 
-    def stage_prompt(self, states: list[DynState], decode: np.ndarray, d_req: np.ndarray, last: np.ndarray,
-                     l_req: np.ndarray, upto: int) -> None:
+    def stage_prompt(self, states: list[DynState | None], decode: np.ndarray, d_req: np.ndarray, prompt: np.ndarray,
+                     p_req: np.ndarray, p_pos: np.ndarray, p_len: np.ndarray, upto: int) -> None:
         """Prompt-level gates of this step (see :class:`PromptGates`); after :meth:`plan`'s control kernel, so the
         conditions' multipliers land on top of its defaults, which it restores at the next step."""
-        if self.prompt.stage(states, decode, d_req, last, l_req):
+        if self.prompt.stage(states, decode, d_req, prompt, p_req, p_pos, p_len):
             self._dirty = max(self._dirty, upto)
 
     def _stage_replays(self, states: dict[str, DynState], lookup: Any, tokens: StepTokens,

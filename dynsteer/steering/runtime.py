@@ -384,9 +384,11 @@ class SteeringRuntime:
             if b.prompt.any():  # prompt-level gates: latch at the prompt's last token, held while generating
                 on = b.prompt[req_of_token]
                 dec = np.flatnonzero(is_decode & on)
-                last = np.flatnonzero(~is_decode & on & (position == b.prompt_lens[req_of_token] - 1))
+                pre = np.flatnonzero(~is_decode & on)
+                r = req_of_token[pre]
                 states = [self._dyn.get(i) for i in ids]
-                self.dynamic.stage_prompt(states, dec, req_of_token[dec], last, req_of_token[last], upto)
+                self.dynamic.stage_prompt(states, dec, req_of_token[dec], pre, r, position[pre], b.prompt_lens[r],
+                                          upto)
             if self.dynamic.faults:
                 self._stop_faulted()
         if self._finishing:
