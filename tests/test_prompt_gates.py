@@ -179,3 +179,32 @@ def test_prompt_mean_gate_equals_the_probe_on_the_mean_prompt_residual_and_ignor
     last = st.generate(prompts, greedy(), policy=pol.model_copy(update={"monitors": (
         prompt_monitor(h, thr),)}))
     assert any(abs(a.trace.applied_gates(0)[0] - b.trace.applied_gates(0)[0]) > 1e-3 for a, b in zip(got, last))
+
+
+@pytest.mark.parametrize("reads", ["prompt_last", "prompt_mean"])
+def test_preempted_requests_keep_their_prompt_decision(tiny_llama_path, reads):
+    """A KV cache too small for the batch forces preemptions: a resumed request recomputes its prompt (and, for the
+    mean, sums no position twice) yet keeps the decision it took, so outputs and held gates equal an unpreempted
+    run. Engines of its own: last in the module."""
+    from vllm import SamplingParams
+
+    prompts = [f"{p} and then" for p in PROMPTS[:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    cfg = DynsteerConfig(max_gates=2)
+    runs = {}
+    for name, extra in (("roomy", {}), ("tight", {"num_gpu_blocks_override": 8, "block_size": 32})):
+        with make_llm(tiny_llama_path, disable_log_stats=False, **extra, **cfg.engine_kwargs()) as llm:
+            st = dynsteer.attach(llm)
+            h = st.hidden_size
+            pols = [DynamicSteeringPolicy(monitors=[Monitor(
+                name="topic", layer=MON_LAYER, direction=unit(h, 0), sharpness=0.5, threshold=thr, reads=reads)],
+                rules=[Rule(monitor="topic", actions=[Action(kind="add", layer=ACT_LAYER, vector=vec(h, 1))])])
+                for thr in (-1.0, 0.0, 1.0, 2.0)]
+            runs[name] = st.generate(prompts, params, policy=pols)
+            if name == "tight":
+                assert sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions") > 0
+    for roomy, tight in zip(runs["roomy"], runs["tight"]):
+        assert token_ids([tight]) == token_ids([roomy])
+        assert tight.trace.position == roomy.trace.position
+        np.testing.assert_allclose(tight.trace.applied_gates(0), roomy.trace.applied_gates(0), atol=1e-6)
+        assert 0.0 < roomy.trace.applied_gates(0)[0] < 1.0  # a real decision, not a saturated one
