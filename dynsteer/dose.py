@@ -235,7 +235,8 @@ def relative_doses(obj: DynamicSteeringPolicy | SteeringSpec, norms: Mapping[Pla
 def enforce_dose_limit(policy: DynamicSteeringPolicy, norms: Mapping[Place, float],
                        named: Mapping[str, np.ndarray] | None = None
                        ) -> tuple[DynamicSteeringPolicy, list[DoseEntry]]:
-    """Apply ``policy.max_relative_dose``: the policy to send (clipped if so asked) and every action's dose.
+    """Apply ``policy.max_relative_dose``: the policy to send (clipped if so asked; without the guardrail field, which
+    engines refuse) and every action's dose.
 
     Without a guardrail the policy is returned unchanged (with its doses).
 
@@ -271,7 +272,9 @@ def enforce_dose_limit(policy: DynamicSteeringPolicy, norms: Mapping[Place, floa
     if changed:
         new_rules = tuple(r.model_copy(update={"actions": tuple(acts)}) for r, acts in zip(policy.rules, rules))
         policy = policy.model_copy(update={"rules": new_rules})
-    return policy, report
+    # enforced here: the policy sent on no longer carries the guardrail (an engine refuses one that does, since it
+    # cannot measure residual norms and would otherwise run the policy unguarded)
+    return policy.model_copy(update={"max_relative_dose": None}), report
 
 
 def applied_dose(trace: Any, policy: DynamicSteeringPolicy, entries: list[DoseEntry]) -> np.ndarray:

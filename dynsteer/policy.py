@@ -518,7 +518,8 @@ class DynamicSteeringPolicy(_Model):
         rules: each a monitor and the actions its gate scales.
         controller: optional sync controller setting ``dyn_scale`` every step.
         max_relative_dose: optional :class:`RelativeDoseLimit` on additive actions (enforced by the caller's
-            process, which knows the model's residual norms; engines ignore it).
+            process, which knows the model's residual norms, and removed from the policy it sends; an engine
+            refuses a policy that still carries it, naming the field, rather than run it unguarded).
 
     Raises:
         pydantic.ValidationError: (a ``ValueError``) duplicate monitor names, a rule naming an unknown monitor, an
@@ -754,6 +755,11 @@ def admit_policy(policy: DynamicSteeringPolicy, probes: Mapping[str, Any], contr
     Raises:
         SteeringValidationError: naming the field (``policy.monitors[0].probe_file``, ``policy.controller.name``).
     """
+    if policy.max_relative_dose is not None:
+        raise SteeringValidationError(
+            f"{prefix}max_relative_dose: enforced by the caller's process (dynsteer.Steerer, dynsteer sweep), which "
+            f"measures the model's residual norms; an engine cannot, so it refuses the policy rather than run it "
+            f"without its guardrail (check the dose with dynsteer.dose before sending, or send it through a Steerer)")
     resolved = policy.resolved(probes, allow_files=False, prefix=prefix)
     spec = policy.controller
     where = f"{prefix}controller"

@@ -305,3 +305,20 @@ def test_controller_thresholds_in_probability_units_convert_through_the_monitor_
                                                                   units="probability")})
     with pytest.raises(ValueError, match=r"controller\.on: 1\.5 is not a probability"):
         bad.resolved()
+
+
+def test_an_engine_refuses_a_dose_guardrail_it_cannot_enforce():
+    from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule
+    from dynsteer.dose import enforce_dose_limit
+    from dynsteer.policy import admit_policy
+
+    mon = Monitor(name="m", layer=1, direction=[1.0, 0.0], sharpness=2.0, threshold=1.0)
+    pol = DynamicSteeringPolicy(monitors=[mon], rules=[Rule(monitor="m", actions=[
+        Action(kind="add", layer=1, vector=[0.0, 1.0], scale=4.0)])], max_relative_dose=0.5)
+    with pytest.raises(ValueError, match=r"policy\.max_relative_dose: enforced by the caller"):
+        admit_policy(pol, {}, {})
+    from dynsteer.policy import RelativeDoseLimit
+
+    roomy = pol.model_copy(update={"max_relative_dose": RelativeDoseLimit(limit=100.0, mode="clip")})
+    sent, _ = enforce_dose_limit(roomy, {(1, "post_block"): 10.0})
+    assert sent.max_relative_dose is None and admit_policy(sent, {}, {}).rules == pol.rules
