@@ -14,6 +14,17 @@ Runs on CPU in a few minutes:
 4. One continuous batch of complaints (the targeted class) and praise (the other class): complaints are steered, the
    praise outputs are byte-identical to an unsteered run, and the in-graph gate equals the probe file's
    ``predict_proba`` on the captured residuals.
+
+Part two, a **prompt-level gate** (CAST-style) on held-out data: a probe trained on the 308-sentence training split of
+``examples/data/sentiment.csv`` (sentences as user messages under the chat template, residual at the prompt's last
+token: the training data is where this gate reads) becomes a monitor with ``reads="prompt_last"``. Inside the
+forward pass it scores each request's last prompt token once and holds the decision for the whole reply; a rule
+with ``gate_floor=0.5`` adds the positive-sentiment vector to every generated token of requests the probe calls
+negative and leaves the others alone. On the 132 held-out sentences (66 per class, never trained on) it prints the
+share of negative prompts steered and of positive prompts byte-identical to an unsteered run, and the largest
+difference between the held gate and the probe file's ``predict_proba`` on the captured last-prompt residual.
+A per-token monitor reading the model's own replies (part one) cannot be this selective on open prompts: the
+replies' boilerplate looks alike across classes.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -43,6 +55,11 @@ TOPICS = ["the hotel room", "the restaurant", "the train service", "the weather"
 COMPLAINTS = [f"Write two sentences complaining angrily about {t}." for t in ["the airline", *TOPICS]]
 PRAISE = [f"Write two sentences praising {t} enthusiastically." for t in ["the new phone", *TOPICS]]
 STEER_SCALE = 40.0
+# Part two reads the layer probe_training.py's cross-validation on the same training split chooses.
+PROMPT_LAYER = 22
+PROMPT_STEER_SCALE = 8.0  # multiples of the class-mean difference
+PROMPT_READS = "prompt_last"
+OPERATING_POINT: str | float = 0.05  # positive sentences let through, on the training split's CV scores
 
 
 @dataclass
@@ -58,12 +75,12 @@ class DemoResult:
     scales: list[list[float]] | None = None  # the controller's scale at every traced token, per prompt
 
 
-def make_engine(model: Path, sync_tier: str = "device"):
+def make_engine(model: Path, sync_tier: str = "device", layers: tuple[int, ...] = (LAYER,), max_num_seqs: int = 16):
     from vllm import LLM
 
-    cfg = DynsteerConfig(capture_sites=("post_block",), capture_layers=(LAYER,), max_gates=2, sync_tier=sync_tier)
-    return LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=16, seed=0,
-               **cfg.engine_kwargs())
+    cfg = DynsteerConfig(capture_sites=("post_block",), capture_layers=layers, max_gates=2, sync_tier=sync_tier)
+    return LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=max_num_seqs,
+               seed=0, **cfg.engine_kwargs())
 
 
 def train_probe(steerer: dynsteer.Steerer, path: Path) -> None:
@@ -121,6 +138,115 @@ def run(max_tokens: int = 40, sync_tier: str = "device", probe_path: Path | None
         probe_path=probe_path, scales=[list(o.trace.scale) for o in steered])
 
 
+@dataclass
+class PromptGateResult:
+    steered_negative: float  # share of held-out negative prompts whose reply changed
+    identical_positive: float  # share of held-out positive prompts whose reply is byte-identical to unsteered
+    n_negative: int
+    n_positive: int
+    gate_error: float  # max |held gate − probe predict_proba(last prompt residual)| where the gate is open
+    opened_negative: float  # share of negative prompts whose held gate opened (the probe's recall)
+    opened_positive: float  # share of positive prompts whose held gate opened (its false-positive rate)
+    closed_ok: bool  # every prompt the probe puts below 0.5 has a held gate of exactly 0
+    examples: list[tuple[str, str, str]]  # (prompt, unsteered, steered) of a few negative prompts
+
+
+def held_out_split(seed: int = 0) -> tuple[list[str], np.ndarray, list[str], np.ndarray]:
+    """The data set split as ``probe_training.py``'s ``layer_sweep`` splits it (stratified, 30 % held out)."""
+    from sklearn.model_selection import train_test_split
+
+    from probe_training import load_sentiment
+
+    texts, labels = load_sentiment()
+    tr, te = train_test_split(np.arange(len(texts)), test_size=0.3, random_state=seed, stratify=labels)
+    return [texts[i] for i in tr], labels[tr], [texts[i] for i in te], labels[te]
+
+
+def train_calibration(X: np.ndarray, y: np.ndarray, operating_point: str | float) -> Any:
+    """The gate's operating point on 5-fold cross-validated decision values of the training split (never on held-out
+    data): ``"balanced"``, where the smaller of the two classes' recalls is largest, or a target rate of positive
+    sentences let through (a float), as ``probe_training.py`` calibrates at 5 %."""
+    from sklearn.model_selection import cross_val_predict
+
+    from dynsteer.probes import calibrate
+
+    cv = cross_val_predict(LogisticProbe(), X, y, cv=5, method="decision_function")
+    # the gate opens for P(negative): flip the labels so the class it opens for is "positive" in calibrate's terms
+    s, flipped = -cv, 1 - y
+    if operating_point == "balanced":
+        hit, miss = s[flipped == 1], s[flipped == 0]
+        cands = np.unique(s)
+        worse = [min(np.mean(hit > t), np.mean(miss <= t)) for t in cands]
+        t = cands[int(np.argmax(worse))]
+        operating_point = float(np.mean(miss > t)) + 1e-9
+    cal = calibrate(s, flipped, target_fpr=float(operating_point))
+    return cal.model_copy(update={"threshold": -cal.threshold})  # back to the probe's decision: negative below it
+
+
+def run_prompt_gate(max_tokens: int = 24, probe_path: Path | None = None, reads: str = PROMPT_READS,
+                    operating_point: str | float = OPERATING_POINT) -> PromptGateResult:
+    """Part two: train on the training split, gate at the prompt level, report on the held-out split. ``reads``:
+    ``prompt_mean`` (the probe trained and gating on the mean residual over the prompt's tokens) or ``prompt_last``
+    (on the last prompt token's)."""
+    where = "all_prompt" if reads == "prompt_mean" else "last_prompt"  # collect's mean over the selected positions
+    from vllm import SamplingParams
+
+    train_x, train_y, test_x, test_y = held_out_split()
+    llm = make_engine(smollm2(), layers=(PROMPT_LAYER,), max_num_seqs=48)
+    try:
+        steerer = dynsteer.attach(llm)
+        if probe_path is None:
+            probe_path = Path(tempfile.mkdtemp()) / f"sentiment-prompt-L{PROMPT_LAYER}.safetensors"
+            acts = collect(steerer, train_x, train_y, layers=[PROMPT_LAYER], site="post_block",
+                           positions=where, chat=True, progress=False)
+            X = acts.X[PROMPT_LAYER]
+            save_probe(probe_path, LogisticProbe().fit(X, train_y), model_id=steerer.shape.model_id,
+                       layer=PROMPT_LAYER, site="post_block",
+                       calibration=train_calibration(X, train_y, operating_point),
+                       method=f"LogisticProbe, {len(train_x)} training sentences, chat template, last prompt token")
+            # the steering vector: positive minus negative class mean of the same training residuals
+            np.save(probe_path.with_suffix(".vec.npy"), (X[train_y == 1].mean(0) - X[train_y == 0].mean(0)))
+        # calibrated: the gate is 0.5 at the training split's balanced operating point; the floor makes it the decision
+        monitor = Monitor.from_probe_file(probe_path, name="negative", target_class=0, calibrated=True, reads=reads)
+        towards_positive = np.load(probe_path.with_suffix(".vec.npy")).astype(np.float32) * PROMPT_STEER_SCALE
+        policy = DynamicSteeringPolicy(monitors=[monitor], rules=[Rule(
+            monitor="negative", gate_floor=0.5,
+            actions=[Action(kind="add", layer=PROMPT_LAYER, vector=towards_positive)])])
+        convs = [[{"role": "user", "content": t}] for t in test_x]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        baseline = llm.chat(convs, params, use_tqdm=False)
+        steered = steerer.chat(convs, params, policy=policy, use_tqdm=False,
+                               capture=CaptureSpec(sites=["post_block"], layers=[PROMPT_LAYER], positions=where))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+    probe = load_probe(probe_path)
+    cal = probe.meta.calibration.threshold if probe.meta.calibration is not None else 0.0
+    changed = np.array([list(b.outputs[0].token_ids) != list(s.outputs[0].token_ids)
+                        for b, s in zip(baseline, steered)])
+    neg, pos = test_y == 0, test_y == 1
+    gate_error, closed_ok, opened = 0.0, True, []
+    for out in steered:
+        # P(negative) relative to the calibrated threshold: the monitor's gate (calibrated=True, target_class=0)
+        x = out.capture[(PROMPT_LAYER, "post_block")].astype(np.float64).mean(0, keepdims=True)
+        p_neg = float(1.0 / (1.0 + np.exp(probe.decision_function(x)[0] - cal)))
+        held = out.trace.applied_gates("negative")
+        assert np.all(held == held[0]), "a prompt-level gate is one decision per request"
+        opened.append(bool(held[0] > 0))
+        if p_neg >= 0.5:
+            gate_error = max(gate_error, abs(float(held[0]) - p_neg))
+        else:
+            closed_ok &= bool(held[0] == 0.0)
+    examples = [(test_x[i], baseline[i].outputs[0].text, steered[i].outputs[0].text)
+                for i in np.flatnonzero(neg & changed)[:3]]
+    opened_arr = np.array(opened)
+    return PromptGateResult(
+        steered_negative=float(changed[neg].mean()), identical_positive=float((~changed[pos]).mean()),
+        n_negative=int(neg.sum()), n_positive=int(pos.sum()), gate_error=gate_error,
+        opened_negative=float(opened_arr[neg].mean()), opened_positive=float(opened_arr[pos].mean()),
+        closed_ok=closed_ok, examples=examples)
+
+
 def main() -> DemoResult:
     from rich.console import Console
     from rich.table import Table
@@ -134,6 +260,17 @@ def main() -> DemoResult:
         table.add_row(prompt, str(fired), before, after if after != before else "(identical)")
     Console().print(table)
     print(f"max |in-graph gate - probe predict_proba| = {res.gate_error:.2e}")
+
+    pg = run_prompt_gate()
+    print(f"\nprompt-level gate (reads='prompt_last', layer {PROMPT_LAYER}) on {pg.n_negative + pg.n_positive} "
+          f"held-out sentences:")
+    print(f"  gate opened (probe says negative):     {pg.opened_negative:.1%} of negatives, "
+          f"{pg.opened_positive:.1%} of positives")
+    print(f"  negative prompts steered:              {pg.steered_negative:.1%} of {pg.n_negative}")
+    print(f"  positive prompts byte-identical:       {pg.identical_positive:.1%} of {pg.n_positive}")
+    print(f"  max |held gate - probe predict_proba|: {pg.gate_error:.2e} (closed gates exactly 0: {pg.closed_ok})")
+    for prompt, before, after in pg.examples:
+        print(f"  {prompt!r}\n    unsteered: {before!r}\n    steered:   {after!r}")
     return res
 
 
