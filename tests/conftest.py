@@ -16,9 +16,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 # DYNSTEER_TEST_DEVICE=cuda runs the same integration tests on a GPU the way users run vLLM there: default (v2)
@@ -66,11 +67,12 @@ def tiny_llama_path():
 
 
 @contextlib.contextmanager
-def openai_server(model: str, log: Any, extra: list[str] = (), timeout_s: float = 300) -> Iterator[str]:
-    """``vllm serve`` (dynsteer loaded) on a free loopback port, torn down on exit; yields its base URL."""
+def served(command: Callable[[int, list[str]], list[str]], log: Any, timeout_s: float = 300) -> Iterator[str]:
+    """A server process on a free loopback port, torn down on exit; yields its base URL once ``/health`` answers.
+
+    ``command(port, dtype_args)`` gives its argv (``dtype_args``: this device's dtype and eager flags)."""
     import socket
     import subprocess
-    import sys
     import time
     import urllib.error
     import urllib.request
@@ -80,9 +82,7 @@ def openai_server(model: str, log: Any, extra: list[str] = (), timeout_s: float 
         port = s.getsockname()[1]
     args = ["--dtype", "bfloat16"] if ON_GPU else ["--dtype", "float32", "--enforce-eager"]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", *args, *extra],
-                            env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    proc = subprocess.Popen(command(port, args), env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout_s
@@ -100,3 +100,25 @@ def openai_server(model: str, log: Any, extra: list[str] = (), timeout_s: float 
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+@contextlib.contextmanager
+def openai_server(model: str, log: Any, extra: list[str] = (), timeout_s: float = 300) -> Iterator[str]:
+    """``vllm serve`` (dynsteer loaded) on a free loopback port, torn down on exit; yields its base URL."""
+    import sys
+
+    with served(lambda port, args: [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                                    "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", *args,
+                                    *extra], log, timeout_s) as url:
+        yield url
+
+
+def unit(h: int, seed: int) -> np.ndarray:
+    """A random unit vector (float32), the same for the same seed."""
+    v = np.random.default_rng(seed).standard_normal(h)
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+def vec(h: int, seed: int, scale: float = 6.0) -> np.ndarray:
+    """A random steering vector (float32, entries ~ N(0, scale²)), the same for the same seed."""
+    return (np.random.default_rng(100 + seed).standard_normal(h) * scale).astype(np.float32)

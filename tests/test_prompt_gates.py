@@ -9,7 +9,7 @@ import pytest
 import dynsteer
 from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, DynsteerConfig, Monitor, Rule,
                       SteeringSpec)
-from tests.conftest import ON_GPU, make_llm, token_ids
+from tests.conftest import ON_GPU, make_llm, token_ids, unit, vec
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning", "she opened the door and",
            "a long time ago", "it was the best of times"]
@@ -37,15 +37,6 @@ def _clean(engine):
     yield
     engine[1].clear_all()
     engine[1].clear_policy()
-
-
-def unit(h: int, seed: int) -> np.ndarray:
-    v = np.random.default_rng(seed).standard_normal(h)
-    return (v / np.linalg.norm(v)).astype(np.float32)
-
-
-def vec(h: int, seed: int, scale: float = 6.0) -> np.ndarray:
-    return (np.random.default_rng(100 + seed).standard_normal(h) * scale).astype(np.float32)
 
 
 def prompt_monitor(h: int, threshold: float, sharpness: float = 2.0, name: str = "topic") -> Monitor:

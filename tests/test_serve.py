@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import pytest
 
 import dynsteer
 from dynsteer import Action, AddVector, DynamicSteeringPolicy, Monitor, Rule, SteeringSpec
-from tests.conftest import ON_GPU
+from tests.conftest import ON_GPU, served
 
 KEY = "test-key-7f3a"
 HIDDEN, MON_LAYER, ACT_LAYER = 128, 1, 2
@@ -53,34 +52,12 @@ def _console_script() -> Path:
 def server(tiny_llama_path, tmp_path_factory):
     """``dynsteer serve`` on a free loopback port; yields (base url, model)."""
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = ["--dtype", "bfloat16"] if ON_GPU else ["--dtype", "float32", "--enforce-eager"]
     cfg = {"dynsteer": {"max_gates": 2, "max_rows": 16}}
     exe = _console_script()
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    proc = subprocess.Popen([str(exe), "serve", str(tiny_llama_path), "--host", "127.0.0.1", "--port", str(port),
-                             "--max-model-len", "256", "--max-num-seqs", "16", "--api-key", KEY, "--seed", "0",
-                             "--additional-config", json.dumps(cfg), *args],
-                            env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited early:\n{log.read_text()[-3000:]}")
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                if time.time() > deadline:
-                    pytest.fail(f"server did not come up:\n{log.read_text()[-3000:]}")
-                time.sleep(1)
+    with served(lambda port, args: [str(exe), "serve", str(tiny_llama_path), "--host", "127.0.0.1", "--port",
+                                    str(port), "--max-model-len", "256", "--max-num-seqs", "16", "--api-key", KEY,
+                                    "--seed", "0", "--additional-config", json.dumps(cfg), *args], log) as url:
         yield url, str(tiny_llama_path)
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 @pytest.fixture(scope="module")
