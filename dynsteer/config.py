@@ -162,9 +162,13 @@ class DynsteerConfig(BaseModel):
         capture_consumers: ``{name: options}`` of consumers built in every worker (``memory``, ``filesystem``
             with ``root``/``layout``, ``zmq`` with ``endpoint``, or an entry point of group
             ``dynsteer.capture_consumers``); ``options["kind"]`` picks the kind when the name is another one.
-        forward: ``"op"`` runs each site as one opaque custom op (the fused Triton kernel on CUDA, the torch
-            reference elsewhere); ``"inline"`` traces the reference's torch ops into the model graph so
-            torch.compile can fuse them into neighbouring kernels (fewer launches per step).
+        forward: ``"auto"`` (default) is ``"fused"`` on CUDA and ``"op"`` elsewhere. ``"op"`` runs each site as
+            one opaque custom op (the Triton kernel on CUDA, the torch reference elsewhere). ``"fused"`` runs the
+            sites that precede a fused add + RMS norm (vLLM's ``RMSNorm``) inside that norm: one kernel for
+            ``post_block`` of layer i-1, ``pre_attn`` of layer i and layer i's input norm, one for ``post_attn`` and
+            the mid norm, so a hooked layer adds no launch (other layers fall back to ``"op"``; a model's first
+            ``pre_attn`` and last ``post_block`` keep theirs). ``"inline"`` traces the reference's torch ops into
+            the model graph for torch.compile to fuse (measured slower on an H200: see the README).
         controllers: custom sync controllers requests may use, ``{name: "package.module:Factory"}``; a policy
             names one with ``SyncControllerSpec(kind="custom", name=...)``. Entry points of the group
             ``dynsteer.controllers`` are registered too. Requests never carry import paths.
@@ -186,7 +190,7 @@ class DynsteerConfig(BaseModel):
     layers: tuple[int, ...] | None = None
     vectors: dict[str, str] = Field(default_factory=dict)
     require: StrictBool = True
-    forward: Literal["op", "inline"] = "op"
+    forward: Literal["auto", "op", "fused", "inline"] = "auto"
     capture_sites: tuple[Site, ...] = ()
     capture_layers: tuple[int, ...] | None = None
     capture_consumers: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"memory": {}})

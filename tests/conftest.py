@@ -23,10 +23,11 @@ import numpy as np
 import pytest
 
 # DYNSTEER_TEST_DEVICE=cuda runs the same integration tests on a GPU the way users run vLLM there: default (v2)
-# runner, torch.compile and CUDA graphs on, bf16 (FlashAttention has no float32 path).
+# runner, torch.compile and CUDA graphs on, bf16 (FlashAttention has no float32 path). DYNSTEER_TEST_GPU_UTIL lowers
+# each engine's share of GPU memory so several test processes can share one GPU.
 ENGINE_DEFAULTS: dict[str, Any] = (
     dict(dtype="bfloat16", enforce_eager=False, max_model_len=256, max_num_seqs=8, seed=0,
-         gpu_memory_utilization=0.25) if ON_GPU else
+         gpu_memory_utilization=float(os.environ.get("DYNSTEER_TEST_GPU_UTIL", "0.25"))) if ON_GPU else
     dict(dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0))
 needs_eager_hooks = pytest.mark.skipif(ON_GPU, reason="reads residuals with eager forward hooks (CPU engines)")
 

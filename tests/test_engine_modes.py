@@ -24,7 +24,7 @@ def greedy(n: int = 10):
     return SamplingParams(temperature=0.0, max_tokens=n)
 
 
-@pytest.mark.parametrize("forward", ["op", "inline"])
+@pytest.mark.parametrize("forward", ["op", "fused", "inline"])
 def test_compiled_forward_steers_and_restores(tiny_llama_path, forward):
     """Hooks are installed before torch.compile traces, so the compiled graph contains them (as one custom op per
     site, or as plain torch ops the compiler may fuse)."""

@@ -55,7 +55,7 @@ from dynsteer.controllers.registry import ControllerRegistry
 from dynsteer.engine.apc import shape_from_vllm_config
 from dynsteer.engine.families import FAMILIES, Family, MidMode, Stream, family_of
 from dynsteer.steering.runtime import SteeringRuntime
-from dynsteer.steering.site import SiteHook
+from dynsteer.steering.site import SiteHook, fused_add_rms_norm
 from dynsteer.steering.tables import SteeringTables
 
 logger = logging.getLogger("dynsteer")
@@ -71,6 +71,7 @@ class Adapter:
     architectures: tuple[str, ...]
     stream: Stream = "sum"
     mid_mode: MidMode = "fused"
+    input_norm: str | None = "input_layernorm"  # the fused add-norm on the layer's input pair (calls[0] when found)
 
 
 ADAPTERS: dict[str, Adapter] = {
@@ -125,6 +126,8 @@ def _runtime_for_current_model() -> SteeringRuntime:
                              # live and preempted sync-tier requests; none: every one in the host tier
                              sync_slots=4 * int(sched.max_num_seqs) + 8 if cfg.sync_tier == "device" else 0)
         rt.inline_forward = cfg.forward == "inline"
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
+        rt.fuse_norms = cfg.forward == "fused" or (cfg.forward == "auto" and device == "cuda")
         if rt.dynamic is not None:  # where dynamic steering acted decides which generated blocks may be shared
             rt.dynamic.report_acts = bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False))
         places = [p for p in cfg.capture_places(num_layers) if p[1] in shape.sites]
@@ -245,6 +248,7 @@ def _attach(layer: nn.Module, prefix: str, adapter: Adapter) -> None:
     layer._dynsteer_attached = True
     rt = _runtime_for_current_model()
     idx = _layer_index(prefix)
+    hooks: dict[str, SiteHook] = {}
     for site in rt.shape.sites:
         if (idx, site) not in rt.tables.slot:
             continue
@@ -252,16 +256,62 @@ def _attach(layer: nn.Module, prefix: str, adapter: Adapter) -> None:
         hook = SiteHook(rt.tables, idx, site, inline=rt.inline_forward, stage=stage,
                         stage_slot=rt.capture.slot if stage is not None else None)
         hook.runtime = rt
-        if site == "post_attn":
-            mid = getattr(layer, adapter.mid_norm, None) if adapter.mid_norm else None
-            if not isinstance(mid, nn.Module):
-                raise UnsupportedArchitectureError(
-                    f"dynsteer: architecture {rt.shape.architecture!r} is not supported: its layer "
-                    f"{type(layer).__name__} has no module {adapter.mid_norm!r} for the post_attn site")
-            mid.dynsteer_post_attn = hook
-            mid.__class__ = (_steered_norm_class if adapter.mid_mode == "fused" else _steered_input_class)(type(mid))
+        rt.hooks[(idx, site)] = hooks[site] = hook
+    fuse = rt.fuse_norms and not rt.inline_forward and adapter.stream == "sum" and adapter.mid_mode == "fused"
+    if "post_attn" in hooks:
+        mid = getattr(layer, adapter.mid_norm, None) if adapter.mid_norm else None
+        if not isinstance(mid, nn.Module):
+            raise UnsupportedArchitectureError(
+                f"dynsteer: architecture {rt.shape.architecture!r} is not supported: its layer "
+                f"{type(layer).__name__} has no module {adapter.mid_norm!r} for the post_attn site")
+        if fuse and _fusable_norm(mid):
+            _fuse_into(mid, None, hooks["post_attn"])
         else:
-            setattr(layer, f"dynsteer_{site}", hook)
+            mid.dynsteer_post_attn = hooks["post_attn"]
+            mid.__class__ = (_steered_norm_class if adapter.mid_mode == "fused" else _steered_input_class)(type(mid))
+    for site in ("pre_attn", "post_block"):
+        if site in hooks:
+            setattr(layer, f"dynsteer_{site}", hooks[site])
+    # The previous layer's post_block and this layer's pre_attn act on the same pair, just before the input norm.
+    # The model's first layer gets no residual (its input norm is a plain norm): its pre_attn stays an op.
+    prev = rt.hooks.get((idx - 1, "post_block"))
+    inorm = getattr(layer, adapter.input_norm, None) if adapter.input_norm else None
+    if fuse and idx > 0 and (prev is not None or "pre_attn" in hooks) and _fusable_norm(inorm):
+        _fuse_into(inorm, prev, hooks.get("pre_attn"))
+        layer.dynsteer_prev_post_block = prev  # run by this layer's forward where its norm gets no residual
+
+
+def _fusable_norm(norm: Any) -> bool:
+    """vLLM's plain ``RMSNorm`` with a weight and the full variance (the norm ``steer_add_rms_norm`` reproduces)."""
+    try:
+        from vllm.model_executor.layers.layernorm import RMSNorm
+    except ImportError:
+        return False
+    base = getattr(type(norm), "_dynsteer_norm_base", type(norm))
+    return (base is RMSNorm and getattr(norm, "has_weight", False)
+            and getattr(norm, "variance_size_override", None) is None)
+
+
+def _fuse_into(norm: nn.Module, first: SiteHook | None, second: SiteHook | None) -> None:
+    norm.dynsteer_fused_first, norm.dynsteer_fused_second = first, second
+    for hook in (first, second):
+        if hook is not None:
+            hook.fused = True
+    norm.__class__ = _fused_norm_class(getattr(type(norm), "_dynsteer_norm_base", type(norm)))
+
+
+@functools.cache
+def _fused_norm_class(base: type) -> type:
+    """A subclass of ``RMSNorm`` whose add-norm also runs the sites before it (one kernel, no launch of their own).
+    Without a residual (a model's first layer) the layer has applied its sites already; the plain norm runs."""
+
+    def forward(self: Any, x: Any, residual: Any = None) -> Any:
+        if residual is None:
+            return base.forward(self, x)
+        return fused_add_rms_norm(self.dynsteer_fused_first, self.dynsteer_fused_second, x, residual,
+                                  self.weight, self.variance_epsilon)
+
+    return type(f"SteeredFused{base.__name__}", (base,), {"forward": forward, "_dynsteer_norm_base": base})
 
 
 @functools.cache
@@ -302,13 +352,18 @@ def patch_layer_class(cls: type, adapter: Adapter) -> None:
 
     @functools.wraps(orig_forward)
     def forward(self: nn.Module, positions: Any, hidden_states: Any, *args: Any, **kwargs: Any):
+        residual = (args[0] if args else kwargs.get("residual")) if sums else None
         pre = getattr(self, "dynsteer_pre_attn", None)
-        if pre is not None:
-            residual = (args[0] if args else kwargs.get("residual")) if sums else None
-            hidden_states = pre(hidden_states, residual)
+        prev = getattr(self, "dynsteer_prev_post_block", None)
+        # A fused input norm runs the previous layer's post_block and this pre_attn, given a residual; else here.
+        if residual is None or not ((pre is not None and pre.fused) or prev is not None):
+            if prev is not None:
+                hidden_states = prev(hidden_states, residual)
+            if pre is not None:
+                hidden_states = pre(hidden_states, residual)
         out = orig_forward(self, positions, hidden_states, *args, **kwargs)
         post = getattr(self, "dynsteer_post_block", None)
-        if post is None:
+        if post is None or post.fused:  # fused: the next layer's input norm runs it
             return out
         if isinstance(out, tuple):  # (hidden, residual); under stream="hidden" the residual is not part of it
             return (post(out[0], out[1] if sums else None), *out[1:])
@@ -372,7 +427,7 @@ def discover_adapter(cls: type, family: Family | None, architecture: str) -> Ada
     mid = family.mid if family is not None and family.mid else calls[1]
     if mid not in calls:
         return f"{cls.__name__}.forward never calls the declared mid norm {mid!r} as a fused add-norm"
-    return Adapter(cls.__module__, cls.__name__, mid, (architecture,))
+    return Adapter(cls.__module__, cls.__name__, mid, (architecture,), input_norm=calls[0])
 
 
 def wire_model(model_config: Any) -> str | None:
@@ -425,8 +480,9 @@ def patch_model_loader(cls: type) -> None:
                 raise UnsupportedArchitectureError(msg)
             logger.warning("%s; steering is off for this model", msg)
         else:
-            logger.info("dynsteer: %s hooked at %d places (%.1f MiB of tables)", arch, len(rt.tables.sites),
-                        rt.tables.nbytes() / 2**20)
+            fused = sum(h.fused for h in rt.hooks.values())
+            logger.info("dynsteer: %s hooked at %d places (%.1f MiB of tables), %d of them run inside the "
+                        "following add-norm", arch, len(rt.tables.sites), rt.tables.nbytes() / 2**20, fused)
         _warn_cpu_bf16(vllm_config)
         return model
 

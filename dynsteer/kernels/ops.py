@@ -1,4 +1,5 @@
-"""``torch.ops.dynsteer.steer_site`` / ``steer_site_dyn``: the custom ops wrapping the steering implementations.
+"""``torch.ops.dynsteer.steer_site`` / ``steer_site_dyn`` / ``steer_add_rms_norm``: the custom ops wrapping the
+steering implementations (``steer_add_rms_norm``: sites fused into the add-norm that follows them).
 
 The ops are opaque to torch.compile (a fake impl provides shapes), so the real implementation is
 chosen at run time by :func:`select_impl`, the single dispatch point:
@@ -22,8 +23,8 @@ import torch
 from dynsteer.kernels.dynamic_reference import steer_site_dyn_reference
 from dynsteer.kernels.reference import stash_residual, steer_site_reference
 
-__all__ = ["DYN_OP_NAME", "OP_NAME", "ENV_KERNEL", "no_stage", "select_controller_impl", "select_impl", "steer_site",
-           "steer_site_dyn"]
+__all__ = ["DYN_OP_NAME", "FUSED_OP_NAME", "OP_NAME", "ENV_KERNEL", "no_stage", "select_controller_impl", "select_impl",
+           "steer_add_rms_norm", "steer_site", "steer_site_dyn"]
 
 OP_NAME = "dynsteer::steer_site"
 DYN_OP_NAME = "dynsteer::steer_site_dyn"
@@ -273,3 +274,48 @@ def _register_stash() -> None:
 
 
 _register_stash()
+
+
+# ---- steering sites fused into the following add + RMS norm ---------------------------------------------------
+FUSED_OP_NAME = "dynsteer::steer_add_rms_norm"
+
+
+def _fused_impl(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, row_index: torch.Tensor,
+                tabs_a: list[torch.Tensor], tabs_b: list[torch.Tensor], gate_bufs: list[torch.Tensor],
+                stage_a: torch.Tensor, stage_b: torch.Tensor,
+                stage_slot: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    # Same dispatch rule as select_impl: Triton on CUDA tensors, the torch reference elsewhere, the env var forces.
+    forced = os.environ.get(ENV_KERNEL, "").strip().lower()
+    if forced == "reference" or (forced != "triton" and not h.is_cuda):
+        from dynsteer.kernels.fused_reference import steer_add_rms_norm_reference as impl
+    else:
+        from dynsteer.kernels.triton_fused import steer_add_rms_norm_triton as impl
+    return impl(h, r, weight, eps, row_index, tabs_a, tabs_b, gate_bufs, stage_a, stage_b, stage_slot)
+
+
+def _fused_fake(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, row_index: torch.Tensor,
+                tabs_a: list[torch.Tensor], tabs_b: list[torch.Tensor], gate_bufs: list[torch.Tensor],
+                stage_a: torch.Tensor, stage_b: torch.Tensor,
+                stage_slot: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(h), torch.empty_like(h)
+
+
+def _register_fused() -> None:
+    if hasattr(torch.ops.dynsteer, "steer_add_rms_norm"):
+        return
+    op = torch.library.custom_op(FUSED_OP_NAME, mutates_args=("gate_bufs", "stage_a", "stage_b"))(_fused_impl)
+    op.register_fake(_fused_fake)
+
+
+_register_fused()
+
+
+def steer_add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, row_index: torch.Tensor,
+                       tabs_a: list[torch.Tensor], tabs_b: list[torch.Tensor], gate_bufs: list[torch.Tensor],
+                       stage_a: Optional[torch.Tensor] = None, stage_b: Optional[torch.Tensor] = None,
+                       stage_slot: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call ``torch.ops.dynsteer.steer_add_rms_norm`` (contract: ``dynsteer.kernels.fused_reference``): up to two
+    steering sites, then vLLM's fused add + RMS norm; returns ``(normed, residual)``."""
+    return torch.ops.dynsteer.steer_add_rms_norm(
+        h, r, weight, eps, row_index, list(tabs_a), list(tabs_b), list(gate_bufs),
+        no_stage(h) if stage_a is None else stage_a, no_stage(h) if stage_b is None else stage_b, stage_slot)

@@ -88,6 +88,44 @@ def _clamp_slots(
 
 
 @triton.jit
+def _monitor_slots(full, row, t, offs, mask, G, mon, probe_ptr, sharp_ptr, thresh_ptr, floor_ptr, gmul_ptr, gadd_ptr,
+                   gates_ptr, scores_ptr, stride_probe_row, stride_probe_g, stride_sharp_row, stride_sharp_g,
+                   stride_thresh_row, stride_thresh_g, stride_floor_row, stride_floor_g, stride_gmul_g, stride_gmul_t,
+                   stride_gadd_g, stride_gadd_t, stride_gates_g, stride_gates_t, stride_scores_g, stride_scores_t):
+    """The row's monitors (bitmask ``mon``) on token t's residual ``full``: score = full . probe, gate =
+    sigmoid(sharpness * (score - threshold)), zeroed below the floor, then ``gate * gate_mul + gate_add`` (the host's
+    per-token staging) stored to ``gates`` and the raw score to ``scores``."""
+    for g_slot in range(G):
+        if ((mon >> g_slot) & 1) != 0:
+            probe = tl.load(probe_ptr + row * stride_probe_row + g_slot * stride_probe_g + offs, mask=mask, other=0.0)
+            score = tl.sum(full * probe, axis=0)
+            sharp = tl.load(sharp_ptr + row * stride_sharp_row + g_slot * stride_sharp_g)
+            thresh = tl.load(thresh_ptr + row * stride_thresh_row + g_slot * stride_thresh_g)
+            floor = tl.load(floor_ptr + row * stride_floor_row + g_slot * stride_floor_g)
+            gate = tl.sigmoid(sharp * (score - thresh))
+            gate = tl.where(gate >= floor, gate, 0.0)
+            gmul = tl.load(gmul_ptr + g_slot * stride_gmul_g + t * stride_gmul_t)
+            gadd = tl.load(gadd_ptr + g_slot * stride_gadd_g + t * stride_gadd_t)
+            tl.store(scores_ptr + g_slot * stride_scores_g + t * stride_scores_t, score)
+            tl.store(gates_ptr + g_slot * stride_gates_g + t * stride_gates_t, gate * gmul + gadd)
+    # A scalar store is issued by one thread; every thread re-reads gates afterwards (dyn terms, gated clamps, later
+    # sites in the same program), so order those reads after the stores. Uniform branch: no divergent barrier.
+    tl.debug_barrier()
+
+
+@triton.jit
+def _dyn_terms(x, row, t, offs, mask, G, dyn, gates_ptr, dvec_ptr, stride_gates_g, stride_gates_t, stride_dvec_row,
+               stride_dvec_g):
+    """x + sum over the row's dyn slots (bitmask ``dyn``) of gate[slot, t] * dyn_vec[row, slot]."""
+    for g_slot in range(G):
+        if ((dyn >> g_slot) & 1) != 0:
+            gate = tl.load(gates_ptr + g_slot * stride_gates_g + t * stride_gates_t)
+            dv = tl.load(dvec_ptr + row * stride_dvec_row + g_slot * stride_dvec_g + offs, mask=mask, other=0.0)
+            x = x + gate * dv
+    return x
+
+
+@triton.jit
 def _stash(x, res, t, stage_ptr, slot_ptr, stride_stage, n_stage, offs, mask, HAS_R: tl.constexpr,
            SLOTTED: tl.constexpr):
     """Capture: token t's unsteered residual stream, summed in fp32 and rounded once to the buffer's dtype, into
@@ -287,33 +325,16 @@ def _steer_site_dyn_kernel(
                 full = x + res
             else:
                 full = x
-            for g_slot in range(G):
-                if ((mon >> g_slot) & 1) != 0:
-                    probe = tl.load(
-                        probe_ptr + row * stride_probe_row + g_slot * stride_probe_g + offs, mask=mask, other=0.0
-                    )
-                    score = tl.sum(full * probe, axis=0)
-                    sharp = tl.load(sharp_ptr + row * stride_sharp_row + g_slot * stride_sharp_g)
-                    thresh = tl.load(thresh_ptr + row * stride_thresh_row + g_slot * stride_thresh_g)
-                    floor = tl.load(floor_ptr + row * stride_floor_row + g_slot * stride_floor_g)
-                    gate = tl.sigmoid(sharp * (score - thresh))
-                    gate = tl.where(gate >= floor, gate, 0.0)
-                    gmul = tl.load(gmul_ptr + g_slot * stride_gmul_g + t * stride_gmul_t)
-                    gadd = tl.load(gadd_ptr + g_slot * stride_gadd_g + t * stride_gadd_t)
-                    tl.store(scores_ptr + g_slot * stride_scores_g + t * stride_scores_t, score)
-                    tl.store(gates_ptr + g_slot * stride_gates_g + t * stride_gates_t, gate * gmul + gadd)
-            # A scalar store is issued by one thread; every thread re-reads gates below (dyn terms, gated
-            # clamps), so order those reads after the stores. Uniform branch: no divergent barrier.
-            tl.debug_barrier()
-
+            _monitor_slots(
+                full, row, t, offs, mask, G, mon, probe_ptr, sharp_ptr, thresh_ptr, floor_ptr, gmul_ptr, gadd_ptr,
+                gates_ptr, scores_ptr, stride_probe_row, stride_probe_g, stride_sharp_row, stride_sharp_g,
+                stride_thresh_row, stride_thresh_g, stride_floor_row, stride_floor_g, stride_gmul_g, stride_gmul_t,
+                stride_gadd_g, stride_gadd_t, stride_gates_g, stride_gates_t, stride_scores_g, stride_scores_t,
+            )
         x = x + v
         if dyn != 0:
-            for g_slot in range(G):
-                if ((dyn >> g_slot) & 1) != 0:
-                    gate = tl.load(gates_ptr + g_slot * stride_gates_g + t * stride_gates_t)
-                    dv = tl.load(dvec_ptr + row * stride_dvec_row + g_slot * stride_dvec_g + offs, mask=mask, other=0.0)
-                    x = x + gate * dv
-
+            x = _dyn_terms(x, row, t, offs, mask, G, dyn, gates_ptr, dvec_ptr, stride_gates_g, stride_gates_t,
+                           stride_dvec_row, stride_dvec_g)
         if s_any != 0.0:
             x = _clamp_slots(
                 x, res, row, t, offs, mask, K,

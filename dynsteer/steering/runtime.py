@@ -24,7 +24,7 @@ from dynsteer.policy import admit_policy
 from dynsteer.steering.staging import StagingRing
 from dynsteer.payload import PAYLOAD_KEY, decode_payload, payload_body
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
-from dynsteer.steering.compile import EMPTY, RowContent, compile_phase
+from dynsteer.steering.compile import EMPTY, RowContent, SiteKey, compile_phase
 from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens
 from dynsteer.steering.tables import RowPool, RowsExhausted, SteeringTables
 
@@ -121,6 +121,8 @@ class SteeringRuntime:
         self.requests: dict[str, RequestEntry] = {}
         self.stats = RuntimeStats()
         self.inline_forward = False  # set by the engine adapter from DynsteerConfig.forward
+        self.fuse_norms = False  # likewise: sites run inside the following add + RMS norm where the layer allows
+        self.hooks: dict[SiteKey, Any] = {}  # the SiteHook of every hooked place, filled as layers are built
         self.capture: CaptureCollector | None = None  # set when the engine has capture places
         self.consumers: dict[str, Any] = {}
         self._staging = StagingRing(tables.row_index)
@@ -737,6 +739,9 @@ class SteeringRuntime:
                 "rows_total": self.tables.num_rows - 1, "live_requests": len(self.requests),
                 "named_vectors": sorted(self.named), "global_empty": self.global_spec.is_empty(),
                 "table_bytes": self.tables.nbytes(), "stats": vars(self.stats).copy(),
+                "forward": {"inline": self.inline_forward,
+                            "fused_into_norm": sorted(f"{k[0]}:{k[1]}" for k, h in self.hooks.items()
+                                                      if h.fused)},
                 "dynamic": None if self.dynamic is None else {
                     "live": len(self._dyn), "global_policy": self.global_policy is not None,
                     **vars(self.dynamic.stats)}}

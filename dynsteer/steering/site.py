@@ -2,6 +2,9 @@
 
 It holds views of the shared tables as (non-persistent) buffers, so torch.compile sees them as graph inputs and CUDA
 graphs capture their addresses; its forward is one opaque custom op with no host synchronisation.
+
+Where the site is followed by a fused add + RMS norm, the engine adapter may instead hand the site to that norm
+(:func:`fused_add_rms_norm`): one kernel runs up to two sites and the norm, so the site costs no launch of its own.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ class SiteHook(nn.Module):
                  stage: torch.Tensor | None = None, stage_slot: torch.Tensor | None = None) -> None:
         super().__init__()
         self.layer, self.site, self.inline = layer, site, inline
+        # True once the add-norm that follows this site runs it (fused_add_rms_norm); the layer then calls forward
+        # only where that norm is not reached with a residual (a model's first layer)
+        self.fused = False
         self.capturing = stage is not None
         self.dynamic = tables.max_gates > 0
         self.register_buffer("row_index", tables.row_index, persistent=False)
@@ -55,6 +61,27 @@ class SiteHook(nn.Module):
             return torch.ops.dynsteer.steer_site_dyn(*static, *dyn, self.stage, self.stage_slot)
         return torch.ops.dynsteer.steer_site(*static, self.stage, self.stage_slot)
 
+    def tables(self) -> list[torch.Tensor]:
+        """This site's tables in ``SteeringTables`` order (the fused op's ``tabs_a`` / ``tabs_b``)."""
+        names = SteeringTables.FIELDS + (SteeringTables.DYN_FIELDS if self.dynamic else ())
+        return [getattr(self, name) for name in names]
+
     def extra_repr(self) -> str:
         return (f"layer={self.layer}, site={self.site}, inline={self.inline}, capturing={self.capturing}, "
-                f"dynamic={self.dynamic}")
+                f"dynamic={self.dynamic}, fused={self.fused}")
+
+
+def fused_add_rms_norm(first: SiteHook | None, second: SiteHook | None, x: torch.Tensor, residual: torch.Tensor,
+                       weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sites ``first`` then ``second`` (either may be None) on the pair ``(x, residual)``, then the fused add + RMS
+    norm with ``weight`` / ``eps``, as one ``dynsteer::steer_add_rms_norm`` op: ``(normed, new residual)``, equal to
+    the separate site ops followed by vLLM's own norm (``dynsteer.kernels.fused_reference``)."""
+    hooks = [h for h in (first, second) if h is not None]
+    lead = hooks[0]
+    gate_bufs = [lead.gate_mul, lead.gate_add, lead.gates, lead.scores] if lead.dynamic else []
+    slot = next((h.stage_slot for h in hooks if h.capturing), None)
+    return torch.ops.dynsteer.steer_add_rms_norm(
+        x, residual, weight, eps, lead.row_index, first.tables() if first is not None else [],
+        second.tables() if second is not None else [], gate_bufs,
+        first.stage if first is not None else x.new_empty((0, x.shape[-1])),
+        second.stage if second is not None else x.new_empty((0, x.shape[-1])), slot)

@@ -1,0 +1,67 @@
+"""Plain-torch reference of ``steer_add_rms_norm`` (the twin of ``dynsteer.kernels.triton_fused``).
+
+Contract::
+
+    steer_add_rms_norm(h, r, weight, eps, row_index, tabs_a, tabs_b, gate_bufs, stage_a, stage_b, stage_slot)
+        -> (normed, residual)
+      h, r:         [T, H] the branch and the carried residual entering a fused add-norm
+      weight, eps:  the RMS norm's weight [H] and epsilon
+      tabs_a/b:     the tables of the site applied first / second, in ``SteeringTables`` order: 5 (``vec``,
+                    ``clamp_dir``, ``clamp_lo``, ``clamp_hi``, ``clamp_strength``) or, with a dynamic tier, 13
+                    (+ ``clamp_gate``, ``mon_mask``, ``mon_probe``, ``mon_sharp``, ``mon_thresh``, ``mon_floor``,
+                    ``dyn_mask``, ``dyn_vec``); an empty list: no site
+      gate_bufs:    ``[gate_mul, gate_add, gates, scores]`` with a dynamic tier (gates / scores updated in place),
+                    else empty
+      stage_a/b:    capture buffers of the two sites (empty: not captured), rows given by ``stage_slot``
+
+    x = h
+    x = steer_site(_dyn)(x, r, row_index, *tabs_a, ..., stage_a, stage_slot)   if tabs_a
+    x = steer_site(_dyn)(x, r, row_index, *tabs_b, ..., stage_b, stage_slot)   if tabs_b
+    normed, residual = vLLM's fused_add_rms_norm(x, r, weight, eps)
+
+i.e. exactly the separate site ops followed by the layer's own norm, in one step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynsteer.kernels.dynamic_reference import steer_site_dyn_reference
+from dynsteer.kernels.reference import steer_site_reference
+
+__all__ = ["add_rms_norm_reference", "steer_add_rms_norm_reference"]
+
+
+def add_rms_norm_reference(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM 0.26's ``fused_add_rms_norm`` (``vllm.ir.ops.layernorm``), without a variance-size override."""
+    orig = x.dtype
+    s = x.to(torch.float32) + r.to(torch.float32)
+    residual = s.to(orig)
+    normed = s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed.to(weight.dtype) * weight).to(orig), residual
+
+
+def steer_add_rms_norm_reference(
+    h: torch.Tensor,
+    r: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    row_index: torch.Tensor,
+    tabs_a: list[torch.Tensor],
+    tabs_b: list[torch.Tensor],
+    gate_bufs: list[torch.Tensor],
+    stage_a: torch.Tensor | None = None,
+    stage_b: torch.Tensor | None = None,
+    stage_slot: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two sites (see the module docstring), then the add-norm."""
+    x = h
+    for tabs, stage in ((tabs_a, stage_a), (tabs_b, stage_b)):
+        if not tabs:
+            continue
+        if len(tabs) == 5:
+            x = steer_site_reference(x, r, row_index, *tabs, stage, stage_slot)
+        else:
+            x = steer_site_dyn_reference(x, r, row_index, *tabs, *gate_bufs, stage, stage_slot)
+    return add_rms_norm_reference(x, r, weight, eps)

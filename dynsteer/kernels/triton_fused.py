@@ -1,0 +1,165 @@
+"""Triton kernel for ``steer_add_rms_norm``: up to two steering sites, then the fused add + RMS norm that follows them.
+
+vLLM's decoder layers end each residual step in a fused add-norm (``norm(hidden, residual)`` returns the normed
+branch input and the new residual). A steering site placed just before it costs a kernel launch of its own, tiny
+at decode sizes but one per site and step (96 on an 8B model). This kernel takes the norm's place: one program per
+token loads ``h`` and ``r`` once, applies site A and then site B exactly as ``steer_site`` / ``steer_site_dyn`` would
+(each site's result rounded to ``h``'s dtype, as the separate op stores it), then computes vLLM's
+``fused_add_rms_norm`` (fp32 add, residual rounded to the input dtype, fp32 variance, ``normed.to(w.dtype) * w``).
+An idle token (row 0) pays one row-index load on top of the norm. Semantics: ``dynsteer.kernels.fused_reference``.
+
+Tables are the per-site tensors of :class:`dynsteer.steering.tables.SteeringTables`, which are standalone
+contiguous allocations: strides are derived from the shapes instead of passed (fewer launch arguments).
+Graph safe: metadata checks only, no device sync, outputs from ``torch.empty_like``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dynsteer.kernels.triton_steer import _check_stage, _clamp_slots, _dyn_terms, _monitor_slots, _num_warps, _stash
+
+__all__ = ["steer_add_rms_norm_triton"]
+
+STATIC_TABLES = 5  # vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength
+DYN_TABLES = 13  # + clamp_gate, mon_mask, mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec
+
+
+@triton.jit
+def _site(x, res, row, t, offs, mask, H, K, G, N,
+          vec_ptr, dir_ptr, lo_ptr, hi_ptr, s_ptr, cg_ptr, mm_ptr, probe_ptr, sharp_ptr, thresh_ptr, floor_ptr,
+          dm_ptr, dvec_ptr, gmul_ptr, gadd_ptr, gates_ptr, scores_ptr,
+          stage_ptr, slot_ptr, n_stage,
+          DYN: tl.constexpr, STASH: tl.constexpr, SLOTTED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One site on token t (x: the branch in fp32, res: the carried residual in fp32); returns the steered x."""
+    if STASH:
+        _stash(x, res, t, stage_ptr, slot_ptr, H, n_stage, offs, mask, HAS_R=True, SLOTTED=SLOTTED)
+    if row != 0:
+        v = tl.load(vec_ptr + row * H + offs, mask=mask, other=0.0)
+        ks = tl.arange(0, BLOCK_K)
+        s_all = tl.load(s_ptr + row * K + ks, mask=ks < K, other=0.0)
+        s_any = tl.max(tl.abs(s_all), axis=0)
+        if DYN:
+            mon = tl.load(mm_ptr + row)
+            dyn = tl.load(dm_ptr + row)
+            if mon != 0:
+                _monitor_slots(x + res, row, t, offs, mask, G, mon, probe_ptr, sharp_ptr, thresh_ptr, floor_ptr,
+                               gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, G * H, H, G, 1, G, 1, G, 1, N, 1, N, 1,
+                               N, 1, N, 1)
+            x = x + v
+            if dyn != 0:
+                x = _dyn_terms(x, row, t, offs, mask, G, dyn, gates_ptr, dvec_ptr, N, 1, G * H, H)
+        else:
+            x = x + v
+        if s_any != 0.0:
+            x = _clamp_slots(x, res, row, t, offs, mask, K, dir_ptr, lo_ptr, hi_ptr, s_ptr, cg_ptr, gates_ptr,
+                             K * H, H, K, 1, K, 1, K, 1, K, 1, N, 1, HAS_R=True, GATED=DYN)
+    return x
+
+
+@triton.jit
+def _steer_add_rms_norm_kernel(
+    h_ptr, r_ptr, w_ptr, normed_ptr, resout_ptr, idx_ptr,
+    a_vec, a_dir, a_lo, a_hi, a_s, a_cg, a_mm, a_probe, a_sharp, a_thresh, a_floor, a_dm, a_dvec,
+    b_vec, b_dir, b_lo, b_hi, b_s, b_cg, b_mm, b_probe, b_sharp, b_thresh, b_floor, b_dm, b_dvec,
+    gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, a_stage, b_stage, slot_ptr,
+    H, K, G, N, n_stage_a, n_stage_b, eps, stride_h, stride_r,
+    HAS_A: tl.constexpr, HAS_B: tl.constexpr, DYN: tl.constexpr, STASH_A: tl.constexpr, STASH_B: tl.constexpr,
+    SLOTTED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    row = tl.load(idx_ptr + t).to(tl.int64)
+    x = tl.load(h_ptr + t * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+    res = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_A:
+        x = _site(x, res, row, t, offs, mask, H, K, G, N,
+                  a_vec, a_dir, a_lo, a_hi, a_s, a_cg, a_mm, a_probe, a_sharp, a_thresh, a_floor, a_dm, a_dvec,
+                  gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, a_stage, slot_ptr, n_stage_a,
+                  DYN=DYN, STASH=STASH_A, SLOTTED=SLOTTED, BLOCK_K=BLOCK_K)
+        # The separate op stores each site's output in h's dtype; rounding here keeps the two forwards equal
+        # (exact for unsteered tokens, whose x still holds h).
+        x = x.to(h_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_B:
+        x = _site(x, res, row, t, offs, mask, H, K, G, N,
+                  b_vec, b_dir, b_lo, b_hi, b_s, b_cg, b_mm, b_probe, b_sharp, b_thresh, b_floor, b_dm, b_dvec,
+                  gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, b_stage, slot_ptr, n_stage_b,
+                  DYN=DYN, STASH=STASH_B, SLOTTED=SLOTTED, BLOCK_K=BLOCK_K)
+        x = x.to(h_ptr.dtype.element_ty).to(tl.float32)
+    # vLLM's fused_add_rms_norm: fp32 sum, the new residual rounded to the input dtype, fp32 variance of the sum.
+    s = x + res
+    tl.store(resout_ptr + t * H + offs, s.to(resout_ptr.dtype.element_ty), mask=mask)
+    var = tl.sum(s * s, axis=0) / H
+    normed = s * tl.rsqrt(var + eps)
+    # normed.to(w.dtype) * w, with the product taken in fp32: exact for 16-bit operands, so one rounding as in torch
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    normed = normed.to(w_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(normed_ptr + t * H + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+
+
+def _site_args(tabs: list[torch.Tensor], dyn: bool, dummy: torch.Tensor) -> list[torch.Tensor]:
+    if not tabs:
+        return [dummy] * DYN_TABLES
+    return list(tabs) if dyn else list(tabs) + [dummy] * (DYN_TABLES - STATIC_TABLES)
+
+
+def steer_add_rms_norm_triton(
+    h: torch.Tensor,
+    r: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    row_index: torch.Tensor,
+    tabs_a: list[torch.Tensor],
+    tabs_b: list[torch.Tensor],
+    gate_bufs: list[torch.Tensor],
+    stage_a: torch.Tensor | None = None,
+    stage_b: torch.Tensor | None = None,
+    stage_slot: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the fused kernel (contract: ``dynsteer.kernels.fused_reference.steer_add_rms_norm_reference``)."""
+    num_tokens, hidden = h.shape
+    dyn = len(tabs_a or tabs_b) == DYN_TABLES
+    for name, tabs in (("tabs_a", tabs_a), ("tabs_b", tabs_b)):
+        if tabs and len(tabs) != (DYN_TABLES if dyn else STATIC_TABLES):
+            raise ValueError(f"steer_add_rms_norm_triton: {name} must hold {STATIC_TABLES} (static) or "
+                             f"{DYN_TABLES} (dynamic) tables, the same kind for both sites; got {len(tabs)}")
+        if any(not t.is_contiguous() or t.device != h.device for t in tabs):
+            raise ValueError(f"steer_add_rms_norm_triton: {name} tables must be contiguous and on {h.device}")
+        if tabs and tabs[0].shape[1] != hidden:
+            raise ValueError(f"steer_add_rms_norm_triton: {name} vec has hidden size {tabs[0].shape[1]}, h {hidden}")
+    if r.shape != h.shape or r.dtype != h.dtype or h.stride(1) != 1 or r.stride(1) != 1:
+        raise ValueError("steer_add_rms_norm_triton: h and r need the same shape and dtype, with contiguous rows")
+    if weight.shape != (hidden,) or not weight.is_contiguous():
+        raise ValueError(f"steer_add_rms_norm_triton: weight must be a contiguous [{hidden}] tensor")
+    if dyn and (len(gate_bufs) != 4 or any(not g.is_contiguous() or g.dtype != torch.float32 for g in gate_bufs)):
+        raise ValueError("steer_add_rms_norm_triton: a dynamic site needs the 4 contiguous float32 gate buffers "
+                         "[G, N] (gate_mul, gate_add, gates, scores)")
+    stash_a = bool(tabs_a) and _check_stage(stage_a, stage_slot, h, "steer_add_rms_norm_triton")
+    stash_b = bool(tabs_b) and _check_stage(stage_b, stage_slot, h, "steer_add_rms_norm_triton")
+    if (stash_a and not stage_a.is_contiguous()) or (stash_b and not stage_b.is_contiguous()):
+        raise ValueError("steer_add_rms_norm_triton: capture buffers must be contiguous")
+    normed, resout = torch.empty_like(h), torch.empty_like(h)
+    if num_tokens == 0:
+        return normed, resout
+    tabs = tabs_a or tabs_b
+    num_k = tabs[1].shape[1] if tabs else 0
+    num_g = tabs[7].shape[1] if dyn else 0
+    n_buf = gate_bufs[0].shape[1] if dyn else 0
+    dummy = row_index  # a valid pointer for every argument a constexpr flag compiles away
+    bufs = list(gate_bufs) if dyn else [dummy] * 4
+    block_h = triton.next_power_of_2(hidden)
+    _steer_add_rms_norm_kernel[(num_tokens,)](
+        h, r, weight, normed, resout, row_index,
+        *_site_args(tabs_a, dyn, dummy), *_site_args(tabs_b, dyn, dummy),
+        *bufs, stage_a if stash_a else dummy, stage_b if stash_b else dummy,
+        stage_slot if (stash_a or stash_b) and stage_slot is not None else dummy,
+        hidden, num_k, num_g, n_buf, stage_a.shape[0] if stash_a else 0, stage_b.shape[0] if stash_b else 0,
+        float(eps), h.stride(0), r.stride(0),
+        HAS_A=bool(tabs_a), HAS_B=bool(tabs_b), DYN=dyn, STASH_A=stash_a, STASH_B=stash_b,
+        SLOTTED=stage_slot is not None, BLOCK_H=block_h, BLOCK_K=max(2, triton.next_power_of_2(max(num_k, 1))),
+        num_warps=_num_warps(block_h),
+    )
+    return normed, resout

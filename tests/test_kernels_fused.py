@@ -1,0 +1,274 @@
+"""Tests for ``steer_add_rms_norm`` (steering sites fused into the add + RMS norm that follows them).
+
+The reference is checked against its definition (the separate site ops, then vLLM's own ``fused_add_rms_norm``);
+the Triton kernel against the reference on random tables with every row kind, in ONE ``TRITON_INTERPRET=1``
+subprocess (this file run as a script), and, with a CUDA device, compiled and under CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dynsteer.kernels import ENV_KERNEL, steer_site_dyn_reference, steer_site_reference
+from dynsteer.kernels.fused_reference import add_rms_norm_reference, steer_add_rms_norm_reference
+from dynsteer.kernels.ops import steer_add_rms_norm
+from tests.test_kernels_dynamic import DTYPES, STAGE_SENTINEL, make_dyn_inputs, stage_buffer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STATIC_FIELDS = ("vec", "clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength")
+DYN_FIELDS = STATIC_FIELDS + ("clamp_gate", "mon_mask", "mon_probe", "mon_sharp", "mon_thresh", "mon_floor",
+                              "dyn_mask", "dyn_vec")
+GATE_BUFS = ("gate_mul", "gate_add", "gates", "scores")
+
+# (T, H, K, G (0: static tables), sites "ab" / "a" / "b", dtype, capture)
+Case = tuple[int, int, int, int, str, str, bool]
+CASES: list[Case] = [
+    (7, 64, 2, 2, "ab", "float32", True),
+    (7, 64, 0, 1, "a", "float32", False),
+    (33, 100, 1, 3, "ab", "bfloat16", True),
+    (33, 100, 2, 0, "ab", "float16", True),
+    (1, 576, 2, 2, "b", "bfloat16", False),
+    (9, 576, 2, 0, "a", "float32", True),
+    (7, 4096, 2, 2, "ab", "bfloat16", True),
+    (33, 4096, 1, 0, "ab", "bfloat16", False),
+    (0, 64, 2, 2, "ab", "float32", True),
+]
+
+
+def _case_id(case: Case) -> str:
+    t, hidden, k, g, sites, dt, cap = case
+    return f"T{t}-H{hidden}-K{k}-G{g}-{sites}-{dt}{'-cap' if cap else ''}"
+
+
+def make_fused_inputs(num_tokens: int, hidden: int, num_k: int, num_g: int, sites: str, dtype: torch.dtype,
+                      capture: bool, seed: int = 0) -> dict[str, Any]:
+    """Two sites with their own tables (every row kind of ``make_dyn_inputs``), one row index, shared gate buffers;
+    ``num_g == 0``: static tables (5 per site, no gate buffers)."""
+    a = make_dyn_inputs(num_tokens, hidden, num_k, max(num_g, 1), True, dtype, seed=seed)
+    b = make_dyn_inputs(num_tokens, hidden, num_k, max(num_g, 1), True, dtype, seed=seed + 1000)
+    fields = DYN_FIELDS if num_g else STATIC_FIELDS
+    gen = torch.Generator().manual_seed(seed + 7)
+    weight = (1.0 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    return dict(
+        h=a["h"], r=a["r"], weight=weight, eps=1e-5, row_index=a["row_index"],
+        tabs_a=[a[f] for f in fields] if "a" in sites else [],
+        tabs_b=[b[f] for f in fields] if "b" in sites else [],
+        gate_bufs=[a[f] for f in GATE_BUFS] if num_g else [],
+        stage_a=stage_buffer(a["h"]) if capture else None, stage_b=stage_buffer(a["h"]) if capture else None,
+        stage_slot=a["stage_slot"] if capture else None)
+
+
+def clone_state(kw: dict[str, Any]) -> dict[str, Any]:
+    out = dict(kw, gate_bufs=[g.clone() for g in kw["gate_bufs"]])
+    for name in ("stage_a", "stage_b"):
+        out[name] = None if kw[name] is None else kw[name].clone()
+    return out
+
+
+def separate_ops(kw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition: the two sites as the separate ops run them, then vLLM's fused_add_rms_norm."""
+    from vllm.ir.ops.layernorm import fused_add_rms_norm
+
+    x = kw["h"]
+    for tabs, stage in ((kw["tabs_a"], kw["stage_a"]), (kw["tabs_b"], kw["stage_b"])):
+        if tabs:
+            fn = steer_site_dyn_reference if len(tabs) == len(DYN_FIELDS) else steer_site_reference
+            extra = kw["gate_bufs"] if len(tabs) == len(DYN_FIELDS) else []
+            x = fn(x, kw["r"], kw["row_index"], *tabs, *extra, stage, kw["stage_slot"])
+    return fused_add_rms_norm(x, kw["r"], kw["weight"], kw["eps"])
+
+
+def _tolerances(dtype: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol). float32 cases check the arithmetic tightly. In 16 bits each site's output and the sum are
+    rounded (and interpreted casts truncate): up to three ulps of the operands (|h|, |r| up to ~12) apart, which
+    cancellation in h + r turns into an absolute error."""
+    if dtype == torch.float32:
+        return 1e-4, 1e-5
+    if dtype == torch.float16:
+        return 3e-2, 4e-3
+    return 0.2, 2.5e-2
+
+
+def compare(impl: Any, kw: dict[str, Any]) -> dict[str, Any]:
+    """Run ``impl`` and the reference on copies of the state; metrics for the assertions (JSON-serialisable)."""
+    got_kw, want_kw = clone_state(kw), clone_state(kw)
+    got, want = impl(**got_kw), steer_add_rms_norm_reference(**want_kw)
+    dtype = kw["h"].dtype
+    atol, rtol = _tolerances(dtype)
+    num_tokens = kw["h"].shape[0]
+    m: dict[str, Any] = {"shapes": all(g.shape == kw["h"].shape and g.dtype == dtype for g in got)}
+    for name, g, w in (("normed", got[0], want[0]), ("resid", got[1], want[1])):
+        d = (g.float() - w.float()).abs() - (atol + rtol * w.float().abs())
+        m[f"{name}_excess"] = d.max().item() if num_tokens else -1.0
+        m[f"{name}_finite"] = bool(torch.isfinite(g).all())
+    m["gate_err"] = max([(g - w).abs().max().item() for g, w in zip(got_kw["gate_bufs"], want_kw["gate_bufs"])]
+                        or [0.0])
+    m["stage_excess"] = -1.0
+    for name in ("stage_a", "stage_b"):
+        if kw[name] is not None and num_tokens:
+            d = (got_kw[name].float() - want_kw[name].float()).abs()
+            m["stage_excess"] = max(m["stage_excess"], (d - (atol + rtol * want_kw[name].float().abs())).max().item())
+            m[f"{name}_sentinel_kept"] = bool(((got_kw[name] == STAGE_SENTINEL) == (want_kw[name] == STAGE_SENTINEL))
+                                              .all())
+    # Idle tokens (row 0 at both sites): the residual is h + r rounded once, bit for bit.
+    idle = kw["row_index"][:num_tokens] == 0
+    plain = (kw["h"].float() + kw["r"].float()).to(dtype)
+    m["idle_resid_exact"] = bool(torch.equal(got[1][idle], plain[idle]))
+    return m
+
+
+def _assert_metrics(m: dict[str, Any], dtype: str, rounds_to_nearest: bool) -> None:
+    """``rounds_to_nearest``: compiled (the interpreter's casts truncate, so its 16-bit roundings differ by an ulp)."""
+    assert m["shapes"] and m["normed_finite"] and m["resid_finite"], m
+    assert m["normed_excess"] <= 0 and m["resid_excess"] <= 0 and m["stage_excess"] <= 0, m
+    # the second site's monitors read the first site's rounded output: 16-bit rounding moves its scores
+    assert m["gate_err"] < (1e-5 if dtype == "float32" else 2e-2), m
+    if dtype == "float32" or rounds_to_nearest:
+        assert m["idle_resid_exact"], m
+    assert all(v for k, v in m.items() if k.endswith("sentinel_kept")), m
+
+
+# ---- reference semantics -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_reference_is_separate_ops_then_vllm_norm(case: Case) -> None:
+    """Bit for bit: the reference is the two site ops followed by vLLM 0.26's fused_add_rms_norm."""
+    num_tokens, hidden, num_k, num_g, sites, dt, cap = case
+    kw = make_fused_inputs(num_tokens, hidden, num_k, num_g, sites, DTYPES[dt], cap, seed=CASES.index(case))
+    got_kw, want_kw = clone_state(kw), clone_state(kw)
+    got = steer_add_rms_norm_reference(**got_kw)
+    want = separate_ops(want_kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for g, w in zip(got_kw["gate_bufs"], want_kw["gate_bufs"]):
+        assert torch.equal(g, w)
+    for name in ("stage_a", "stage_b"):
+        if kw[name] is not None:
+            assert torch.equal(got_kw[name], want_kw[name])
+
+
+def test_norm_reference_is_vllms() -> None:
+    from vllm.ir.ops.layernorm import fused_add_rms_norm
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in DTYPES.values():
+        x, r = (torch.randn(5, 96, generator=gen).to(dtype) for _ in range(2))
+        w = torch.randn(96, generator=gen).to(dtype)
+        got, want = add_rms_norm_reference(x, r, w, 1e-6), fused_add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_op_validates_and_dispatches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The custom op runs the reference on CPU; the Triton launcher names what is wrong with its inputs."""
+    monkeypatch.delenv(ENV_KERNEL, raising=False)
+    kw = make_fused_inputs(6, 64, 2, 2, "ab", torch.float32, True, seed=4)
+    got_kw, want_kw = clone_state(kw), clone_state(kw)
+    got = steer_add_rms_norm(**got_kw)
+    want = steer_add_rms_norm_reference(**want_kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got_kw["stage_b"], want_kw["stage_b"])
+    pytest.importorskip("triton")
+    from dynsteer.kernels.triton_fused import steer_add_rms_norm_triton
+
+    with pytest.raises(ValueError, match="tabs_b must hold 5"):
+        steer_add_rms_norm_triton(**dict(kw, tabs_b=kw["tabs_b"][:7]))
+    with pytest.raises(ValueError, match="weight"):
+        steer_add_rms_norm_triton(**dict(kw, weight=kw["weight"][:10]))
+    with pytest.raises(ValueError, match="gate buffers"):
+        steer_add_rms_norm_triton(**dict(kw, gate_bufs=kw["gate_bufs"][:2]))
+
+
+# ---- Triton (interpreted) vs reference ---------------------------------------------------------------------------
+
+
+def _interp_worker() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    from dynsteer.kernels.triton_fused import steer_add_rms_norm_triton
+
+    results = {}
+    for seed, case in enumerate(CASES):
+        num_tokens, hidden, num_k, num_g, sites, dt, cap = case
+        kw = make_fused_inputs(num_tokens, hidden, num_k, num_g, sites, DTYPES[dt], cap, seed=seed)
+        results[_case_id(case)] = compare(steer_add_rms_norm_triton, kw)
+    print("RESULTS " + json.dumps(results))
+    return 0
+
+
+@pytest.fixture(scope="module")
+def interp_results() -> dict[str, Any]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop(ENV_KERNEL, None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr}"
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_triton_matches_reference(interp_results: dict[str, Any], case: Case) -> None:
+    _assert_metrics(interp_results[_case_id(case)], case[5], rounds_to_nearest=False)
+
+
+# ---- compiled on a GPU ---------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _cuda(kw: dict[str, Any]) -> dict[str, Any]:
+    def move(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.cuda()
+        if isinstance(v, list):
+            return [t.cuda() for t in v]
+        return v
+    return {k: move(v) for k, v in kw.items()}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_cuda_matches_reference(case: Case) -> None:
+    from dynsteer.kernels.triton_fused import steer_add_rms_norm_triton
+
+    num_tokens, hidden, num_k, num_g, sites, dt, cap = case
+    kw = _cuda(make_fused_inputs(num_tokens, hidden, num_k, num_g, sites, DTYPES[dt], cap, seed=CASES.index(case)))
+    _assert_metrics(compare(steer_add_rms_norm_triton, kw), dt, rounds_to_nearest=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Captured once; replays follow new activations and row indices written in place."""
+    monkeypatch.delenv(ENV_KERNEL, raising=False)
+    kw = _cuda(make_fused_inputs(16, 576, 2, 2, "ab", torch.bfloat16, True, seed=11))
+    steer_add_rms_norm(**kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = steer_add_rms_norm(**kw)
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        kw["h"].copy_(torch.randn(kw["h"].shape, generator=gen).to(kw["h"].dtype))
+        kw["row_index"][:16].copy_(torch.randint(0, 8, (16,), generator=gen, dtype=torch.int32))
+        want_kw = clone_state(kw)
+        want = steer_add_rms_norm_reference(**want_kw)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out[0].float(), want[0].float(), atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(out[1].float(), want[1].float(), atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(kw["gate_bufs"][2], want_kw["gate_bufs"][2], atol=1e-5, rtol=0)
+
+
+if __name__ == "__main__":
+    sys.exit(_interp_worker())
