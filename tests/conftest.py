@@ -24,10 +24,13 @@ import pytest
 
 # DYNSTEER_TEST_DEVICE=cuda runs the same integration tests on a GPU the way users run vLLM there: default (v2)
 # runner, torch.compile and CUDA graphs on, bf16 (FlashAttention has no float32 path). DYNSTEER_TEST_GPU_UTIL lowers
-# each engine's share of GPU memory so several test processes can share one GPU.
+# each engine's share of GPU memory and DYNSTEER_TEST_KV_BYTES fixes its KV cache (skipping vLLM's memory profiling,
+# which fails while another process frees GPU memory), so several test processes can share one GPU.
 ENGINE_DEFAULTS: dict[str, Any] = (
     dict(dtype="bfloat16", enforce_eager=False, max_model_len=256, max_num_seqs=8, seed=0,
-         gpu_memory_utilization=float(os.environ.get("DYNSTEER_TEST_GPU_UTIL", "0.25"))) if ON_GPU else
+         gpu_memory_utilization=float(os.environ.get("DYNSTEER_TEST_GPU_UTIL", "0.25")),
+         **({"kv_cache_memory_bytes": int(os.environ["DYNSTEER_TEST_KV_BYTES"])}
+            if os.environ.get("DYNSTEER_TEST_KV_BYTES") else {})) if ON_GPU else
     dict(dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0))
 needs_eager_hooks = pytest.mark.skipif(ON_GPU, reason="reads residuals with eager forward hooks (CPU engines)")
 

@@ -139,9 +139,11 @@ class TestFamily:
             assert set(cap.arrays) == {(l, s) for l in range(st.num_layers) for s in st.shape.sites}
             for place, arr in cap.arrays.items():
                 assert arr.shape == (len(ids), st.hidden_size)
-                if ON_GPU:  # GPU float32 kernels may use TF32 inside: compare each row's relative error
+                if ON_GPU:  # GPU float32 matmuls may use TF32 (~1e-3 relative each): compare each row's relative
+                    # error; it grows along the positions (gemma2 reached 1.06e-2 on an H200); a wrong site is off by
+                    # tens of percent
                     err = np.linalg.norm(arr - ref[place], axis=1) / np.linalg.norm(ref[place], axis=1)
-                    assert err.max() < 1e-2, (arch, place, err.max())
+                    assert err.max() < 3e-2, (arch, place, err.max())
                 else:
                     np.testing.assert_allclose(arr, ref[place], rtol=1e-3, atol=1e-3 * float(np.abs(ref[place]).max()),
                                                err_msg=f"{arch} {place}")
