@@ -34,6 +34,12 @@ HF_MID = {"gemma2": "pre_feedforward_layernorm", "gemma3": "pre_feedforward_laye
           "exaone4": "mlp"}
 
 
+# Families whose residuals cannot be compared on a GPU because vLLM's own GPU forward of the tiny checkpoint differs
+# from transformers with dynsteer off (scripts/family_vs_hf.py, H200 2026-11-23); CPU compares them.
+GPU_VLLM_DIFFERS = {"ernie45_moe": "vLLM 0.26's GPU forward differs from transformers with dynsteer off "
+                                   "(max |d logprob| 2.26; 0.0000 on CPU)"}
+
+
 def greedy(n: int = 10):
     from vllm import SamplingParams
 
@@ -129,6 +135,8 @@ class TestFamily:
 
     def test_captured_residuals_equal_a_transformers_forward(self, family):
         arch, path, _, st, _ = family
+        if ON_GPU and arch in GPU_VLLM_DIFFERS:
+            pytest.skip(GPU_VLLM_DIFFERS[arch])
         spec = CaptureSpec(layers=tuple(range(st.num_layers)), sites=st.shape.sites, positions="all")
         outs = st.generate(PROMPTS[:2], greedy(6), capture=spec)
         for out in outs:
