@@ -1,6 +1,6 @@
 """``DynsteerConfig(forward="fused")``: sites run inside the add + RMS norm that follows them, through a real engine.
 
-The same workload (static steering at every site kind in one mixed batch, clamps, a dynamic policy whose monitor and
+For Llama and Gemma 2, the same workload (static steering at every site kind in one mixed batch, clamps, a dynamic policy whose monitor and
 gated action share one fused kernel, capture at fused places) runs on a ``forward="op"`` engine and a
 ``forward="fused"`` engine; tokens, gates and captured residuals must agree, and the fused engine must report which
 places its norms run. On CPU the fused op runs its torch reference; on a GPU (``DYNSTEER_TEST_DEVICE=cuda``, where
@@ -62,14 +62,19 @@ def workload(llm: Any, st: Any) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_llama_path) -> dict[str, dict[str, Any]]:
+@pytest.fixture(scope="module", params=["llama", "gemma2"])
+def runs(request) -> dict[str, dict[str, Any]]:
+    """Both engines' results for one family: Llama (vLLM's RMSNorm) and Gemma 2 (GemmaRMSNorm, 1 + w; sandwich
+    norms, whose mid add-norm is pre_feedforward_layernorm)."""
+    from dynsteer.testing.tiny_models import tiny_model
+
+    path = tiny_model(request.param)
     results = {}
     for mode in ("op", "fused"):
         cfg = DynsteerConfig(forward=mode, capture_sites=("post_block", "pre_attn"), capture_layers=(1, 2))
         # float32 on GPU too: the two engines' norms (vLLM's and the fused kernel) sum in different orders, which in
         # bf16 can flip a near-tie of a random tiny model's greedy choice
-        with make_llm(tiny_llama_path, **{**cfg.engine_kwargs(), "dtype": "float32"}) as llm:
+        with make_llm(path, **{**cfg.engine_kwargs(), "dtype": "float32"}) as llm:
             results[mode] = workload(llm, dynsteer.attach(llm))
     return results
 

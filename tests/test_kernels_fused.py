@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,28 +29,30 @@ DYN_FIELDS = STATIC_FIELDS + ("clamp_gate", "mon_mask", "mon_probe", "mon_sharp"
                               "dyn_mask", "dyn_vec")
 GATE_BUFS = ("gate_mul", "gate_add", "gates", "scores")
 
-# (T, H, K, G (0: static tables), sites "ab" / "a" / "b", dtype, capture)
-Case = tuple[int, int, int, int, str, str, bool]
+# (T, H, K, G (0: static tables), sites "ab" / "a" / "b", dtype, capture, Gemma's norm (1 + w))
+Case = tuple[int, int, int, int, str, str, bool, bool]
 CASES: list[Case] = [
-    (7, 64, 2, 2, "ab", "float32", True),
-    (7, 64, 0, 1, "a", "float32", False),
-    (33, 100, 1, 3, "ab", "bfloat16", True),
-    (33, 100, 2, 0, "ab", "float16", True),
-    (1, 576, 2, 2, "b", "bfloat16", False),
-    (9, 576, 2, 0, "a", "float32", True),
-    (7, 4096, 2, 2, "ab", "bfloat16", True),
-    (33, 4096, 1, 0, "ab", "bfloat16", False),
-    (0, 64, 2, 2, "ab", "float32", True),
+    (7, 64, 2, 2, "ab", "float32", True, False),
+    (7, 64, 0, 1, "a", "float32", False, False),
+    (33, 100, 1, 3, "ab", "bfloat16", True, False),
+    (33, 100, 2, 0, "ab", "float16", True, False),
+    (1, 576, 2, 2, "b", "bfloat16", False, False),
+    (9, 576, 2, 0, "a", "float32", True, False),
+    (7, 4096, 2, 2, "ab", "bfloat16", True, False),
+    (33, 4096, 1, 0, "ab", "bfloat16", False, False),
+    (0, 64, 2, 2, "ab", "float32", True, False),
+    (9, 100, 2, 2, "ab", "float32", True, True),
+    (7, 1152, 1, 0, "ab", "bfloat16", False, True),
 ]
 
 
 def _case_id(case: Case) -> str:
-    t, hidden, k, g, sites, dt, cap = case
-    return f"T{t}-H{hidden}-K{k}-G{g}-{sites}-{dt}{'-cap' if cap else ''}"
+    t, hidden, k, g, sites, dt, cap, gemma = case
+    return f"T{t}-H{hidden}-K{k}-G{g}-{sites}-{dt}{'-cap' if cap else ''}{'-gemma' if gemma else ''}"
 
 
 def make_fused_inputs(num_tokens: int, hidden: int, num_k: int, num_g: int, sites: str, dtype: torch.dtype,
-                      capture: bool, seed: int = 0) -> dict[str, Any]:
+                      capture: bool, seed: int = 0, gemma: bool = False) -> dict[str, Any]:
     """Two sites with their own tables (every row kind of ``make_dyn_inputs``), one row index, shared gate buffers;
     ``num_g == 0``: static tables (5 per site, no gate buffers)."""
     a = make_dyn_inputs(num_tokens, hidden, num_k, max(num_g, 1), True, dtype, seed=seed)
@@ -63,7 +66,7 @@ def make_fused_inputs(num_tokens: int, hidden: int, num_k: int, num_g: int, site
         tabs_b=[b[f] for f in fields] if "b" in sites else [],
         gate_bufs=[a[f] for f in GATE_BUFS] if num_g else [],
         stage_a=stage_buffer(a["h"]) if capture else None, stage_b=stage_buffer(a["h"]) if capture else None,
-        stage_slot=a["stage_slot"] if capture else None)
+        stage_slot=a["stage_slot"] if capture else None, unit_offset=gemma)
 
 
 def clone_state(kw: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +86,8 @@ def separate_ops(kw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
             fn = steer_site_dyn_reference if len(tabs) == len(DYN_FIELDS) else steer_site_reference
             extra = kw["gate_bufs"] if len(tabs) == len(DYN_FIELDS) else []
             x = fn(x, kw["r"], kw["row_index"], *tabs, *extra, stage, kw["stage_slot"])
-    return fused_add_rms_norm(x, kw["r"], kw["weight"], kw["eps"])
+    weight = kw["weight"].float() + 1.0 if kw["unit_offset"] else kw["weight"]  # as GemmaRMSNorm calls it
+    return fused_add_rms_norm(x, kw["r"], weight, kw["eps"])
 
 
 def _tolerances(dtype: torch.dtype) -> tuple[float, float]:
@@ -142,8 +146,9 @@ def _assert_metrics(m: dict[str, Any], dtype: str, rounds_to_nearest: bool) -> N
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_reference_is_separate_ops_then_vllm_norm(case: Case) -> None:
     """Bit for bit: the reference is the two site ops followed by vLLM 0.26's fused_add_rms_norm."""
-    num_tokens, hidden, num_k, num_g, sites, dt, cap = case
-    kw = make_fused_inputs(num_tokens, hidden, num_k, num_g, sites, DTYPES[dt], cap, seed=CASES.index(case))
+    num_tokens, hidden, num_k, num_g, sites, dt, cap, gemma = case
+    kw = make_fused_inputs(num_tokens, hidden, num_k, num_g, sites, DTYPES[dt], cap, seed=CASES.index(case),
+                           gemma=gemma)
     got_kw, want_kw = clone_state(kw), clone_state(kw)
     got = steer_add_rms_norm_reference(**got_kw)
     want = separate_ops(want_kw)
@@ -163,6 +168,12 @@ def test_norm_reference_is_vllms() -> None:
         x, r = (torch.randn(5, 96, generator=gen).to(dtype) for _ in range(2))
         w = torch.randn(96, generator=gen).to(dtype)
         got, want = add_rms_norm_reference(x, r, w, 1e-6), fused_add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        # Gemma's module, whose forward_native passes w.float() + 1 to the same op
+        from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+        norm = SimpleNamespace(weight=w, variance_epsilon=1e-6)  # what forward_native reads (no vLLM config needed)
+        got, want = add_rms_norm_reference(x, r, w, 1e-6, unit_offset=True), GemmaRMSNorm.forward_native(norm, x, r)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -195,8 +206,8 @@ def _interp_worker() -> int:
 
     results = {}
     for seed, case in enumerate(CASES):
-        num_tokens, hidden, num_k, num_g, sites, dt, cap = case
-        kw = make_fused_inputs(num_tokens, hidden, num_k, num_g, sites, DTYPES[dt], cap, seed=seed)
+        num_tokens, hidden, num_k, num_g, sites, dt, cap, gemma = case
+        kw = make_fused_inputs(num_tokens, hidden, num_k, num_g, sites, DTYPES[dt], cap, seed=seed, gemma=gemma)
         results[_case_id(case)] = compare(steer_add_rms_norm_triton, kw)
     print("RESULTS " + json.dumps(results))
     return 0
@@ -241,8 +252,9 @@ def _cuda(kw: dict[str, Any]) -> dict[str, Any]:
 def test_cuda_matches_reference(case: Case) -> None:
     from dynsteer.kernels.triton_fused import steer_add_rms_norm_triton
 
-    num_tokens, hidden, num_k, num_g, sites, dt, cap = case
-    kw = _cuda(make_fused_inputs(num_tokens, hidden, num_k, num_g, sites, DTYPES[dt], cap, seed=CASES.index(case)))
+    num_tokens, hidden, num_k, num_g, sites, dt, cap, gemma = case
+    kw = _cuda(make_fused_inputs(num_tokens, hidden, num_k, num_g, sites, DTYPES[dt], cap, seed=CASES.index(case),
+                                 gemma=gemma))
     _assert_metrics(compare(steer_add_rms_norm_triton, kw), dt, rounds_to_nearest=True)
 
 

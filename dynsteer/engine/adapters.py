@@ -282,12 +282,15 @@ def _attach(layer: nn.Module, prefix: str, adapter: Adapter) -> None:
 
 
 def _fusable_norm(norm: Any) -> bool:
-    """vLLM's plain ``RMSNorm`` with a weight and the full variance (the norm ``steer_add_rms_norm`` reproduces)."""
+    """vLLM's plain ``RMSNorm`` with a weight and the full variance, or ``GemmaRMSNorm`` (the norms
+    ``steer_add_rms_norm`` reproduces)."""
     try:
-        from vllm.model_executor.layers.layernorm import RMSNorm
+        from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
     except ImportError:
         return False
     base = getattr(type(norm), "_dynsteer_norm_base", type(norm))
+    if base is GemmaRMSNorm:
+        return isinstance(getattr(norm, "weight", None), torch.Tensor)
     return (base is RMSNorm and getattr(norm, "has_weight", False)
             and getattr(norm, "variance_size_override", None) is None)
 
@@ -305,11 +308,13 @@ def _fused_norm_class(base: type) -> type:
     """A subclass of ``RMSNorm`` whose add-norm also runs the sites before it (one kernel, no launch of their own).
     Without a residual (a model's first layer) the layer has applied its sites already; the plain norm runs."""
 
+    unit_offset = base.__name__ == "GemmaRMSNorm"  # normed * (1 + w) in float32
+
     def forward(self: Any, x: Any, residual: Any = None) -> Any:
         if residual is None:
             return base.forward(self, x)
         return fused_add_rms_norm(self.dynsteer_fused_first, self.dynsteer_fused_second, x, residual,
-                                  self.weight, self.variance_epsilon)
+                                  self.weight, self.variance_epsilon, unit_offset)
 
     return type(f"SteeredFused{base.__name__}", (base,), {"forward": forward, "_dynsteer_norm_base": base})
 

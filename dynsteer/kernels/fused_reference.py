@@ -2,10 +2,10 @@
 
 Contract::
 
-    steer_add_rms_norm(h, r, weight, eps, row_index, tabs_a, tabs_b, gate_bufs, stage_a, stage_b, stage_slot)
-        -> (normed, residual)
+    steer_add_rms_norm(h, r, weight, eps, row_index, tabs_a, tabs_b, gate_bufs, stage_a, stage_b, stage_slot,
+                       unit_offset=False) -> (normed, residual)
       h, r:         [T, H] the branch and the carried residual entering a fused add-norm
-      weight, eps:  the RMS norm's weight [H] and epsilon
+      weight, eps:  the RMS norm's weight [H] and epsilon (``unit_offset``: Gemma's norm, ``normed * (1 + w)`` in fp32)
       tabs_a/b:     the tables of the site applied first / second, in ``SteeringTables`` order: 5 (``vec``,
                     ``clamp_dir``, ``clamp_lo``, ``clamp_hi``, ``clamp_strength``) or, with a dynamic tier, 13
                     (+ ``clamp_gate``, ``mon_mask``, ``mon_probe``, ``mon_sharp``, ``mon_thresh``, ``mon_floor``,
@@ -32,9 +32,12 @@ from dynsteer.kernels.reference import steer_site_reference
 __all__ = ["add_rms_norm_reference", "steer_add_rms_norm_reference"]
 
 
-def add_rms_norm_reference(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM 0.26's ``fused_add_rms_norm`` (``vllm.ir.ops.layernorm``), without a variance-size override."""
+def add_rms_norm_reference(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float,
+                           unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM 0.26's ``fused_add_rms_norm`` (``vllm.ir.ops.layernorm``), without a variance-size override; with
+    ``unit_offset`` as ``GemmaRMSNorm`` calls it (weight ``w.float() + 1``)."""
+    if unit_offset:
+        weight = weight.float() + 1.0
     orig = x.dtype
     s = x.to(torch.float32) + r.to(torch.float32)
     residual = s.to(orig)
@@ -54,8 +57,9 @@ def steer_add_rms_norm_reference(
     stage_a: torch.Tensor | None = None,
     stage_b: torch.Tensor | None = None,
     stage_slot: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two sites (see the module docstring), then the add-norm."""
+    """The two sites (see the module docstring), then the add-norm (``unit_offset``: Gemma's ``1 + w``)."""
     x = h
     for tabs, stage in ((tabs_a, stage_a), (tabs_b, stage_b)):
         if not tabs:
@@ -64,4 +68,4 @@ def steer_add_rms_norm_reference(
             x = steer_site_reference(x, r, row_index, *tabs, stage, stage_slot)
         else:
             x = steer_site_dyn_reference(x, r, row_index, *tabs, *gate_bufs, stage, stage_slot)
-    return add_rms_norm_reference(x, r, weight, eps)
+    return add_rms_norm_reference(x, r, weight, eps, unit_offset)

@@ -282,21 +282,21 @@ FUSED_OP_NAME = "dynsteer::steer_add_rms_norm"
 
 def _fused_impl(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, row_index: torch.Tensor,
                 tabs_a: list[torch.Tensor], tabs_b: list[torch.Tensor], gate_bufs: list[torch.Tensor],
-                stage_a: torch.Tensor, stage_b: torch.Tensor,
-                stage_slot: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                stage_a: torch.Tensor, stage_b: torch.Tensor, stage_slot: Optional[torch.Tensor],
+                unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
     # Same dispatch rule as select_impl: Triton on CUDA tensors, the torch reference elsewhere, the env var forces.
     forced = os.environ.get(ENV_KERNEL, "").strip().lower()
     if forced == "reference" or (forced != "triton" and not h.is_cuda):
         from dynsteer.kernels.fused_reference import steer_add_rms_norm_reference as impl
     else:
         from dynsteer.kernels.triton_fused import steer_add_rms_norm_triton as impl
-    return impl(h, r, weight, eps, row_index, tabs_a, tabs_b, gate_bufs, stage_a, stage_b, stage_slot)
+    return impl(h, r, weight, eps, row_index, tabs_a, tabs_b, gate_bufs, stage_a, stage_b, stage_slot, unit_offset)
 
 
 def _fused_fake(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, row_index: torch.Tensor,
                 tabs_a: list[torch.Tensor], tabs_b: list[torch.Tensor], gate_bufs: list[torch.Tensor],
-                stage_a: torch.Tensor, stage_b: torch.Tensor,
-                stage_slot: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                stage_a: torch.Tensor, stage_b: torch.Tensor, stage_slot: Optional[torch.Tensor],
+                unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(h), torch.empty_like(h)
 
 
@@ -313,9 +313,11 @@ _register_fused()
 def steer_add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, row_index: torch.Tensor,
                        tabs_a: list[torch.Tensor], tabs_b: list[torch.Tensor], gate_bufs: list[torch.Tensor],
                        stage_a: Optional[torch.Tensor] = None, stage_b: Optional[torch.Tensor] = None,
-                       stage_slot: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       stage_slot: Optional[torch.Tensor] = None,
+                       unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Call ``torch.ops.dynsteer.steer_add_rms_norm`` (contract: ``dynsteer.kernels.fused_reference``): up to two
-    steering sites, then vLLM's fused add + RMS norm; returns ``(normed, residual)``."""
+    steering sites, then vLLM's fused add + RMS norm (``unit_offset``: Gemma's); returns ``(normed, residual)``."""
     return torch.ops.dynsteer.steer_add_rms_norm(
         h, r, weight, eps, row_index, list(tabs_a), list(tabs_b), list(gate_bufs),
-        no_stage(h) if stage_a is None else stage_a, no_stage(h) if stage_b is None else stage_b, stage_slot)
+        no_stage(h) if stage_a is None else stage_a, no_stage(h) if stage_b is None else stage_b, stage_slot,
+        unit_offset)

@@ -5,7 +5,8 @@ branch input and the new residual). A steering site placed just before it costs 
 at decode sizes but one per site and step (96 on an 8B model). This kernel takes the norm's place: one program per
 token loads ``h`` and ``r`` once, applies site A and then site B exactly as ``steer_site`` / ``steer_site_dyn`` would
 (each site's result rounded to ``h``'s dtype, as the separate op stores it), then computes vLLM's
-``fused_add_rms_norm`` (fp32 add, residual rounded to the input dtype, fp32 variance, ``normed.to(w.dtype) * w``).
+``fused_add_rms_norm`` (fp32 add, residual rounded to the input dtype, fp32 variance, ``normed.to(w.dtype) * w``, or
+with ``unit_offset`` Gemma's ``normed * (1 + w)`` in fp32).
 An idle token (row 0) pays one row-index load on top of the norm. Semantics: ``dynsteer.kernels.fused_reference``.
 
 Tables are the per-site tensors of :class:`dynsteer.steering.tables.SteeringTables`, which are standalone
@@ -67,7 +68,7 @@ def _steer_add_rms_norm_kernel(
     gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, a_stage, b_stage, slot_ptr,
     H, K, G, N, n_stage_a, n_stage_b, eps, stride_h, stride_r,
     HAS_A: tl.constexpr, HAS_B: tl.constexpr, DYN: tl.constexpr, STASH_A: tl.constexpr, STASH_B: tl.constexpr,
-    SLOTTED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    SLOTTED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
@@ -94,9 +95,11 @@ def _steer_add_rms_norm_kernel(
     tl.store(resout_ptr + t * H + offs, s.to(resout_ptr.dtype.element_ty), mask=mask)
     var = tl.sum(s * s, axis=0) / H
     normed = s * tl.rsqrt(var + eps)
-    # normed.to(w.dtype) * w, with the product taken in fp32: exact for 16-bit operands, so one rounding as in torch
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    normed = normed.to(w_ptr.dtype.element_ty).to(tl.float32) * w
+    if UNIT_OFFSET:  # Gemma: normed * (1 + w), all in fp32
+        normed = normed * (w + 1.0)
+    else:  # normed.to(w.dtype) * w, the product in fp32: exact for 16-bit operands, so one rounding as in torch
+        normed = normed.to(w_ptr.dtype.element_ty).to(tl.float32) * w
     tl.store(normed_ptr + t * H + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
 
 
@@ -118,6 +121,7 @@ def steer_add_rms_norm_triton(
     stage_a: torch.Tensor | None = None,
     stage_b: torch.Tensor | None = None,
     stage_slot: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel (contract: ``dynsteer.kernels.fused_reference.steer_add_rms_norm_reference``)."""
     num_tokens, hidden = h.shape
@@ -160,6 +164,6 @@ def steer_add_rms_norm_triton(
         float(eps), h.stride(0), r.stride(0),
         HAS_A=bool(tabs_a), HAS_B=bool(tabs_b), DYN=dyn, STASH_A=stash_a, STASH_B=stash_b,
         SLOTTED=stage_slot is not None, BLOCK_H=block_h, BLOCK_K=max(2, triton.next_power_of_2(max(num_k, 1))),
-        num_warps=_num_warps(block_h),
+        UNIT_OFFSET=bool(unit_offset), num_warps=_num_warps(block_h),
     )
     return normed, resout

@@ -72,9 +72,10 @@ class SiteHook(nn.Module):
 
 
 def fused_add_rms_norm(first: SiteHook | None, second: SiteHook | None, x: torch.Tensor, residual: torch.Tensor,
-                       weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       weight: torch.Tensor, eps: float,
+                       unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Sites ``first`` then ``second`` (either may be None) on the pair ``(x, residual)``, then the fused add + RMS
-    norm with ``weight`` / ``eps``, as one ``dynsteer::steer_add_rms_norm`` op: ``(normed, new residual)``, equal to
+    norm with ``weight`` / ``eps`` (``unit_offset``: Gemma's ``1 + weight``), as one ``dynsteer::steer_add_rms_norm`` op: ``(normed, new residual)``, equal to
     the separate site ops followed by vLLM's own norm (``dynsteer.kernels.fused_reference``)."""
     hooks = [h for h in (first, second) if h is not None]
     lead = hooks[0]
@@ -84,4 +85,4 @@ def fused_add_rms_norm(first: SiteHook | None, second: SiteHook | None, x: torch
         x, residual, weight, eps, lead.row_index, first.tables() if first is not None else [],
         second.tables() if second is not None else [], gate_bufs,
         first.stage if first is not None else x.new_empty((0, x.shape[-1])),
-        second.stage if second is not None else x.new_empty((0, x.shape[-1])), slot)
+        second.stage if second is not None else x.new_empty((0, x.shape[-1])), slot, unit_offset)
