@@ -1,7 +1,8 @@
 """``DynsteerConfig(forward="fused")``: sites run inside the add + RMS norm that follows them, through a real engine.
 
-For Llama and Gemma 2, the same workload (static steering at every site kind in one mixed batch, clamps, a dynamic policy whose monitor and
-gated action share one fused kernel, capture at fused places) runs on a ``forward="op"`` engine and a
+For Llama and Gemma 2, the same workload (static steering at every site kind in one mixed batch, clamps, a dynamic
+policy whose monitor and gated action share one fused kernel, capture at fused places) runs on a ``forward="op"``
+engine and a
 ``forward="fused"`` engine; tokens, gates and captured residuals must agree, and the fused engine must report which
 places its norms run. On CPU the fused op runs its torch reference; on a GPU (``DYNSTEER_TEST_DEVICE=cuda``, where
 ``"auto"`` is ``"fused"``) the Triton kernel under CUDA graphs.

@@ -75,8 +75,9 @@ def fused_add_rms_norm(first: SiteHook | None, second: SiteHook | None, x: torch
                        weight: torch.Tensor, eps: float,
                        unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Sites ``first`` then ``second`` (either may be None) on the pair ``(x, residual)``, then the fused add + RMS
-    norm with ``weight`` / ``eps`` (``unit_offset``: Gemma's ``1 + weight``), as one ``dynsteer::steer_add_rms_norm`` op: ``(normed, new residual)``, equal to
-    the separate site ops followed by vLLM's own norm (``dynsteer.kernels.fused_reference``)."""
+    norm with ``weight`` / ``eps`` (``unit_offset``: Gemma's ``1 + weight``), as one ``dynsteer::steer_add_rms_norm``
+    op: ``(normed, new residual)``, equal to the separate site ops followed by vLLM's own norm
+    (``dynsteer.kernels.fused_reference``)."""
     hooks = [h for h in (first, second) if h is not None]
     lead = hooks[0]
     gate_bufs = [lead.gate_mul, lead.gate_add, lead.gates, lead.scores] if lead.dynamic else []
