@@ -3,6 +3,8 @@ float32 engine (run it with DYNSTEER_DISABLE=1 for vLLM alone, without for dynst
 float32 transformers forward of the same tiny checkpoint.
 
     python3 scripts/family_vs_hf.py ARCH [ARCH ...]   -> one line per family: max |logprob difference|
+
+GPU_UTIL sets the engine's share of GPU memory, EAGER=1 turns torch.compile and CUDA graphs off (quicker start).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def main(archs: list[str]) -> None:
     for arch in archs:
         path = tiny_model(arch)
         llm = LLM(model=str(path), dtype="float32", max_model_len=128, max_num_seqs=2, seed=0,
-                  gpu_memory_utilization=float(os.environ.get("GPU_UTIL", "0.2")))
+                  gpu_memory_utilization=float(os.environ.get("GPU_UTIL", "0.2")),
+                  enforce_eager=os.environ.get("EAGER") == "1")
         out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
         ids = list(out.prompt_token_ids)
         got = [next(iter(lp.values())).logprob for lp in out.prompt_logprobs[1:]]
