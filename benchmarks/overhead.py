@@ -69,12 +69,13 @@ Commands (offline GPU host; ``. scripts/gpu_env.sh`` puts vLLM on ``PYTHONPATH``
 
 Time. Full (H200, 6 engines, 18 modes × 3 batches, 15 repeats): start-up ~3-4 min (parallel), one repeat ~70 s
 (the eager peer's runs dominate), ~20 min in all; ``--max-minutes`` caps it. ``--reduced`` (for one 10-minute device
-call on an H100): 4 engines (absent, absent2, dynsteer, hotwire), 12 modes (idle, static 1 / 8 layers, per-request
-64 configs, global gate, per-request dynamic, + sync controller, dynsteer on hotwire's workload, hotwire idle /
-steered), batches 1 and 64, at most 12 repeats within ``--max-minutes 7.5`` (engines not up within
-``--start-timeout 360`` s are skipped): start-up ~2.5-3 min, warm-up and verification ~0.5 min, one repeat ~25 s,
-so ~8-10 repeats, report written by ~7.5 min, engines closed by ~8 min, which leaves ~1.5 min of the device call for
-``gpu_env.sh`` (unpacking vLLM on a fresh machine).
+call): 5 engines (absent, absent2, dynsteer, hotwire, dynsteer with capture buffers), 15 modes (idle, static 1 / 8
+layers, per-request 64 configs, global gate, per-request dynamic, + sync controller, dynsteer on hotwire's workload,
+hotwire idle / steered, capture-enabled idle, capture and stream every generated token at 1 layer), batches 1 and 64,
+at most 12 repeats within ``--max-minutes 7.5`` (engines not up within ``--start-timeout 360`` s are skipped). On an
+H200 (2026-11-23, ``--max-minutes 6.3``): start-up 2.5-3 min, one repeat ~25 s, 7 repeats, 6 min in all, which
+leaves time in the device call for ``gpu_env.sh`` (unpacking vLLM on a fresh machine). The hotwire wheel is
+git-ignored: carry it (``.gpu-carry/…whl``) with the call, or the hotwire modes are skipped.
 With ``--max-minutes`` no further repeat starts once the next one would end past the budget (at least one always
 runs), and the report is written anyway; the JSON is also rewritten after every repeat, so a killed run leaves one.
 
@@ -163,7 +164,7 @@ ENGINES = ["absent", "absent2", "dynsteer", "hotwire", "hook", "dynsteer-capture
 ENGINE_KIND = {"absent": "absent", "absent2": "absent", "dynsteer": "dynsteer", "dynsteer-capture": "dynsteer",
                "dynsteer-inline": "dynsteer", "hotwire": "hotwire", "hook": "hook"}
 REDUCED_MODES = ["absent", "aa", "idle", "static1", "static8", "pr64", "gate", "prdyn", "sync", "hwload", "hwidle",
-                 "hwsteered"]
+                 "hwsteered", "capidle", "capture", "stream"]
 
 
 # ---- shapes and workloads (worker side; the parent only needs the layer choices) -----------------------------------
