@@ -36,7 +36,10 @@ RAW_TAGS = ["raw-0", "raw-1"]  # a second batch, whose records are read per work
 LAYERS = (0, 1, 2, 3)  # the tiny model's four layers: stage 0 holds 0-1, stage 1 holds 2-3
 
 
-ENGINES = {"single": {}, "pp2": {"pipeline_parallel_size": 2}, "tp2": {"tensor_parallel_size": 2}}
+# pp2_fused: sites run inside the add-norms (forward="fused", the default on CUDA); at the stage boundary the last
+# layer of stage 0 keeps its post_block op and stage 1's first input norm runs only its own pre_attn
+ENGINES = {"single": {}, "pp2": {"pipeline_parallel_size": 2}, "tp2": {"tensor_parallel_size": 2},
+           "pp2_fused": {"pipeline_parallel_size": 2, "forward": "fused"}}
 
 
 def run(path, name: str, root) -> tuple[list, list[int]]:
@@ -45,9 +48,10 @@ def run(path, name: str, root) -> tuple[list, list[int]]:
 
     from dynsteer.capture.result import host_id, unpack_records
 
-    cfg = DynsteerConfig(capture_sites=SITES,
+    engine = dict(ENGINES[name])
+    cfg = DynsteerConfig(capture_sites=SITES, forward=engine.pop("forward", "auto"),
                          capture_consumers={"memory": {}, "filesystem": {"root": str(root), "layout": "packed"}})
-    extra = dict(ENGINES[name], distributed_executor_backend="mp") if ENGINES[name] else {}
+    extra = dict(engine, distributed_executor_backend="mp") if engine else {}
     spec = CaptureSpec(layers=LAYERS, sites=SITES, positions="all", consumers=("memory", "filesystem"))
     with make_llm(path, dtype="float32", **extra, **cfg.engine_kwargs()) as llm:
         st = dynsteer.attach(llm)
@@ -133,6 +137,12 @@ def test_pp2_capture_equals_single_stage(results):
         assert set(arrays) == {place_from_key(k) for k in saved.files if "." in k}
         for place, values in arrays.items():
             np.testing.assert_array_equal(values, saved[place_key(place)])
+
+
+def test_pp2_fused_capture_equals_single_stage(results):
+    """The fused forward across a stage boundary: every place's capture (and the tokens) equal the single worker's."""
+    _compare(results, "pp2_fused", rtol=1e-5)
+    assert np.load(results / "pp2_fused-records-per-worker.npy").tolist() == [len(PROMPTS)] * 2
 
 
 def test_tp2_only_rank_0_publishes_and_captures_equal_single_worker(results):
