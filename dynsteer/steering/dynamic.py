@@ -420,6 +420,13 @@ class PromptGates:
         self._free = list(range(n - 1, -1, -1))
         self._latch: tuple[torch.Tensor, torch.Tensor] | None = None
         self._sum: list[tuple[int, int, int, int]] = []  # (first column, end column, held row, slot)
+        # By held row and slot, from the row's request's slots (see ``_plan``): what ``stage`` writes for each of its
+        # generated tokens (1: the held gate into ``gates``; 2: the condition into ``gate_mul``; 0: nothing) and the
+        # held column of the multiplying condition (G: the constant 1). Gathered by row each step, no per-token loop.
+        self._kind = np.zeros((n, G), np.int8)
+        self._cond = np.full((n, G), G, np.int64)
+        self._has_cond = np.zeros(n, bool)  # the row has a kind-2 slot
+        self._src: list[Any] = [None] * n  # the slot list each row's plan was taken from (a new list: taken again)
 
     def place(self, st: DynState) -> None:
         if not st.prompt_level or st.held is not None:
@@ -429,6 +436,23 @@ class PromptGates:
         st.held = self._free.pop()
         self.held[st.held, :self.G].zero_()  # no decision yet: the gate is 0 until the prompt's last token latches
         self.sums[st.held].zero_()
+        self._plan(st)
+
+    def _plan(self, st: DynState) -> int:
+        """Take the held row's plan (``_kind``, ``_cond``) from ``st.slots``; returns the row. Run when the state is
+        placed and again if its slot list is replaced (``retune``: the same slot kinds, but checked, not assumed)."""
+        row = st.held
+        kind, cond = self._kind[row], self._cond[row]
+        kind[:] = 0
+        cond[:] = self.G
+        for g, slot in enumerate(st.slots):
+            if slot.prompt or slot.cond is not None:
+                kind[g] = 1 if slot.prompt else 2
+                if slot.cond is not None:
+                    cond[g] = slot.cond
+        self._has_cond[row] = bool((kind == 2).any())
+        self._src[row] = st.slots
+        return row
 
     def free(self, st: DynState) -> None:
         if st.held is not None:
@@ -441,7 +465,8 @@ class PromptGates:
         index into ``states``), and what the forward's prompt tokens of undecided requests contribute (``prompt``,
         ``p_req``, their positions and prompt lengths). Returns whether a ``gate_mul`` column was written (the driver
         resets those columns at the next step)."""
-        lat, held_g, cond_g = [], [], []
+        lat: list[tuple] = []
+        held_g = cond_g = np.zeros((4, 0), np.int64)  # (token column, held row, slot, condition's column) per write
         if len(prompt):
             starts = np.flatnonzero(np.r_[True, p_req[1:] != p_req[:-1]])  # a request's tokens are contiguous
             for a, b in zip(starts.tolist(), [*starts[1:].tolist(), len(prompt)]):
@@ -463,27 +488,36 @@ class PromptGates:
                         # a mean slot reads its sum (encoded as column -prompt length); a last token slot its score
                         col = -plen if slot.mean else int(ts[last[0]])
                         lat.append((col, st.held, g, st.params[0, g], st.params[1, g], st.params[2, g]))
-        for t, r in zip(decode.tolist(), d_req.tolist()):
-            st = states[r]
-            if st is None or st.held is None:
-                continue
-            for g, slot in enumerate(st.slots):
-                c = self.G if slot.cond is None else slot.cond
-                if slot.prompt:
-                    held_g.append((t, st.held, g, c))
-                elif slot.cond is not None:
-                    cond_g.append((t, st.held, g, c))
+        if len(decode):
+            # generated tokens: each request's held row (-1: none), then its row's plan gathered for its tokens; the
+            # only Python is one look-up per request (its plan is taken again only if its slot list was replaced)
+            src = self._src
+            rows = np.array([-1 if st is None or st.held is None else st.held if st.slots is src[st.held]
+                             else self._plan(st) for st in states], np.int64)
+            t, p = np.asarray(decode, np.int64), rows[d_req]
+            if p.min() < 0:  # tokens of requests without a held row write nothing
+                k = p >= 0
+                t, p = t[k], p[k]
+            # np.nonzero walks tokens in order, each one's slots ascending: the order of the per-token loop it replaces
+            i, g = np.nonzero(self._kind[p] == 1)
+            pi = p[i]
+            held_g = np.stack((t[i], pi, g, self._cond[pi, g]))
+            if self._has_cond[p].any():
+                i, g = np.nonzero(self._kind[p] == 2)
+                pi = p[i]
+                cond_g = np.stack((t[i], pi, g, self._cond[pi, g]))
         if lat:
             a = np.array(lat, np.float64)
             self._latch = (_device(a[:, :3].T.astype(np.int64), self.held.device),
                            _device(a[:, 3:].T.astype(np.float32), self.held.device))
-        if held_g:
-            t, p, g, c = _device(np.array(held_g, np.int64).T, self.held.device)
+        # each (token column, slot) pair at most once (distinct columns, a slot once per token): order-free writes
+        if held_g.shape[1]:
+            t, p, g, c = _device(held_g, self.held.device)
             self.gates[g, t] = self.held[p, g] * self.held[p, c]
-        if cond_g:
-            t, p, g, c = _device(np.array(cond_g, np.int64).T, self.held.device)
+        if cond_g.shape[1]:
+            t, p, g, c = _device(cond_g, self.held.device)
             self.gate_mul[g, t] = self.held[p, c]
-        return bool(cond_g)
+        return bool(cond_g.shape[1])
 
     def latch(self) -> None:
         """After the forward: prompt-mean sums, then the gates of the prompts whose last token it computed."""
