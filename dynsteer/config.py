@@ -166,9 +166,9 @@ class DynsteerConfig(BaseModel):
             one opaque custom op (the Triton kernel on CUDA, the torch reference elsewhere). ``"fused"`` runs the
             sites that precede a fused add + RMS norm (vLLM's ``RMSNorm`` or ``GemmaRMSNorm``) inside that norm:
             one kernel for ``post_block`` of layer i-1, ``pre_attn`` of layer i and layer i's input norm, one for
-            ``post_attn`` and the mid norm, so a hooked layer adds no launch (other layers fall back to ``"op"``; a model's first
-            ``pre_attn`` and last ``post_block`` keep theirs). ``"inline"`` traces the reference's torch ops into
-            the model graph for torch.compile to fuse (measured slower on an H200: see the README).
+            ``post_attn`` and the mid norm, so a hooked layer adds no launch (other layers fall back to ``"op"``;
+            a model's first ``pre_attn`` and last ``post_block`` keep theirs). ``"inline"`` traces the reference's
+            torch ops into the model graph for torch.compile to fuse (measured slower on an H200: see the README).
         controllers: custom sync controllers requests may use, ``{name: "package.module:Factory"}``; a policy
             names one with ``SyncControllerSpec(kind="custom", name=...)``. Entry points of the group
             ``dynsteer.controllers`` are registered too. Requests never carry import paths.
