@@ -39,7 +39,8 @@ LAYERS = (0, 1, 2, 3)  # the tiny model's four layers: stage 0 holds 0-1, stage 
 # pp2_fused: sites run inside the add-norms (forward="fused", the default on CUDA); at the stage boundary the last
 # layer of stage 0 keeps its post_block op and stage 1's first input norm runs only its own pre_attn
 ENGINES = {"single": {}, "pp2": {"pipeline_parallel_size": 2}, "tp2": {"tensor_parallel_size": 2},
-           "pp2_fused": {"pipeline_parallel_size": 2, "forward": "fused"}}
+           "pp2_fused": {"pipeline_parallel_size": 2, "forward": "fused"},
+           "tp2_fused": {"tensor_parallel_size": 2, "forward": "fused"}}
 
 
 def run(path, name: str, root) -> tuple[list, list[int]]:
@@ -143,6 +144,12 @@ def test_pp2_fused_capture_equals_single_stage(results):
     """The fused forward across a stage boundary: every place's capture (and the tokens) equal the single worker's."""
     _compare(results, "pp2_fused", rtol=1e-5)
     assert np.load(results / "pp2_fused-records-per-worker.npy").tolist() == [len(PROMPTS)] * 2
+
+
+def test_tp2_fused_capture_equals_single_worker(results):
+    """The fused forward on two tensor-parallel ranks (the all-reduced branch enters the fused norm on each)."""
+    _compare(results, "tp2_fused", rtol=1e-4)
+    assert np.load(results / "tp2_fused-records-per-worker.npy").tolist() == [len(PROMPTS), 0]
 
 
 def test_tp2_only_rank_0_publishes_and_captures_equal_single_worker(results):
