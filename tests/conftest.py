@@ -117,6 +117,28 @@ def openai_server(model: str, log: Any, extra: list[str] = (), timeout_s: float 
         yield url
 
 
+def run_interpreted(script: str, timeout: float) -> dict[str, Any]:
+    """Run a test file as a script with ``TRITON_INTERPRET=1`` and return the JSON of its ``RESULTS `` line.
+
+    Triton fixes interpreted-vs-compiled mode when a kernel module is imported, so kernel-vs-reference comparisons
+    on CPU run in a fresh interpreter (the file's ``__main__`` worker); ``DYNSTEER_KERNEL`` is cleared for it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("DYNSTEER_KERNEL", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(Path(script).resolve())], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr}"
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
 def unit(h: int, seed: int) -> np.ndarray:
     """A random unit vector (float32), the same for the same seed."""
     v = np.random.default_rng(seed).standard_normal(h)

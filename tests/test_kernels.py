@@ -12,17 +12,15 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from dynsteer.kernels import ENV_KERNEL, select_impl, steer_site, steer_site_reference
+from tests.conftest import run_interpreted
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_ROWS = 6
 # Sentinel for row_index entries past T: out of range, so reading them would be caught.
 TAIL_SENTINEL = 10_000
@@ -203,21 +201,7 @@ def _interp_worker() -> int:
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, Any]:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop(ENV_KERNEL, None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve())],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr}"
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS ") :])
+    return run_interpreted(__file__, timeout=300)
 
 
 @pytest.mark.parametrize("case", TRITON_CASES, ids=_case_id)

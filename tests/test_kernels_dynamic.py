@@ -11,9 +11,7 @@ import importlib
 import itertools
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,9 +20,9 @@ import torch
 from dynsteer.kernels import (ENV_KERNEL, select_impl, steer_site_dyn, steer_site_dyn_reference,
                               steer_site_reference)
 from dynsteer.kernels.monitor_reference import monitor_gate_reference
+from tests.conftest import run_interpreted
 from tests.test_kernels import capture_slots, expected_stage, untargeted_kept
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_ROWS = 8
 TAIL = 5  # buffer capacity N = T + TAIL; entries past T must never be touched
 STAGE_SENTINEL = 7.0
@@ -290,15 +288,7 @@ def _interp_worker() -> int:
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, Any]:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop(ENV_KERNEL, None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr}"
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS "):])
+    return run_interpreted(__file__, timeout=300)
 
 
 @pytest.mark.parametrize("case", TRITON_CASES, ids=_case_id)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,9 +19,9 @@ import torch
 from dynsteer.kernels import ENV_KERNEL, steer_site_dyn_reference, steer_site_reference
 from dynsteer.kernels.fused_reference import add_rms_norm_reference, steer_add_rms_norm_reference
 from dynsteer.kernels.ops import steer_add_rms_norm
+from tests.conftest import run_interpreted
 from tests.test_kernels_dynamic import DTYPES, STAGE_SENTINEL, make_dyn_inputs, stage_buffer
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 STATIC_FIELDS = ("vec", "clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength")
 DYN_FIELDS = STATIC_FIELDS + ("clamp_gate", "mon_mask", "mon_probe", "mon_sharp", "mon_thresh", "mon_floor",
                               "dyn_mask", "dyn_vec")
@@ -215,15 +213,7 @@ def _interp_worker() -> int:
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, Any]:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop(ENV_KERNEL, None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr}"
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS "):])
+    return run_interpreted(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)

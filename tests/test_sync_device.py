@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +15,8 @@ import torch
 from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec
 from dynsteer.kernels.controller_reference import Layout, control_reference, controller_row, update_reference
 from dynsteer.steering.dynamic import DynState, policy_slots
+from tests.conftest import run_interpreted
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 H, G = 8, 2
 
 CONTROLLERS = {
@@ -210,13 +208,7 @@ def _check(res: dict, tol: float = 0.0) -> None:
 
 
 def test_triton_twin_equals_reference_in_the_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr}"
-    results = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))[8:])
+    results = run_interpreted(__file__, timeout=600)
     assert len(results) == 4
     for res in results.values():
         _check(res)
