@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynsteer.kernels import ops  # noqa: F401  (registers torch.ops.dynsteer.*)
+from dynsteer.kernels import ops  # registers torch.ops.dynsteer.*
 from dynsteer.kernels.dynamic_reference import steer_site_dyn_reference
 from dynsteer.kernels.reference import steer_site_reference
 from dynsteer.spec import Site
@@ -82,8 +82,7 @@ def fused_add_rms_norm(first: SiteHook | None, second: SiteHook | None, x: torch
     lead = hooks[0]
     gate_bufs = [lead.gate_mul, lead.gate_add, lead.gates, lead.scores] if lead.dynamic else []
     slot = next((h.stage_slot for h in hooks if h.capturing), None)
-    return torch.ops.dynsteer.steer_add_rms_norm(
+    return ops.steer_add_rms_norm(  # an absent site: no tables, the op's empty capture buffer
         x, residual, weight, eps, lead.row_index, first.tables() if first is not None else [],
-        second.tables() if second is not None else [], gate_bufs,
-        first.stage if first is not None else x.new_empty((0, x.shape[-1])),
-        second.stage if second is not None else x.new_empty((0, x.shape[-1])), slot, unit_offset)
+        second.tables() if second is not None else [], gate_bufs, first.stage if first is not None else None,
+        second.stage if second is not None else None, slot, unit_offset)
