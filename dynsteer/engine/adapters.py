@@ -308,7 +308,9 @@ def _fused_norm_class(base: type) -> type:
     """A subclass of ``RMSNorm`` whose add-norm also runs the sites before it (one kernel, no launch of their own).
     Without a residual (a model's first layer) the layer has applied its sites already; the plain norm runs."""
 
-    unit_offset = base.__name__ == "GemmaRMSNorm"  # normed * (1 + w) in float32
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+    unit_offset = base is GemmaRMSNorm  # normed * (1 + w) in float32 (the same test as _fusable_norm's)
 
     def forward(self: Any, x: Any, residual: Any = None) -> Any:
         if residual is None:
