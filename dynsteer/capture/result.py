@@ -1,9 +1,11 @@
 """Captures as the caller receives them, and their wire form.
 
 Records cross vLLM's RPC hop from the worker to the user's process. When both run on one host (always so for
-``vllm.LLM``) the arrays travel through one file in ``/dev/shm``: the worker writes each array into it once, the
-caller maps it and unlinks it at once, and its arrays are views of that mapping (no copy, freed with them). Across
-hosts, or when ``/dev/shm`` lacks room, the arrays go inline as bytes in the RPC reply.
+``vllm.LLM``) the arrays travel through files in ``/dev/shm``: a record that spooled its rows as they landed
+(``dynsteer.capture.spool``) hands its files over as they are (renamed, nothing copied); any other is written into
+one file per reply, once. The caller maps each file and unlinks it at once, and its arrays are views of that mapping
+(no copy, freed with them). Across hosts, or when ``/dev/shm`` lacks room, the arrays go inline as bytes in the RPC
+reply.
 
 A caller that dies between the worker's write and its own unlink would leak the file, so its name carries the
 caller's pid (and pid namespace): every pack and unpack removes delivery files whose caller no longer exists.
@@ -21,11 +23,14 @@ from typing import Any
 
 import numpy as np
 
+from dynsteer.capture import spool as spool_mod
+from dynsteer.capture.spool import SHM_PREFIX, pid_namespace as _pid_namespace
 from dynsteer.capture.store import CaptureRecord, Place, place_from_key, place_key
 
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "dynsteer-capture-"
+SHM_DIR = spool_mod.SHM_DIR
 _ALIGN = 64
+__all__ = ["Capture", "SHM_DIR", "SHM_PREFIX", "host_id", "merge_captures", "pack_records", "sweep_shared",
+           "unpack_records"]
 
 
 @dataclass
@@ -67,14 +72,6 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}/{_pid_namespace()}/{os.getpid()}"
 
 
-def _pid_namespace() -> str:
-    """This process's pid namespace (an inode number): a pid means that process only within it."""
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return "0"
-
-
 def _split_host(host: str) -> tuple[str, str | None, int | None]:
     """``(host, pid namespace, pid)`` of a :func:`host_id` (an older two-part id carries no pid)."""
     parts = host.split("/")
@@ -103,11 +100,35 @@ def pack_records(records: list[CaptureRecord], host: str | None = None,
             pid, namespace = caller_pid, namespace or _pid_namespace()
         elif pid is None:
             pid, namespace = os.getpid(), _pid_namespace()
+        out: list[dict[str, Any] | None] = [_pack_spooled(rec, namespace, pid) for rec in records]
+        rest = [rec for rec, packed in zip(records, out) if packed is None]
         try:
-            return _pack_shared(records, namespace, pid)
-        except OSError:
-            pass  # no room in /dev/shm (a small container default): send the bytes inline
+            shared = iter(_pack_shared(rest, namespace, pid) if rest else [])
+        except OSError:  # no room in /dev/shm (a small container default): send the bytes inline
+            shared = iter([_pack_inline(rec) for rec in rest])
+        return [packed if packed is not None else next(shared) for packed in out]
     return [_pack_inline(rec) for rec in records]
+
+
+def _pack_spooled(rec: CaptureRecord, namespace: str, caller_pid: int) -> dict[str, Any] | None:
+    """A record whose rows all lie in its spool, in position order: its files renamed for the caller (None: it
+    needs the general path)."""
+    rec.settle()
+    if not rec.spooled or not rec.spool.rows:
+        return None
+    positions = np.concatenate(rec.positions)
+    if not bool((np.diff(positions) > 0).all()):
+        return None  # rows landed out of order (cannot happen with the ledger; kept general)
+    n, layout = rec.layout()
+    try:
+        paths = rec.spool.hand_over(namespace, caller_pid)
+    except OSError:
+        return None
+    rec.spool = None
+    arrays = {place_key(p): {"dtype": str(dtype), "shape": list(shape), "shm": str(paths[p]), "offset": 0}
+              for p, (shape, dtype) in layout.items()}
+    return {**_meta(rec), "positions": {"dtype": str(positions.dtype), "shape": [n], "data": positions.tobytes()},
+            "arrays": arrays}
 
 
 def sweep_shared() -> list[Path]:
@@ -195,8 +216,8 @@ def unpack_records(packed: list[dict[str, Any]]) -> list[Capture]:
     """Captures from their wire form (shared-memory files are mapped once and unlinked at once)."""
     sweep_shared()
     maps: dict[str, mmap.mmap] = {}
-    for obj in packed:
-        path = obj.get("shm")
+    fields = [f for obj in packed for f in (obj["positions"], *obj["arrays"].values())]
+    for path in [obj.get("shm") for obj in packed] + [f.get("shm") for f in fields]:
         if path is not None and path not in maps:
             with open(path, "rb") as f:
                 # Private copy-on-write mapping: the caller gets writable arrays that never touch the file.
@@ -204,9 +225,8 @@ def unpack_records(packed: list[dict[str, Any]]) -> list[Capture]:
             os.unlink(path)
     out = []
     for obj in packed:
-        mm = maps.get(obj.get("shm"))
-
-        def unpack(field_: dict[str, Any], mm=mm) -> np.ndarray:
+        def unpack(field_: dict[str, Any], default=obj.get("shm")) -> np.ndarray:
+            mm = maps.get(field_.get("shm", default))  # a field in a file of its own, or in the record's file
             if mm is None:
                 return np.frombuffer(field_["data"], dtype=field_["dtype"]).reshape(field_["shape"]).copy()
             return np.ndarray(field_["shape"], dtype=field_["dtype"], buffer=mm, offset=field_["offset"])

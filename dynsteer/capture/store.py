@@ -23,11 +23,14 @@ import torch
 
 from dynsteer.capture.select import PositionLedger, select_positions
 from dynsteer.capture.spec import CaptureSpec
+from dynsteer.capture.spool import Spool, SpoolError, spool_dir
 from dynsteer.spec import NAME_PATTERN, Site, SteeringValidationError
 from dynsteer.steering.staging import StagingRing
 
 logger = logging.getLogger("dynsteer")
 Place = tuple[int, Site]
+# Spool files (one per place of a capturing request) open at once in one worker; later requests keep rows in memory.
+MAX_SPOOL_FILES = 512
 
 
 # What a capture tag may be: it names files and folders under a capture root, so one path component that cannot
@@ -72,8 +75,11 @@ _DEVICE_DTYPES = {"float32": (torch.float32,), "bfloat16": (torch.bfloat16, torc
 class CaptureRecord:
     """Everything captured for one request. ``status`` is ``ok``, ``partial`` (a consumer failed) or ``error``.
 
-    Rows arrive in chunks (one per step that computed selected positions); each chunk references the step's arrays,
-    which several requests share, so landing a chunk costs one append whatever the number of places.
+    Rows arrive in chunks (one per step that computed selected positions). With a ``spool`` (records the ``memory``
+    consumer delivers, when ``/dev/shm`` is usable) each chunk is appended to the spool's files at once, so the
+    finished record is already in the layout the caller maps; otherwise a chunk references the step's arrays,
+    which several requests share (one append whatever the number of places). A spool that fails (``/dev/shm``
+    full) is read back into memory and the record goes on without one.
     """
 
     tag: str
@@ -89,6 +95,7 @@ class CaptureRecord:
     # consumer name -> how far it got: "delivered" (held for the caller), "written" (fsynced to disk), "queued"
     # (handed to ZeroMQ; not confirmed by a receiver). A consumer that failed has no entry.
     deliveries: dict[str, str] = field(default_factory=dict)
+    spool: Spool | None = field(default=None, repr=False)
     _parts: list[tuple[Mapping[Place, np.ndarray], int, int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -99,28 +106,75 @@ class CaptureRecord:
     def add_chunk(self, positions: np.ndarray, arrays: Mapping[Place, np.ndarray], start: int = 0,
                   end: int | None = None) -> None:
         """Land rows ``[start, end)`` of ``arrays`` (one ``[rows, hidden]`` array per place) at ``positions``."""
+        end = start + len(positions) if end is None else end
+        if self.spool is not None:
+            try:
+                self.spool.append({place: arrays[place][start:end] for place in self.places})
+            except (OSError, ValueError) as exc:
+                self._unspool(exc)
+            else:
+                self.positions.append(positions)
+                self.chunks += 1
+                return
         self.positions.append(positions)
-        self._parts.append((arrays, start, start + len(positions) if end is None else end))
+        self._parts.append((arrays, start, end))
         self.chunks += 1
 
-    def chunk(self, i: int = -1) -> dict[Place, np.ndarray]:
-        """The values of chunk ``i`` (default: the last landed), one array per place."""
-        arrays, s, e = self._parts[i]
-        return {place: arrays[place][s:e] for place in self.places}
+    def settle(self) -> None:
+        """Wait for the spool's queued writes; if one failed, its rows move to worker memory (nothing is lost)."""
+        if self.spool is not None:
+            try:
+                self.spool.flush()
+            except SpoolError as exc:
+                self._unspool(exc)
+
+    def _unspool(self, exc: BaseException) -> None:
+        """The spool failed: the rows it wrote and the chunks it did not become in-memory parts, ahead of any
+        other (the spool held every chunk before this), and the record goes on without it."""
+        spool, self.spool = self.spool, None
+        try:
+            spool.flush()
+            written, unwritten = spool.rows, []
+        except SpoolError as err:
+            exc, written, unwritten = err.cause, err.written, err.unwritten
+        logger.warning("dynsteer capture %s: spooling to shared memory failed (%s); keeping rows in worker memory",
+                       self.tag, exc)
+        head = [({place: spool.read(place, written) for place in self.places}, 0, written)] if written else []
+        head += [(chunk, 0, len(next(iter(chunk.values())))) for chunk in unwritten]
+        self._parts[:0] = head
+        spool.discard()
+
+    @property
+    def spooled(self) -> bool:
+        """Whether every row goes to the spool (none is held in worker memory)."""
+        return self.spool is not None and not self._parts
+
+    def _rows(self, place: Place) -> list[np.ndarray]:
+        """One place's rows, chunk runs in landing order (the spool's first: a failed spool precedes memory)."""
+        self.settle()
+        head = [self.spool.read(place)] if self.spool is not None and self.spool.rows else []
+        return head + [arrays[place][s:e] for arrays, s, e in self._parts]
 
     @property
     def nbytes(self) -> int:
         """Bytes of the captured data (positions and every place's rows; shared step arrays count their rows only)."""
         rows = sum(arrays[place][s:e].nbytes for arrays, s, e in self._parts for place in self.places)
+        if self.spool is not None:
+            for place in self.places:
+                dtype, hidden = self.spool.layout(place) or (np.dtype(np.float32), 0)
+                rows += self.spool.rows * hidden * dtype.itemsize
         return rows + sum(p.nbytes for p in self.positions)
 
     def layout(self) -> tuple[int, dict[Place, tuple[tuple[int, ...], np.dtype]]]:
         """Rows captured so far, and the shape and dtype of each place's array (for callers that allocate)."""
-        n = sum(e - s for _, s, e in self._parts)
+        n = sum(e - s for _, s, e in self._parts) + (self.spool.rows if self.spool is not None else 0)
         out = {}
         for place in self.places:
-            first = next((arrays[place] for arrays, _, _ in self._parts), None)
-            out[place] = ((n, first.shape[1]), first.dtype) if first is not None else ((0, 0), np.dtype(np.float32))
+            known = self.spool.layout(place) if self.spool is not None else None
+            if known is None:
+                first = next((arrays[place] for arrays, _, _ in self._parts), None)
+                known = (first.dtype, first.shape[1]) if first is not None else None
+            out[place] = ((n, known[1]), known[0]) if known is not None else ((0, 0), np.dtype(np.float32))
         return n, out
 
     def arrays(self, into: Callable[[tuple[int, ...], np.dtype], np.ndarray] = np.empty
@@ -139,7 +193,7 @@ class CaptureRecord:
         out = {}
         for place, (shape, dtype) in self.layout()[1].items():
             dst = out[place] = into(shape, dtype)
-            parts = [arrays[place][s:e] for arrays, s, e in self._parts]
+            parts = self._rows(place)
             if parts and in_order:
                 np.concatenate(parts, out=dst)
             elif parts:
@@ -180,8 +234,13 @@ class CaptureCollector:
     """Owns staging buffers for the engine's captured places and the live records of one worker."""
 
     def __init__(self, stages: dict[Place, torch.Tensor], emit: bool = True,
-                 engine_places: set[Place] | None = None) -> None:
+                 engine_places: set[Place] | None = None, spool: bool = True) -> None:
         self.stages = stages
+        # Records the memory consumer delivers spool their rows to shared memory as they land (see
+        # dynsteer.capture.spool), up to MAX_SPOOL_FILES open files; beyond that, or without /dev/shm, in memory.
+        self.spool_dir = spool_dir() if spool else None
+        self._spool_files = 0  # open spool files of the records below
+        self._spooling: set[str] = set()
         self.places = set(stages)  # this worker's places (a pipeline stage holds only its own layers)
         self.engine_places = set(stages) if engine_places is None else engine_places  # what requests may ask for
         self.emit = emit
@@ -216,8 +275,14 @@ class CaptureCollector:
         rec = CaptureRecord(tag=tag or req_id, req_id=req_id, spec=spec, prompt_len=prompt_len,
                             streaming=self.streams(spec))
         rec.places = tuple(p for p in rec.places if p in self.places)
-        if rec.places:  # another pipeline stage holds every place this request asks for
-            self.records[req_id] = rec
+        if not rec.places:  # another pipeline stage holds every place this request asks for
+            return
+        if (self.spool_dir is not None and "memory" in spec.consumers
+                and self._spool_files + len(rec.places) <= MAX_SPOOL_FILES):
+            rec.spool = Spool(self.spool_dir)
+            self._spool_files += len(rec.places)
+            self._spooling.add(req_id)
+        self.records[req_id] = rec
 
     def plan(self, req_ids: list[str] | tuple[str, ...], query_start: np.ndarray, num_computed: np.ndarray,
              streams: list[StreamSelection] = ()) -> None:
@@ -324,17 +389,20 @@ class CaptureCollector:
             self._pending.pop(0)
             # Copied out of pinned memory at once, so the caching host allocator recycles the pinned blocks
             # instead of growing with everything captured until the requests finish.
+            # Only rows that stay referenced (records without a spool, streams) are copied; a spool's write reads the
+            # pinned rows directly, and they return to the allocator with this step's tensors.
+            keep = bool(pend.streams) or any(not rec.spooled for rec, _, _ in pend.segments)
             by_dtype: dict[str, dict[Place, np.ndarray]] = {}
             for (place, dtype), t in pend.host.items():
                 arr = t.numpy()
-                by_dtype.setdefault(dtype, {})[place] = arr.copy() if self._cuda else arr
+                by_dtype.setdefault(dtype, {})[place] = arr.copy() if self._cuda and keep else arr
             for rec, s, e in pend.segments:
                 if self.records.get(rec.req_id) is not rec:
                     continue  # finished or dropped meanwhile
                 arrays = by_dtype[rec.spec.dtype]
                 rec.add_chunk(pend.positions[s:e], arrays, s, e)
                 if rec.streaming and self.on_chunk is not None:
-                    self.on_chunk(rec, pend.positions[s:e], rec.chunk())
+                    self.on_chunk(rec, pend.positions[s:e], {place: arrays[place][s:e] for place in rec.places})
             for sel in pend.streams:
                 if self.on_stream is not None:
                     rows, arrays = sel.rows, by_dtype[sel.dtype]
@@ -348,7 +416,14 @@ class CaptureCollector:
         if req_id not in self.records:
             return None
         self.poll(block=True)
-        return self.records.pop(req_id)
+        rec = self.records.pop(req_id)
+        if req_id in self._spooling:  # counted at begin, whatever became of the spool since
+            self._spooling.discard(req_id)
+            self._spool_files -= len(rec.places)
+        rec.settle()  # its queued writes done (or, failed, its rows in memory)
+        if rec.spool is not None:
+            rec.spool.seal()  # complete: its files need no descriptor until delivery
+        return rec
 
     def has_work(self) -> bool:
         return bool(self.records)

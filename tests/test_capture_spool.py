@@ -1,0 +1,165 @@
+"""Capture spools: rows written to /dev/shm as they land, handed to the caller without a copy (no engine)."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dynsteer.capture import result as result_mod
+from dynsteer.capture import spool as spool_mod
+from dynsteer.capture import store as store_mod
+from dynsteer.capture.spec import CaptureSpec
+from dynsteer.capture.store import CaptureCollector
+
+pytestmark = pytest.mark.skipif(spool_mod.spool_dir() is None, reason="no writable /dev/shm here")
+H = 8
+PLACES = [(1, "post_block"), (2, "post_attn")]
+
+
+def _spool_files() -> set[str]:
+    return {p.name for p in spool_mod.SHM_DIR.glob(f"{spool_mod.SHM_PREFIX}{spool_mod.pid_namespace()}-{os.getpid()}-*")}
+
+
+def _drive(spool: bool, specs: dict[str, CaptureSpec], steps: int = 6, seed: int = 0,
+           finish: bool = True) -> tuple[CaptureCollector, dict]:
+    """A prefill of 5 + 3 prompt tokens, then decode steps; the stage buffers hold random rows each step (as the
+    steering op would write them). Returns the collector and the finished records by request id."""
+    stages = {p: torch.zeros(16, H) for p in PLACES}
+    col = CaptureCollector(stages, engine_places=set(PLACES), spool=spool)
+    prompt = {"a": 5, "b": 3}
+    for req, spec in specs.items():
+        col.begin(req, f"tag-{req}", spec, prompt[req])
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(specs)
+    for step in range(steps):
+        if step == 0:
+            qs = np.cumsum([0] + [prompt[r] for r in ids])
+            computed = np.zeros(len(ids), np.int64)
+        else:
+            qs = np.arange(len(ids) + 1)
+            computed = np.array([prompt[r] + step - 1 for r in ids])
+        col.plan(ids, qs, computed)
+        for buf in stages.values():  # the op writes the captured rows at their capture rows
+            buf.copy_(torch.randn(buf.shape, generator=gen))
+        col.after_forward()
+    return col, ({r: col.finish(r) for r in ids} if finish else {})
+
+
+SPECS = {"a": CaptureSpec(layers=(1, 2), sites=("post_block", "post_attn"), positions="all"),
+         "b": CaptureSpec(layers=(1,), sites=("post_block",), positions="all_generated")}
+
+
+def _same(a, b) -> None:
+    pos_a, arr_a = a.arrays()
+    pos_b, arr_b = b.arrays()
+    np.testing.assert_array_equal(pos_a, pos_b)
+    assert set(arr_a) == set(arr_b)
+    for place in arr_a:
+        np.testing.assert_array_equal(arr_a[place], arr_b[place])
+
+
+def test_spooled_records_equal_in_memory_ones_and_cross_the_hop_without_a_copy():
+    before = _spool_files()
+    _, plain = _drive(False, SPECS)
+    _, spooled = _drive(True, SPECS)
+    for req in SPECS:
+        assert spooled[req].spooled and not plain[req].spooled and plain[req].spool is None
+        _same(spooled[req], plain[req])
+    assert spooled["a"].spool.rows == 5 + 5 and spooled["b"].spool.rows == 5  # positions 0-9 / 3-7
+    spool_names = _spool_files() - before
+    assert len(spool_names) == 3  # a: two places, b: one
+    want = {r: rec.arrays() for r, rec in plain.items()}
+    packed = result_mod.pack_records(list(spooled.values()), result_mod.host_id())
+    assert all("shm" not in p and all("shm" in f for f in p["arrays"].values()) for p in packed)
+    handed = {os.path.basename(f["shm"]) for p in packed for f in p["arrays"].values()}
+    assert len(handed) == 3 and not handed & spool_names and not spool_names & _spool_files()  # renamed
+    caps = result_mod.unpack_records(packed)
+    assert _spool_files() == before  # mapped and unlinked on arrival
+    for cap, req in zip(caps, SPECS):
+        assert cap.tag == f"tag-{req}" and cap.positions.tolist() == want[req][0].tolist()
+        for place, arr in want[req][1].items():
+            np.testing.assert_array_equal(cap[place], arr)
+    caps[0][(1, "post_block")][0, 0] = 7.0  # writable, private to the caller
+
+
+def test_a_spool_that_fails_midway_falls_back_to_memory_and_loses_nothing(monkeypatch):
+    before = _spool_files()
+    _, plain = _drive(False, SPECS, seed=3)
+    real, calls = os.pwrite, [0]
+
+    def flaky(fd, data, offset):
+        calls[0] += 1
+        if calls[0] > 4:  # the prefill and a decode step land, then /dev/shm is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(spool_mod.os, "pwrite", flaky)
+    _, spooled = _drive(True, SPECS, seed=3)
+    for req in SPECS:
+        assert spooled[req].spool is None and not spooled[req].spooled
+        _same(spooled[req], plain[req])
+    assert _spool_files() == before  # the failed spools' files are gone
+    packed = result_mod.pack_records(list(spooled.values()), result_mod.host_id())
+    for cap, req in zip(result_mod.unpack_records(packed), SPECS):
+        np.testing.assert_array_equal(cap[(1, "post_block")], plain[req].arrays()[1][(1, "post_block")])
+
+
+def test_dropped_and_inline_delivered_spools_leave_no_files():
+    before = _spool_files()
+    col, _ = _drive(True, SPECS, finish=False)
+    assert len(_spool_files() - before) == 3
+    col.records.clear()  # an engine dropping its collector (or records nobody takes, evicted)
+    del col
+    gc.collect()
+    assert _spool_files() == before
+    _, spooled = _drive(True, SPECS)
+    _, plain = _drive(False, SPECS)
+    packed = result_mod.pack_records(list(spooled.values()), None)  # a caller on another host: bytes inline
+    assert all("data" in f for p in packed for f in p["arrays"].values())
+    for cap, req in zip(result_mod.unpack_records(packed), SPECS):
+        np.testing.assert_array_equal(cap[(1, "post_block")], plain[req].arrays()[1][(1, "post_block")])
+    del spooled
+    gc.collect()
+    assert _spool_files() == before
+
+
+def test_finished_records_hold_no_descriptor_and_the_file_budget_caps_spooling(monkeypatch):
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    col, _ = _drive(True, SPECS, finish=False)
+    live = fds()
+    recs = [col.finish(r) for r in SPECS]
+    assert fds() == live - 3 and col._spool_files == 0  # sealed: files stay, descriptors close
+    for rec in recs:
+        rec.arrays()  # still readable by name
+    monkeypatch.setattr(store_mod, "MAX_SPOOL_FILES", 2)
+    col, done = _drive(True, SPECS)
+    assert done["a"].spool is not None and done["b"].spool is None  # a took both files; b keeps rows in memory
+    _, plain = _drive(False, SPECS)
+    for req in SPECS:
+        _same(done[req], plain[req])
+
+
+def test_only_records_the_memory_consumer_delivers_spool():
+    specs = {"a": CaptureSpec(layers=(1,), positions="all", consumers=("filesystem",)), "b": SPECS["b"]}
+    col, done = _drive(True, specs)
+    assert done["a"].spool is None and done["b"].spool is not None
+
+
+def test_spool_rejects_rows_that_do_not_match_its_layout(tmp_path):
+    sp = spool_mod.Spool(tmp_path)
+    sp.append({"p": np.ones((2, 4), np.float32)})
+    with pytest.raises(ValueError, match="place p"):
+        sp.append({"p": np.ones((2, 5), np.float32)})
+    with pytest.raises(ValueError, match="place p"):
+        sp.append({"p": np.ones((2, 4), np.float64)})
+    assert sp.rows == 2
+    np.testing.assert_array_equal(sp.read("p"), np.ones((2, 4), np.float32))
+    sp.discard()
+    assert not list(tmp_path.iterdir())
