@@ -26,7 +26,8 @@ own process below it, as vLLM runs by default):
   ``PYTHONPATH``; ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in that engine only).
 
 Each engine runs in several modes (rows of the table; all 128 generated tokens, 32-token random prompts, greedy,
-``ignore_eos=True``, decode batch 1 / 16 / 64). Every repeat measures every (engine, mode) once per batch size, in an
+``ignore_eos=True``, decode batch 1 / 16 / 64; the prompts of a batch are distinct, and fresh every repeat, so
+prefix caching never favours an engine). Every repeat measures every (engine, mode) once per batch size, in an
 order rotated by one each repeat, so drift in clocks or host load hits all of them alike. An overhead is the median
 over repeats of the paired ratio ``t(mode, repeat) / t(absent, repeat) − 1``.
 
@@ -209,9 +210,8 @@ class Workload:
         self.num_layers, self.hidden, vocab = mc["num_hidden_layers"], mc["hidden_size"], mc["vocab_size"]
         self.layer = steer_layer(self.num_layers)
         self.params = SamplingParams(temperature=0.0, max_tokens=cfg["tokens"], ignore_eos=True, detokenize=False)
-        # the same prompts in every engine and mode (seeded by batch size)
-        self.prompts = {b: [{"prompt_token_ids": np.random.default_rng(b).integers(
-            vocab // 100, vocab - 1, cfg["prompt_len"]).tolist()} for _ in range(b)] for b in cfg["batches"]}
+        self.vocab = vocab
+        self.prompts = {b: self.prompts_for(b, None) for b in cfg["batches"]}
         self.kind = cfg["kind"]
         self.steerer = None
         self._payloads: dict = {}
@@ -220,6 +220,16 @@ class Workload:
 
             self.steerer = dynsteer.attach(llm)
             self.steerer.register_vector(HOTWIRE_VECTOR_ID, self.vec(0))
+
+    def prompts_for(self, batch: int, repeat: int | None) -> list[dict]:
+        """``batch`` distinct random prompts, the same in every engine and mode: those of timed repeat ``repeat``
+        (fresh each repeat), or with ``None`` the fixed ones of warm-up and verification. Fresh prompts per repeat
+        keep prefix caching out of the comparison: no engine's prefill ever hits a block of an earlier call (the
+        absent engine would otherwise reuse its prompt blocks every call, while the dynsteer engine's other modes
+        salt theirs differently in between and evict them)."""
+        rng = self.np.random.default_rng([batch] if repeat is None else [batch, 1 + repeat])
+        return [{"prompt_token_ids": rng.integers(self.vocab // 100, self.vocab - 1, self.cfg["prompt_len"]).tolist()}
+                for _ in range(batch)]
 
     def vec(self, seed: int):
         rng = self.np.random.default_rng(1000 + seed)
@@ -266,17 +276,18 @@ class Workload:
         return self._payloads[memo]
 
     def prepare(self, key: str, batch: int, scale: float = 1.0, force_open: bool = False,
-                max_tokens: int | None = None):
+                max_tokens: int | None = None, repeat: int | None = None):
         """Set up ``key`` (outside the timed window); returns ``(call, teardown)``; ``call()`` is what is timed.
 
         ``scale`` multiplies every vector of the mode; ``force_open`` opens gates and latches on every token (both
-        only for verification calls)."""
+        only for verification calls); ``repeat``: the timed repeat, whose fresh prompts the call uses."""
         from dynsteer import AddVector, CaptureSpec, SteeringSpec, steer_params
 
         base = self.params if max_tokens is None else self.params.clone()
         if max_tokens is not None:
             base.max_tokens = max_tokens
-        prompts, llm, st = self.prompts[batch], self.llm, self.steerer
+        prompts = self.prompts[batch] if repeat is None else self.prompts_for(batch, repeat)
+        llm, st = self.llm, self.steerer
         params = base
         teardown = None
         key = key.removeprefix("i_")  # the inline engine's modes run the same workloads
@@ -462,7 +473,8 @@ def _dynsteer_registered() -> bool:
 def handle(work: Workload, cmd: dict) -> dict:
     op, key, batch = cmd["op"], cmd.get("mode"), cmd.get("batch")
     if op == "run":  # timed; tokens returned on request (warm-up / verification)
-        call, teardown = work.prepare(key, batch, cmd.get("scale", 1.0), cmd.get("force_open", False))
+        call, teardown = work.prepare(key, batch, cmd.get("scale", 1.0), cmd.get("force_open", False),
+                                      repeat=cmd.get("repeat"))
         before = work.counters()
         try:
             t0 = time.perf_counter()
@@ -1133,7 +1145,7 @@ class Bench:
             plan = [k for k in self.modes if k not in self.errors]
             for batch in args.batches:
                 for k in plan[rep % len(plan):] + plan[:rep % len(plan)]:
-                    res = self.run(k, batch)
+                    res = self.run(k, batch, repeat=rep)
                     if res is None:
                         continue
                     self.seconds[k][str(batch)].append(res["s"])
