@@ -1,0 +1,161 @@
+"""The device side of the fused forward: dynsteer's ``steer_add_rms_norm`` against the add + RMS norm it replaces.
+
+In the fused forward (``DynsteerConfig.forward="fused"``) each decoder layer's two add-norms are dynsteer's kernel,
+which also runs the steering sites before them. An idle engine therefore differs from vLLM on the device only by that
+kernel's speed against the norm inductor compiles from vLLM's ``fused_add_rms_norm``. This measures both over the 64
+add-norms of a 32-layer, 4096-wide model, captured in CUDA graphs and replayed alternately (bf16):
+
+* ``vllm``: ``torch.compile`` of vLLM's native ``fused_add_rms_norm`` (``fused_reference.add_rms_norm_reference``,
+  equal to it bit for bit: what inductor compiles in an engine with ``custom_ops: none``), chained as in a model;
+* ``idle``: dynsteer's kernel with the default engine's tables (dynamic tier on), every token on row 0;
+* ``static``: every token on a row adding a vector at both sites;
+* ``dynamic``: every token on a row with a monitor gate and a gated vector at both sites.
+
+    python3 benchmarks/fused_norm_kernel.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from static_overhead import print_table_head, write_report  # noqa: E402
+
+from dynsteer import DynsteerConfig, SITES  # noqa: E402
+from dynsteer.steering.site import SiteHook, fused_add_rms_norm  # noqa: E402
+from dynsteer.steering.tables import SteeringTables  # noqa: E402
+
+
+def build(layers: int, hidden: int, max_tokens: int) -> tuple[SteeringTables, list[tuple[SiteHook, SiteHook]]]:
+    """Default tables and, per norm, the pair of sites the fused forward runs in it."""
+    cfg = DynsteerConfig()
+    tables = SteeringTables([(l, s) for l in range(layers) for s in SITES], hidden, cfg.max_rows, cfg.max_clamps,
+                            max_tokens, device="cuda", max_gates=cfg.max_gates)
+    hooks = {(l, s): SiteHook(tables, l, s) for l in range(layers) for s in SITES}
+    pairs = []
+    for layer in range(layers):
+        if layer:  # input norm: post_block of the layer before, then pre_attn
+            pairs.append((hooks[(layer - 1, "post_block")], hooks[(layer, "pre_attn")]))
+        pairs.append((hooks[(layer, "post_attn")], None))  # the mid norm
+    return tables, pairs
+
+
+def fill_rows(tables: SteeringTables, mode: str, hidden: int) -> None:
+    """Row 1: a vector at every site (``static``), plus a monitor and a gated vector (``dynamic``)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for (layer, site) in tables.sites:
+        v = tables.views(layer, site)
+        v["vec"][1] = torch.randn(hidden, device="cuda", generator=gen) * 0.01
+        if mode == "dynamic":
+            v["mon_mask"][1] = 1
+            v["mon_probe"][1, 0] = torch.randn(hidden, device="cuda", generator=gen) / hidden ** 0.5
+            v["mon_sharp"][1, 0] = 4.0
+            v["dyn_mask"][1] = 1
+            v["dyn_vec"][1, 0] = torch.randn(hidden, device="cuda", generator=gen) * 0.01
+
+
+def graph_of(fn, replay_calls: int) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles) off the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(replay_calls):
+            fn()
+    return graph
+
+
+def time_replays(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=11)
+    args = ap.parse_args()
+    from dynsteer.kernels.fused_reference import add_rms_norm_reference  # vLLM's native add-norm, bit for bit
+
+    dtype = torch.bfloat16
+    compiled = torch.compile(add_rms_norm_reference, dynamic=False)
+    tables, pairs = build(args.layers, args.hidden, max(args.tokens))
+    fill_rows(tables, "dynamic", args.hidden)  # rows 1 (static) and 2 (dynamic) of every site
+    for (layer, site) in tables.sites:  # row 2: the dynamic row; row 1 keeps only its vector
+        v = tables.views(layer, site)
+        for name in ("vec", "mon_mask", "mon_probe", "mon_sharp", "dyn_mask", "dyn_vec"):
+            v[name][2] = v[name][1]
+        for name in ("mon_mask", "dyn_mask"):
+            v[name][1] = 0
+    weight = (1 + 0.1 * torch.randn(args.hidden, device="cuda")).to(dtype)
+    rows = {}
+    for T in args.tokens:
+        gen = torch.Generator(device="cuda").manual_seed(T)
+        h = torch.randn(T, args.hidden, device="cuda", dtype=dtype, generator=gen)
+        r = torch.randn(T, args.hidden, device="cuda", dtype=dtype, generator=gen)
+
+        def native():
+            x, res = h, r
+            for _ in pairs:
+                x, res = compiled(x, res, weight, 1e-5)
+            return x
+
+        def ours():
+            x, res = h, r
+            for first, second in pairs:
+                x, res = fused_add_rms_norm(first, second, x, res, weight, 1e-5)
+            return x
+
+        graphs = {"vllm": graph_of(native, 1), "ours": graph_of(ours, 1)}
+        runs = {"vllm": ("vllm", 0), "idle": ("ours", 0), "static": ("ours", 1), "dynamic": ("ours", 2)}
+        us: dict[str, list[float]] = {name: [] for name in runs}
+        for rnd in range(args.rounds):
+            for name in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
+                graph, row = runs[name]
+                tables.row_index[:T] = row
+                us[name].append(time_replays(graphs[graph], args.replays))
+        tables.row_index.zero_()
+        row = {f"{name}_us": round(statistics.median(v), 2) for name, v in us.items()}
+        for name in ("idle", "static", "dynamic"):
+            diffs = [c - b for b, c in zip(us["vllm"], us[name])]
+            row[f"{name}_delta_us"] = round(statistics.median(diffs), 3)
+            row[f"{name}_delta_us_range"] = [round(min(diffs), 3), round(max(diffs), 3)]
+        rows[str(T)] = row
+        print(f"T={T}: {json.dumps(row)}", flush=True)
+    report = {
+        "benchmark": "fused_norm_kernel", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bfloat16",
+        "layers": args.layers, "hidden": args.hidden, "norms": len(pairs), "replays": args.replays,
+        "rounds": args.rounds, "tokens": rows,
+    }
+    path = write_report(report, args.out)
+    print_table_head("tokens per forward", args.tokens)
+    for key, label in [("vllm_us", f"{len(pairs)} compiled vLLM add-norms (µs)"),
+                       ("idle_delta_us", "dynsteer's kernel, idle: difference (µs)"),
+                       ("static_delta_us", "every token steered (static): difference (µs)"),
+                       ("dynamic_delta_us", "every token gated (monitor + gated vector): difference (µs)")]:
+        print(f"| {label} | " + " | ".join(f"{rows[str(T)][key]:+.2f}" for T in args.tokens) + " |")
+    print(f"report: {path}")
+
+
+if __name__ == "__main__":
+    main()
