@@ -791,12 +791,14 @@ def summarize_trace(path: Path, steps: int, top: int = 15) -> dict:
     kernels: Counter = Counter()
     host_self: Counter = Counter()
     threads: dict = defaultdict(list)
+    spans: list = []  # device intervals, for the time the device sat idle waiting for work
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
         cat = e.get("cat", "")
         if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             kernels[e["name"]] += e["dur"]
+            spans.append((e["ts"], e["ts"] + e["dur"]))
         elif cat in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function"):
             threads[(e.get("pid"), e.get("tid"))].append(e)
     for evs in threads.values():  # self time: an event's duration less that of the events nested in it
@@ -817,8 +819,20 @@ def summarize_trace(path: Path, steps: int, top: int = 15) -> dict:
         while stack:
             pop()
     per = lambda c: [[name, round(us / steps, 2)] for name, us in c.most_common(top)]  # noqa: E731
+    # Device idle between its first and last kernel: gaps where it waited for the host (a host-bound step shows
+    # here, not in kernel time). Gaps over 20 µs are counted separately: launch latency is a few µs.
+    spans.sort()
+    busy, idle, big, end = 0.0, 0.0, 0.0, None
+    for a, b in spans:
+        if end is not None and a > end:
+            idle += a - end
+            big += a - end if a - end > 20 else 0.0
+        busy += max(0.0, b - max(a, end if end is not None else a))
+        end = b if end is None else max(end, b)
     return {"steps": steps, "host_self_us_per_step_total": round(sum(host_self.values()) / steps, 1),
             "device_us_per_step_total": round(sum(kernels.values()) / steps, 1),
+            "device_busy_us_per_step": round(busy / steps, 1), "device_idle_us_per_step": round(idle / steps, 1),
+            "device_idle_gaps_over_20us_per_step": round(big / steps, 1),
             "top_host_ops_self_us_per_step": per(host_self), "top_device_kernels_us_per_step": per(kernels)}
 
 
