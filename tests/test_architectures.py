@@ -38,6 +38,11 @@ HF_MID = {"gemma2": "pre_feedforward_layernorm", "gemma3": "pre_feedforward_laye
 # from transformers with dynsteer off (scripts/family_vs_hf.py, H200 2026-11-23); CPU compares them.
 GPU_VLLM_DIFFERS = {"ernie45_moe": "vLLM 0.26's GPU forward differs from transformers with dynsteer off "
                                    "(max |d logprob| 2.26; 0.0000 on CPU)"}
+# Families whose GPU residuals may differ from transformers by more than the default relative 3e-2 for vLLM's own
+# reasons: gemma2's prompt logprobs differ from transformers by max 0.0152 on an H200 with dynsteer off and the same
+# 0.0152 with it on (family_vs_hf.py, 2026-11-24), and its captured residuals reached 3.4e-2. A wrong site is off by
+# tens of percent, so the looser bound still catches one.
+GPU_RESIDUAL_TOLERANCE = {"gemma2": 8e-2}
 
 
 def greedy(n: int = 10):
@@ -88,7 +93,8 @@ class TestFamily:
         """(arch, llm, steerer, unsteered outputs) of one engine with capture buffers at every site."""
         arch = request.param
         path = tiny_model(arch)
-        cfg = DynsteerConfig(capture_sites=dynsteer.SITES)
+        # DYNSTEER_TEST_FORWARD=op|fused|inline runs the families with that forward (default auto: fused on CUDA)
+        cfg = DynsteerConfig(capture_sites=dynsteer.SITES, forward=os.environ.get("DYNSTEER_TEST_FORWARD", "auto"))
         # float32 on GPU too (as tests/test_capture.py), so the comparison with transformers stays tight.
         with make_llm(path, **{**cfg.engine_kwargs(), "dtype": "float32"}) as llm:
             st = dynsteer.attach(llm)
@@ -151,7 +157,7 @@ class TestFamily:
                     # error; it grows along the positions (gemma2 reached 1.06e-2 on an H200); a wrong site is off by
                     # tens of percent
                     err = np.linalg.norm(arr - ref[place], axis=1) / np.linalg.norm(ref[place], axis=1)
-                    assert err.max() < 3e-2, (arch, place, err.max())
+                    assert err.max() < GPU_RESIDUAL_TOLERANCE.get(arch, 3e-2), (arch, place, err.max())
                 else:
                     np.testing.assert_allclose(arr, ref[place], rtol=1e-3, atol=1e-3 * float(np.abs(ref[place]).max()),
                                                err_msg=f"{arch} {place}")
