@@ -12,7 +12,8 @@ from dynsteer.payload import decode_payload, encode_payload
 from dynsteer.spec import check_spec
 from dynsteer.steering.compile import compile_phase
 from dynsteer.steering.runtime import BatchView, SteeringRuntime
-from dynsteer.steering.tables import RowPool, RowsExhausted, SteeringTables
+from dynsteer.steering.rows import RowPool, RowsExhausted
+from dynsteer.steering.tables import SteeringTables
 from dynsteer.vectors import load_vector, pack_vector, save_vector, unpack_vector
 
 H = 16

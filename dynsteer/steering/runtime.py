@@ -26,7 +26,8 @@ from dynsteer.payload import PAYLOAD_KEY, decode_payload, payload_body
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
 from dynsteer.steering.compile import EMPTY, RowContent, SiteKey, compile_phase
 from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens
-from dynsteer.steering.tables import RowPool, RowsExhausted, SteeringTables
+from dynsteer.steering.rows import RowPool, RowsExhausted
+from dynsteer.steering.tables import SteeringTables
 
 logger = logging.getLogger("dynsteer")
 
@@ -736,6 +737,7 @@ class SteeringRuntime:
     def describe(self) -> dict[str, Any]:
         """JSON-friendly state for ``collective_rpc`` callers."""
         return {"shape": self.shape.model_dump(mode="json"), "rows_in_use": self.pool.in_use,
+                "rows_idle": self.pool.idle, "rows_revived": self.pool.revived,
                 "rows_total": self.tables.num_rows - 1, "live_requests": len(self.requests),
                 "named_vectors": sorted(self.named), "global_empty": self.global_spec.is_empty(),
                 "table_bytes": self.tables.nbytes(), "stats": vars(self.stats).copy(),

@@ -1,0 +1,58 @@
+"""The row pool keeps released configurations until their rows are needed (no engine)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dynsteer.payload import encode_payload
+from dynsteer.spec import AddVector, ModelShape, SteeringSpec
+from dynsteer.steering.compile import compile_phase
+from dynsteer.steering.rows import RowPool, RowsExhausted
+from dynsteer.steering.runtime import SteeringRuntime
+from dynsteer.steering.tables import SteeringTables
+
+H = 16
+SHAPE = ModelShape(num_layers=4, hidden_size=H, sites=("post_block",))
+
+
+def _content(seed: int):
+    v = np.random.default_rng(seed).standard_normal(H).astype(np.float32)
+    return compile_phase([("", SteeringSpec(vectors=[AddVector(layer=1, vector=v)]))], "decode", SHAPE)
+
+
+def test_released_rows_are_revived_and_reused_least_recent_first():
+    pool = RowPool(4)  # rows 1..3
+    a, b, c, d = (_content(i) for i in range(4))
+    ra, new = pool.acquire(a)
+    assert new and pool.in_use == 1
+    pool.release(a.digest)
+    assert pool.in_use == 0 and pool.idle == 1
+    assert pool.acquire(a) == (ra, False) and pool.revived == 1  # same row, content kept: no write
+    rb, _ = pool.acquire(b)
+    rc, _ = pool.acquire(c)
+    pool.release(b.digest)  # idle: b, then a
+    pool.release(a.digest)
+    rd, new = pool.acquire(d)  # no never-used row left: b's (released first) is reused
+    assert new and rd == rb
+    assert pool.acquire(b) == (ra, True)  # b's content is gone: it takes a's idle row, written anew
+    with pytest.raises(RowsExhausted):
+        pool.acquire(a)  # every row live (b, c, d)
+    assert pool.in_use == 3 and pool.idle == 0 and rc not in (ra, rb)
+
+
+def test_a_revived_row_steers_as_written_without_a_table_write(monkeypatch):
+    tables = SteeringTables([(l, "post_block") for l in range(4)], H, num_rows=4, max_clamps=1, max_tokens=8)
+    rt = SteeringRuntime(SHAPE, tables)
+    writes = []
+    real = tables.write_row
+    monkeypatch.setattr(tables, "write_row", lambda row, content: (writes.append(row), real(row, content)))
+    v = np.random.default_rng(5).standard_normal(H).astype(np.float32)
+    payload = encode_payload(SteeringSpec(vectors=[AddVector(layer=1, vector=v, tier="decode")]))
+    rt.admit("r1", payload, prompt_len=3)
+    row = rt.requests["r1"].rows[1]
+    rt.release(["r1"])
+    rt.admit("r2", payload, prompt_len=3)  # the same configuration again: its idle row, not rewritten
+    assert rt.requests["r2"].rows[1] == row and writes == [row]
+    np.testing.assert_array_equal(tables.vec_at((1, "post_block"), row).numpy(), v)
+    assert rt.describe()["rows_revived"] == 1 and rt.describe()["rows_in_use"] == 1
