@@ -8,7 +8,9 @@ add-norms of a 32-layer, 4096-wide model, captured in CUDA graphs and replayed a
 * ``vllm``: ``torch.compile`` of vLLM's native ``fused_add_rms_norm`` (``fused_reference.add_rms_norm_reference``,
   equal to it bit for bit: what inductor compiles in an engine with ``custom_ops: none``), chained as in a model;
 * ``idle``: dynsteer's kernel with the default engine's tables (dynamic tier on), every token on row 0;
-* ``static``: every token on a row adding a vector at both sites;
+* ``static``: every token on a row adding a vector at both sites of every norm;
+* ``static1``: every token on a row adding a vector at one site of the model (a global 1-layer spec: the other 95
+  sites see a row with nothing there);
 * ``dynamic``: every token on a row with a monitor gate and a gated vector at both sites.
 
     python3 benchmarks/fused_norm_kernel.py --out benchmarks/results
@@ -106,6 +108,12 @@ def main() -> None:
             v[name][2] = v[name][1]
         for name in ("mon_mask", "dyn_mask"):
             v[name][1] = 0
+        if "row_live" in v:  # what each row holds at this site (the kernels skip a site whose flags are 0)
+            v["row_live"][1], v["row_live"][2] = 1, 1 | 4 | 8
+    mid = tables.views(args.layers // 2, "post_block")  # row 3: one site steered, as a global 1-layer spec
+    mid["vec"][3] = mid["vec"][1]
+    if "row_live" in mid:
+        mid["row_live"][3] = 1
     weight = (1 + 0.1 * torch.randn(args.hidden, device="cuda")).to(dtype)
     rows = {}
     for T in args.tokens:
@@ -126,7 +134,8 @@ def main() -> None:
             return x
 
         graphs = {"vllm": graph_of(native, 1), "ours": graph_of(ours, 1)}
-        runs = {"vllm": ("vllm", 0), "idle": ("ours", 0), "static": ("ours", 1), "dynamic": ("ours", 2)}
+        runs = {"vllm": ("vllm", 0), "idle": ("ours", 0), "static": ("ours", 1), "static1": ("ours", 3),
+                "dynamic": ("ours", 2)}
         us: dict[str, list[float]] = {name: [] for name in runs}
         for rnd in range(args.rounds):
             for name in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
@@ -135,7 +144,7 @@ def main() -> None:
                 us[name].append(time_replays(graphs[graph], args.replays))
         tables.row_index.zero_()
         row = {f"{name}_us": round(statistics.median(v), 2) for name, v in us.items()}
-        for name in ("idle", "static", "dynamic"):
+        for name in ("idle", "static", "static1", "dynamic"):
             diffs = [c - b for b, c in zip(us["vllm"], us[name])]
             row[f"{name}_delta_us"] = round(statistics.median(diffs), 3)
             row[f"{name}_delta_us_range"] = [round(min(diffs), 3), round(max(diffs), 3)]
@@ -152,6 +161,7 @@ def main() -> None:
     for key, label in [("vllm_us", f"{len(pairs)} compiled vLLM add-norms (µs)"),
                        ("idle_delta_us", "dynsteer's kernel, idle: difference (µs)"),
                        ("static_delta_us", "every token steered (static): difference (µs)"),
+                       ("static1_delta_us", "every token steered at one site of 96: difference (µs)"),
                        ("dynamic_delta_us", "every token gated (monitor + gated vector): difference (µs)")]:
         print(f"| {label} | " + " | ".join(f"{rows[str(T)][key]:+.2f}" for T in args.tokens) + " |")
     print(f"report: {path}")
