@@ -74,6 +74,11 @@ class SpoolWriter:
     """One daemon thread writing every spool's chunks in submission order (so a spool's file grows in order)."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        """Fresh state (also in a forked child: the parent's thread does not exist there, and its queue and lock
+        are the parent's)."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -81,7 +86,7 @@ class SpoolWriter:
     def submit(self, spool: Spool, job: list[tuple[int, memoryview, int]], chunk: dict[Hashable, np.ndarray],
                rows: int) -> None:
         if self._thread is None or not self._thread.is_alive():
-            with self._lock:  # started lazily (and again after a fork, where threads do not survive)
+            with self._lock:  # started lazily
                 if self._thread is None or not self._thread.is_alive():
                     self._thread = threading.Thread(target=self._run, name="dynsteer-spool", daemon=True)
                     self._thread.start()
@@ -104,6 +109,8 @@ class SpoolWriter:
 
 
 WRITER = SpoolWriter()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=WRITER._reset)
 
 
 class Spool:
