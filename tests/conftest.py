@@ -148,3 +148,18 @@ def unit(h: int, seed: int) -> np.ndarray:
 def vec(h: int, seed: int, scale: float = 6.0) -> np.ndarray:
     """A random steering vector (float32, entries ~ N(0, scale²)), the same for the same seed."""
     return (np.random.default_rng(100 + seed).standard_normal(h) * scale).astype(np.float32)
+
+
+def row_live(vec: Any, clamp_strength: Any, mon_mask: Any = None, dyn_mask: Any = None) -> Any:
+    """int32 [R]: the ``row_live`` flags consistent with the other tables of one site (what
+    ``SteeringTables.write_row`` stores): 1 a non-zero vector, 2 a non-zero clamp strength, 4 monitors, 8 dyn
+    terms; row 0 is always 0."""
+    import torch
+
+    live = (vec != 0).flatten(1).any(1).int() | ((clamp_strength != 0).flatten(1).any(1).int() << 1)
+    if mon_mask is not None:
+        live |= (mon_mask != 0).int() << 2
+    if dyn_mask is not None:
+        live |= (dyn_mask != 0).int() << 3
+    live[0] = 0
+    return live.to(torch.int32)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dynsteer.kernels import ENV_KERNEL, select_impl, steer_site, steer_site_reference
-from tests.conftest import run_interpreted
+from tests.conftest import row_live, run_interpreted
 
 NUM_ROWS = 6
 # Sentinel for row_index entries past T: out of range, so reading them would be caught.
@@ -48,6 +48,7 @@ def make_inputs(
     2 vec + band clamp [-0.25, 0.25] (+ a half-strength one-sided clamp [1, inf) in slot 1);
     3 ablation (lo = hi = 0, strength 1 in every slot); 4 vec + open bounds (no-op clamp) and a
     zero direction with a finite bound (must not produce nan); 5 vec + upper bound only (<= -1).
+    ``row_live`` is consistent with the rest (row 3: clamps only; row 1: the vector only).
 
     Args:
         num_tokens: T.
@@ -58,7 +59,7 @@ def make_inputs(
         seed: RNG seed.
 
     Returns:
-        Keyword arguments for ``steer_site`` (h, r, row_index, vec, clamp_*, stage).
+        Keyword arguments for ``steer_site`` (h, r, row_index, vec, clamp_*, row_live, stage), in its order.
     """
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
@@ -87,7 +88,7 @@ def make_inputs(
     stage = torch.full((num_tokens + 3, hidden), STAGE_SENTINEL, dtype=dtype)
     return dict(
         h=h, r=r, row_index=row_index, vec=vec, clamp_dir=dirs, clamp_lo=lo, clamp_hi=hi, clamp_strength=strength,
-        stage=stage, stage_slot=capture_slots(num_tokens, num_tokens + 5, gen),
+        row_live=row_live(vec, strength), stage=stage, stage_slot=capture_slots(num_tokens, num_tokens + 5, gen),
     )
 
 
@@ -195,8 +196,60 @@ def _interp_worker() -> int:
     results["strided_rows"] = {
         "max_abs_err": (steer_site_triton(**kw_strided) - steer_site_reference(**kw)).abs().max().item()
     }
+    results.update(site_live_metrics(steer_site_triton))
     print("RESULTS " + json.dumps(results))
     return 0
+
+
+LIVE_ELSEWHERE = (2, 4, 5)  # rows steered at site A that hold nothing at site B
+
+
+def site_live_metrics(impl: Any, device: str = "cpu") -> dict[str, Any]:
+    """Rows live at one site and not at another (a spec steering other layers): at site B the kernel copies their
+    tokens bit for bit (``row_live`` 0), at site A it steers them; the other rows are steered alike at both."""
+    out: dict[str, Any] = {}
+    for dt in ("float32", "bfloat16"):
+        kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+              for k, v in dict(make_inputs(24, 576, 2, True, DTYPES[dt], seed=50), stage=None, stage_slot=None).items()}
+        site_b = dict(kw, vec=kw["vec"].clone(), clamp_strength=kw["clamp_strength"].clone())
+        site_b["vec"][list(LIVE_ELSEWHERE)] = 0.0
+        site_b["clamp_strength"][list(LIVE_ELSEWHERE)] = 0.0
+        site_b["row_live"] = row_live(site_b["vec"], site_b["clamp_strength"])
+        rows = kw["row_index"][:24].long()
+        idle = torch.isin(rows, torch.tensor(LIVE_ELSEWHERE, device=device))
+        got_a, got_b, want_b = impl(**kw), impl(**site_b), steer_site_reference(**site_b)
+        atol, rtol = _tolerances(DTYPES[dt])
+        excess = ((got_b.float() - want_b.float()).abs() - (atol + rtol * want_b.float().abs())).max().item()
+        out[f"site_live_{dt}"] = {
+            "flags_cleared": site_b["row_live"][list(LIVE_ELSEWHERE)].tolist() == [0, 0, 0]
+            and bool((kw["row_live"][list(LIVE_ELSEWHERE)] != 0).all()),
+            "idle_tokens": int(idle.sum()),
+            "idle_exact_at_b": torch.equal(got_b[idle], kw["h"][idle]),
+            "steered_at_a": bool((got_a[idle] != kw["h"][idle]).any(dim=-1).all()),
+            "others_same": torch.equal(got_b[~idle], got_a[~idle]),
+            "tol_excess": excess,
+        }
+    return out
+
+
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+def test_triton_row_live_elsewhere_is_identity(interp_results: dict[str, Any], dt: str) -> None:
+    assert_site_live(interp_results[f"site_live_{dt}"])
+
+
+def assert_site_live(res: dict[str, Any]) -> None:
+    assert res["flags_cleared"] and res["idle_tokens"] > 0, res
+    assert res["idle_exact_at_b"] and res["steered_at_a"] and res["others_same"], res
+    assert res["tol_excess"] <= 0.0, res
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_row_live_elsewhere_is_identity() -> None:
+    from dynsteer.kernels.triton_steer import steer_site_triton
+
+    for res in site_live_metrics(steer_site_triton, "cuda").values():
+        assert_site_live(res)
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +298,13 @@ def _single_row_table(hidden: int, num_k: int) -> dict[str, torch.Tensor]:
         clamp_lo=torch.full((2, num_k), float("-inf")),
         clamp_hi=torch.full((2, num_k), float("inf")),
         clamp_strength=torch.zeros(2, num_k),
+        row_live=torch.zeros(2, dtype=torch.int32),
     )
+
+
+def _flag(tab: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tab`` with its ``row_live`` recomputed from the filled-in tables."""
+    return dict(tab, row_live=row_live(tab["vec"], tab["clamp_strength"]))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
@@ -258,6 +317,7 @@ def test_zero_row_is_bit_identical(dtype: torch.dtype, has_r: bool) -> None:
     assert torch.equal(out, kw["h"])
     # Same for a row whose slots are off but hold live directions and bounds (row 1 minus vec).
     kw["vec"][1] = 0.0
+    kw["row_live"][1] = 0
     kw["row_index"][:16] = 1
     assert torch.equal(steer_site_reference(**kw), kw["h"])
 
@@ -277,7 +337,7 @@ def test_full_clamp_lands_in_bounds(has_r: bool, bounds: tuple[float, float]) ->
     h = 2 * torch.randn(num_tokens, hidden, generator=gen)
     r = torch.randn(num_tokens, hidden, generator=gen) if has_r else None
     row_index = torch.ones(num_tokens, dtype=torch.int32)
-    out = steer_site_reference(h, r, row_index, **tab)
+    out = steer_site_reference(h, r, row_index, **_flag(tab))
     full = out + r if r is not None else out
     p = _proj(full, u)
     lo, hi = bounds
@@ -316,7 +376,7 @@ def test_half_strength_moves_half_way() -> None:
     tab["clamp_strength"][1, 0] = 0.5
     h = torch.randn(num_tokens, hidden, generator=gen)
     r = torch.randn(num_tokens, hidden, generator=gen)
-    out = steer_site_reference(h, r, torch.ones(num_tokens, dtype=torch.int32), **tab)
+    out = steer_site_reference(h, r, torch.ones(num_tokens, dtype=torch.int32), **_flag(tab))
     assert torch.allclose(_proj(out + r, u), 0.5 * _proj(h + r, u), atol=1e-5)
 
 

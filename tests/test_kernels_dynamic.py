@@ -20,7 +20,7 @@ import torch
 from dynsteer.kernels import (ENV_KERNEL, select_impl, steer_site_dyn, steer_site_dyn_reference,
                               steer_site_reference)
 from dynsteer.kernels.monitor_reference import monitor_gate_reference
-from tests.conftest import run_interpreted
+from tests.conftest import row_live, run_interpreted
 from tests.test_kernels import capture_slots, expected_stage, untargeted_kept
 
 NUM_ROWS = 8
@@ -28,7 +28,7 @@ TAIL = 5  # buffer capacity N = T + TAIL; entries past T must never be touched
 STAGE_SENTINEL = 7.0
 TAIL_SENTINEL = 10_000  # row_index past T: out of range, so reading it would be caught
 STATIC_ROWS = (0, 1, 2)  # rows whose output must equal steer_site's bit for bit (row 2 monitors, changes nothing)
-STATIC_ARGS = ("h", "r", "row_index", "vec", "clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength")
+STATIC_ARGS = ("h", "r", "row_index", "vec", "clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength", "row_live")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # (T, H, K, G, has_r, dtype name): a covering subset of H {64, 100, 576, 4096} x T {1, 7, 33} x G {1, 2, 3} x
@@ -65,6 +65,7 @@ def make_dyn_inputs(num_tokens: int, hidden: int, num_k: int, num_g: int, has_r:
     stays static); 3 dyn vectors on every slot only (reads carried gates); 4 monitors + dyn on every slot + clamps
     gated by slot k % G; 5 monitor and dyn on the last slot with floor 0.6, clamp 0 gated by it, clamp 1 static;
     6 ablation clamps gated by slot 0 and nothing else (carried gate); 7 monitor, dyn and gated clamps on slot 0.
+    ``row_live`` is consistent with the rest.
 
     Args:
         num_tokens: T.
@@ -125,9 +126,10 @@ def make_dyn_inputs(num_tokens: int, hidden: int, num_k: int, num_g: int, has_r:
     row_index = torch.full((n_cap,), TAIL_SENTINEL, dtype=torch.int32)
     row_index[:num_tokens] = order.to(torch.int32)
     return dict(h=h, r=r, row_index=row_index, vec=vec, clamp_dir=dirs, clamp_lo=lo, clamp_hi=hi,
-                clamp_strength=strength, clamp_gate=gate_of, mon_mask=mon_mask, mon_probe=probe, mon_sharp=sharp,
-                mon_thresh=thresh, mon_floor=floor, dyn_mask=dyn_mask, dyn_vec=dyn_vec, gate_mul=gate_mul,
-                gate_add=gate_add, gates=gates, scores=scores, stage=stage_buffer(h),
+                clamp_strength=strength, row_live=row_live(vec, strength, mon_mask, dyn_mask), clamp_gate=gate_of,
+                mon_mask=mon_mask, mon_probe=probe, mon_sharp=sharp, mon_thresh=thresh, mon_floor=floor,
+                dyn_mask=dyn_mask, dyn_vec=dyn_vec, gate_mul=gate_mul, gate_add=gate_add, gates=gates, scores=scores,
+                stage=stage_buffer(h),
                 stage_slot=capture_slots(num_tokens, n_cap, gen))
 
 
@@ -140,6 +142,7 @@ def later_site(kw: dict[str, Any], seed: int) -> dict[str, Any]:
     """The same table at a later site: new activations, no monitors, same gate buffers (so gates are carried)."""
     gen = torch.Generator().manual_seed(seed)
     out = dict(kw, mon_mask=torch.zeros_like(kw["mon_mask"]))
+    out["row_live"] = row_live(kw["vec"], kw["clamp_strength"], out["mon_mask"], kw["dyn_mask"])
     out["h"] = torch.randn(kw["h"].shape, generator=gen).to(kw["h"])
     return out
 
@@ -272,7 +275,7 @@ def _interp_worker() -> int:
         strided[name] = kw[name].t().contiguous().t()
     for name in ("clamp_lo", "clamp_hi", "clamp_strength", "clamp_gate", "mon_sharp", "mon_thresh", "mon_floor"):
         strided[name] = kw[name].t().contiguous().t()
-    for name in ("mon_mask", "dyn_mask"):
+    for name in ("mon_mask", "dyn_mask", "row_live"):
         strided[name] = torch.stack([kw[name], kw[name]], dim=1)[:, 1]
     want_kw = clone_buffers(kw)
     out = steer_site_dyn_triton(**strided)
@@ -282,8 +285,45 @@ def _interp_worker() -> int:
         "gate_err": (strided["gates"] - want_kw["gates"]).abs().max().item(),
         "score_err": (strided["scores"] - want_kw["scores"]).abs().max().item(),
     }
+    results["site_live"] = site_live_metrics(steer_site_dyn_triton)
     print("RESULTS " + json.dumps(results))
     return 0
+
+
+LIVE_ELSEWHERE = (3, 4, 5)  # rows with dyn terms / monitors / gated clamps at site A, nothing at site B
+
+
+def site_live_metrics(impl: Any, device: str = "cpu") -> dict[str, Any]:
+    """Rows live at site A and holding nothing at site B (``row_live`` 0 there): at B the kernel copies their tokens
+    bit for bit and leaves their gates / scores alone; the other rows compute what the reference does."""
+    kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+          for k, v in make_dyn_inputs(33, 576, 2, 2, True, torch.float32, seed=60).items()}
+    site_b = dict(kw)
+    for name in ("vec", "clamp_strength", "mon_mask", "dyn_mask"):
+        site_b[name] = kw[name].clone()
+        site_b[name][list(LIVE_ELSEWHERE)] = 0
+    site_b["row_live"] = row_live(site_b["vec"], site_b["clamp_strength"], site_b["mon_mask"], site_b["dyn_mask"])
+    rows = kw["row_index"][:33].long()
+    idle = torch.isin(rows, torch.tensor(LIVE_ELSEWHERE, device=device))
+    got_a_kw, got_kw, want_kw = clone_buffers(kw), clone_buffers(site_b), clone_buffers(site_b)
+    got_a, got, want = impl(**got_a_kw), impl(**got_kw), steer_site_dyn_reference(**want_kw)
+    written = monitored(site_b)
+    return {
+        "flags": [site_b["row_live"][list(LIVE_ELSEWHERE)].tolist(), kw["row_live"][list(LIVE_ELSEWHERE)].tolist()],
+        "idle_tokens": int(idle.sum()),
+        "idle_exact_at_b": torch.equal(got[idle], kw["h"][idle]),
+        "steered_at_a": bool((got_a[idle] != kw["h"][idle]).any(dim=-1).all()),
+        "buffers_untouched": torch.equal(got_kw["gates"][~written], kw["gates"][~written])
+        and torch.equal(got_kw["scores"][~written], kw["scores"][~written]),
+        "out_err": (got - want).abs().max().item(),
+        "gate_err": (got_kw["gates"] - want_kw["gates"]).abs().max().item(),
+    }
+
+
+def assert_site_live(res: dict[str, Any]) -> None:
+    assert res["flags"][0] == [0, 0, 0] and 0 not in res["flags"][1] and res["idle_tokens"] > 0, res
+    assert res["idle_exact_at_b"] and res["steered_at_a"] and res["buffers_untouched"], res
+    assert res["out_err"] < 1e-4 and res["gate_err"] < 1e-6, res
 
 
 @pytest.fixture(scope="module")
@@ -305,6 +345,10 @@ def test_triton_via_forced_op(interp_results: dict[str, Any]) -> None:
 def test_triton_strided(interp_results: dict[str, Any]) -> None:
     res = interp_results["strided"]
     assert res["out_err"] < 1e-4 and res["gate_err"] < 1e-6 and res["score_err"] < 1e-5, res
+
+
+def test_triton_row_live_elsewhere_is_identity(interp_results: dict[str, Any]) -> None:
+    assert_site_live(interp_results["site_live"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,11 +388,19 @@ def test_cuda_triton_matches_reference(case: Case) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
+def test_cuda_row_live_elsewhere_is_identity() -> None:
+    from dynsteer.kernels.triton_steer import steer_site_dyn_triton
+
+    assert_site_live(site_live_metrics(steer_site_dyn_triton, "cuda"))
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_cuda_graph_replay(monkeypatch: pytest.MonkeyPatch) -> None:
     """Captured once, replayed over new inputs written in place: gates and outputs follow the new inputs."""
     monkeypatch.delenv(ENV_KERNEL, raising=False)
     kw = _to_cuda(make_dyn_inputs(16, 576, 2, 2, True, torch.bfloat16, seed=31))
-    later = dict(kw, mon_mask=torch.zeros_like(kw["mon_mask"]), stage=stage_buffer(kw["h"]))  # its own place
+    later = dict(later_site(kw, 0), h=kw["h"], stage=stage_buffer(kw["h"]))  # no monitors, its own capture place
 
     def forward() -> torch.Tensor:  # two sites sharing the gate buffers, as in a forward
         return steer_site_dyn(**dict(later, h=steer_site_dyn(**kw)))

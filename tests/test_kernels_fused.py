@@ -22,7 +22,7 @@ from dynsteer.kernels.ops import steer_add_rms_norm
 from tests.conftest import run_interpreted
 from tests.test_kernels_dynamic import DTYPES, STAGE_SENTINEL, make_dyn_inputs, stage_buffer
 
-STATIC_FIELDS = ("vec", "clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength")
+STATIC_FIELDS = ("vec", "clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength", "row_live")
 DYN_FIELDS = STATIC_FIELDS + ("clamp_gate", "mon_mask", "mon_probe", "mon_sharp", "mon_thresh", "mon_floor",
                               "dyn_mask", "dyn_vec")
 GATE_BUFS = ("gate_mul", "gate_add", "gates", "scores")
@@ -52,9 +52,11 @@ def _case_id(case: Case) -> str:
 def make_fused_inputs(num_tokens: int, hidden: int, num_k: int, num_g: int, sites: str, dtype: torch.dtype,
                       capture: bool, seed: int = 0, gemma: bool = False) -> dict[str, Any]:
     """Two sites with their own tables (every row kind of ``make_dyn_inputs``), one row index, shared gate buffers;
-    ``num_g == 0``: static tables (5 per site, no gate buffers)."""
+    ``num_g == 0``: static tables (6 per site, no gate buffers)."""
     a = make_dyn_inputs(num_tokens, hidden, num_k, max(num_g, 1), True, dtype, seed=seed)
     b = make_dyn_inputs(num_tokens, hidden, num_k, max(num_g, 1), True, dtype, seed=seed + 1000)
+    if not num_g:  # static tables flag no monitors / dyn terms
+        a["row_live"], b["row_live"] = a["row_live"] & 3, b["row_live"] & 3
     fields = DYN_FIELDS if num_g else STATIC_FIELDS
     gen = torch.Generator().manual_seed(seed + 7)
     weight = (1.0 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
@@ -187,12 +189,87 @@ def test_op_validates_and_dispatches(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("triton")
     from dynsteer.kernels.triton_fused import steer_add_rms_norm_triton
 
-    with pytest.raises(ValueError, match="tabs_b must hold 5"):
+    with pytest.raises(ValueError, match="tabs_b must hold 6"):
         steer_add_rms_norm_triton(**dict(kw, tabs_b=kw["tabs_b"][:7]))
+    with pytest.raises(ValueError, match="row_live"):
+        steer_add_rms_norm_triton(**dict(kw, tabs_b=kw["tabs_b"][:5] + [kw["tabs_b"][5].float()] + kw["tabs_b"][6:]))
     with pytest.raises(ValueError, match="weight"):
         steer_add_rms_norm_triton(**dict(kw, weight=kw["weight"][:10]))
     with pytest.raises(ValueError, match="gate buffers"):
         steer_add_rms_norm_triton(**dict(kw, gate_bufs=kw["gate_bufs"][:2]))
+
+
+def written_tables(num_g: int, device: str = "cpu") -> tuple[Any, list[Any]]:
+    """Two sites' tables as ``SteeringTables.write_row`` fills them (``row_live`` included), rows live at one site and
+    not the other: 1 a vector at A; 2 a clamp at B; 3 a monitor at A and its gated vector at B (static tables: a
+    vector at A, a clamp at B); 4 vectors at both."""
+    import numpy as np
+
+    from dynsteer.steering.compile import Clamp, MonitorProgram, RowContent, SiteProgram
+    from dynsteer.steering.tables import SteeringTables
+
+    hidden, sites = 64, [(0, "post_attn"), (1, "pre_attn")]
+    a, b = sites
+    rng = np.random.default_rng(num_g)
+
+    def vec() -> np.ndarray:
+        return (rng.standard_normal(hidden) * 2).astype(np.float32)
+
+    u = rng.standard_normal(hidden).astype(np.float32)
+    clamp = Clamp(u / np.linalg.norm(u), -0.2, 0.2, 1.0)
+    tables = SteeringTables(sites, hidden, 5, 2, max_tokens=16, device=device, max_gates=num_g)
+    third = ({a: SiteProgram(monitors={0: MonitorProgram(clamp.direction, 3.0, 0.1, 0.0)}),
+              b: SiteProgram(dyn={0: vec()})} if num_g else
+             {a: SiteProgram(vec=vec()), b: SiteProgram(clamps=[clamp])})
+    for row, content in ((1, {a: SiteProgram(vec=vec())}), (2, {b: SiteProgram(clamps=[clamp])}), (3, third),
+                         (4, {a: SiteProgram(vec=vec()), b: SiteProgram(vec=vec())})):
+        tables.write_row(row, RowContent(sites=content, digest=bytes([row])))
+    names = SteeringTables.FIELDS + (SteeringTables.DYN_FIELDS if num_g else ())
+    return tables, [[tables.views(*key)[n] for n in names] for key in sites]
+
+
+def written_tables_metrics(impl: Any, num_g: int, device: str = "cpu") -> dict[str, Any]:
+    """The fused kernel on ``written_tables``: equal to the reference with both sites; with site B alone, the tokens
+    of row 1 (nothing at B) get the same outputs, bit for bit, as with row 0 (unsteered)."""
+    tables, (tabs_a, tabs_b) = written_tables(num_g, device)
+    gen = torch.Generator().manual_seed(num_g)
+    h, r = (torch.randn(15, 64, generator=gen).to(device) for _ in range(2))
+    tables.row_index[:15] = torch.arange(15, dtype=torch.int32) % 5
+    if num_g:
+        tables.gate_buffers["gate_mul"].fill_(1.0)
+    bufs = list(tables.gate_buffers.values())
+    kw = dict(h=h, r=r, weight=torch.ones(64, device=device), eps=1e-5, row_index=tables.row_index, tabs_a=tabs_a,
+              tabs_b=tabs_b, gate_bufs=bufs, stage_a=None, stage_b=None, stage_slot=None, unit_offset=False)
+    got_kw, want_kw = clone_state(kw), clone_state(kw)
+    got, want = impl(**got_kw), steer_add_rms_norm_reference(**want_kw)
+    alone = impl(**clone_state(dict(kw, tabs_a=[])))
+    unsteered = impl(**clone_state(dict(kw, tabs_a=[], row_index=torch.zeros_like(tables.row_index))))
+    rows = tables.row_index[:15].long()
+    flags = [[int(t[5][row]) for row in range(5)] for t in (tabs_a, tabs_b)]
+    return {
+        "flags": flags,
+        "err": max((g - w).abs().max().item() for g, w in zip(got, want)),
+        "gate_err": max([(g - w).abs().max().item() for g, w in zip(got_kw["gate_bufs"], want_kw["gate_bufs"])]
+                        or [0.0]),
+        "idle_exact": all(torch.equal(x[rows <= 1], y[rows <= 1]) for x, y in zip(alone, unsteered)),
+        "steered": not torch.equal(got[1][rows == 1], unsteered[1][rows == 1]),
+    }
+
+
+@pytest.mark.parametrize("num_g", [0, 2])
+def test_write_row_flags_each_site(num_g: int) -> None:
+    """``write_row`` sets each site's flags from what it writes (the kernels' half is checked interpreted)."""
+    tables, (tabs_a, tabs_b) = written_tables(num_g)
+    want_a = [0, 1, 0, 4 if num_g else 1, 1]
+    want_b = [0, 0, 2, 8 if num_g else 2, 1]
+    assert tabs_a[5].tolist() == want_a and tabs_b[5].tolist() == want_b
+
+
+@pytest.mark.parametrize("num_g", [0, 2])
+def test_triton_on_written_tables(interp_results: dict[str, Any], num_g: int) -> None:
+    res = interp_results[f"written_tables_G{num_g}"]
+    assert res["flags"][0] == [0, 1, 0, 4 if num_g else 1, 1], res
+    assert res["err"] < 1e-4 and res["gate_err"] < 1e-6 and res["idle_exact"] and res["steered"], res
 
 
 # ---- Triton (interpreted) vs reference ---------------------------------------------------------------------------
@@ -207,6 +284,8 @@ def _interp_worker() -> int:
         num_tokens, hidden, num_k, num_g, sites, dt, cap, gemma = case
         kw = make_fused_inputs(num_tokens, hidden, num_k, num_g, sites, DTYPES[dt], cap, seed=seed, gemma=gemma)
         results[_case_id(case)] = compare(steer_add_rms_norm_triton, kw)
+    for num_g in (0, 2):
+        results[f"written_tables_G{num_g}"] = written_tables_metrics(steer_add_rms_norm_triton, num_g)
     print("RESULTS " + json.dumps(results))
     return 0
 
@@ -246,6 +325,16 @@ def test_cuda_matches_reference(case: Case) -> None:
     kw = _cuda(make_fused_inputs(num_tokens, hidden, num_k, num_g, sites, DTYPES[dt], cap, seed=CASES.index(case),
                                  gemma=gemma))
     _assert_metrics(compare(steer_add_rms_norm_triton, kw), dt, rounds_to_nearest=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_g", [0, 2])
+def test_cuda_on_written_tables(num_g: int) -> None:
+    from dynsteer.kernels.triton_fused import steer_add_rms_norm_triton
+
+    res = written_tables_metrics(steer_add_rms_norm_triton, num_g, "cuda")
+    assert res["err"] < 1e-4 and res["gate_err"] < 1e-6 and res["idle_exact"] and res["steered"], res
 
 
 @pytest.mark.gpu

@@ -42,6 +42,10 @@ def contents(draw) -> RowContent:
 def expected_field(prog: SiteProgram | None, name: str) -> np.ndarray:
     """What one (row, site) field must hold for ``prog`` (None: the site is untouched)."""
     p = prog or SiteProgram()
+    if name == "row_live":
+        clamped = any(np.float32(c.strength) != 0 for c in p.clamps)  # as stored: float32
+        return np.array((p.vec is not None and bool(np.any(p.vec != 0))) | (clamped << 1) | (bool(p.monitors) << 2)
+                        | (bool(p.dyn) << 3))
     if name == "vec":
         return p.vec if p.vec is not None else np.zeros(H, np.float32)
     per_clamp = {"clamp_dir": (np.zeros((K, H)), lambda c: c.direction), "clamp_lo": (np.full(K, -np.inf), lambda c: c.lo),
@@ -92,17 +96,17 @@ def test_a_row_write_uploads_only_the_sites_and_fields_in_use(monkeypatch):
     one = RowContent(sites={SITES[0]: SiteProgram(vec=np.ones(H, np.float32))}, digest=b"a")
     other = RowContent(sites={SITES[3]: SiteProgram(vec=np.ones(H, np.float32))}, digest=b"b")
     tables.write_row(1, one)
-    assert uploaded == [1]  # a plain vector: its own field only, one upload
+    assert uploaded == [1, 1]  # a plain vector: its own field (float32) and its site's row_live (int32)
     uploaded.clear()
     tables.write_row(1, other)  # the old site's vector is reset, the new one written
-    assert uploaded == [2]
+    assert uploaded == [2, 2]
     assert torch.count_nonzero(tables.vec_at(SITES[0], 1)) == 0
     assert torch.equal(tables.vec_at(SITES[3], 1), torch.ones(H))
-    # a clamp at the vector's site: the clamp group (4 float32 + clamp_gate int32) and the vector (reset there)
+    # a clamp at the vector's site: the clamp group (4 float32 + clamp_gate int32), the vector (reset there), row_live
     clamp = Clamp(np.eye(H, dtype=np.float32)[0], -1.0, 1.0, 1.0)
     uploaded.clear()
     tables.write_row(1, RowContent(sites={SITES[3]: SiteProgram(clamps=[clamp])}, digest=b"c"))
-    assert sorted(uploaded) == [1, 5]
+    assert sorted(uploaded) == [2, 5]
     assert torch.count_nonzero(tables.vec_at(SITES[3], 1)) == 0
     assert tables.views(*SITES[3])["clamp_strength"][1, 0] == 1.0
     # back to nothing: every group it held returns to the defaults
@@ -110,3 +114,34 @@ def test_a_row_write_uploads_only_the_sites_and_fields_in_use(monkeypatch):
     v = tables.views(*SITES[3])
     assert v["clamp_strength"][1].abs().sum() == 0 and torch.all(v["clamp_gate"][1] == -1)
     assert torch.all(v["clamp_lo"][1] == -float("inf")) and torch.count_nonzero(v["clamp_dir"][1]) == 0
+
+
+def _live(tables: SteeringTables, row: int) -> list[int]:
+    return [int(tables.views(*key)["row_live"][row]) for key in SITES]
+
+
+def test_row_live_follows_each_write():
+    """``row_live`` holds, per site, what the row has there (1 vector, 2 clamp strength, 4 monitors, 8 dyn terms),
+    and returns to 0 at a site the row no longer touches; other rows and row 0 stay 0."""
+    tables = SteeringTables(SITES, H, ROWS, K, max_tokens=8, max_gates=G)
+    a, b = SITES[1], SITES[4]
+    ia, ib = SITES.index(a), SITES.index(b)
+    ones = np.ones(H, np.float32)
+    clamp = Clamp(np.eye(H, dtype=np.float32)[0], -1.0, 1.0, 0.5, gate=1)
+    monitor = MonitorProgram(ones / np.sqrt(H), 2.0, 0.0, 0.0)
+    tables.write_row(2, RowContent(sites={a: SiteProgram(vec=ones, clamps=[clamp])}, digest=b"a"))
+    assert _live(tables, 2) == [3 if i == ia else 0 for i in range(len(SITES))]
+    tables.write_row(2, RowContent(sites={b: SiteProgram(monitors={0: monitor})}, digest=b"b"))  # A only before
+    assert _live(tables, 2) == [4 if i == ib else 0 for i in range(len(SITES))]
+    cases = [(SiteProgram(vec=ones), 1), (SiteProgram(clamps=[clamp]), 2), (SiteProgram(monitors={1: monitor}), 4),
+             (SiteProgram(dyn={0: ones}), 8), (SiteProgram(vec=ones, dyn={1: ones}, monitors={0: monitor}), 13),
+             # written but a no-op: a zero vector, a zero-strength clamp
+             (SiteProgram(vec=np.zeros(H, np.float32), clamps=[Clamp(ones, 0.0, 0.0, 0.0)]), 0)]
+    for n, (prog, flags) in enumerate(cases):
+        tables.write_row(2, RowContent(sites={a: prog}, digest=bytes([n + 10])))
+        assert _live(tables, 2) == [flags if i == ia else 0 for i in range(len(SITES))], n
+    assert _live(tables, 0) == _live(tables, 1) == _live(tables, 3) == [0] * len(SITES)
+    # static tables (no dynamic tier): vector and clamp flags only
+    static = SteeringTables(SITES, H, ROWS, K, max_tokens=8)
+    static.write_row(1, RowContent(sites={a: SiteProgram(vec=ones, clamps=[Clamp(ones, 0.0, 0.0, 1.0)])}, digest=b"s"))
+    assert _live(static, 1) == [3 if i == ia else 0 for i in range(len(SITES))]

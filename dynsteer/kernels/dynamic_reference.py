@@ -2,11 +2,12 @@
 
 Contract (shared by every implementation of ``steer_site_dyn``)::
 
-    steer_site_dyn(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, clamp_gate,
+    steer_site_dyn(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, row_live, clamp_gate,
                    mon_mask, mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec,
                    gate_mul, gate_add, gates, scores, stage=None, stage_slot=None) -> out
                                                               (mutates gates, scores, stage)
-      h, r, row_index, vec, clamp_*, stage, stage_slot: exactly as steer_site (dynsteer.kernels.reference)
+      h, r, row_index, vec, clamp_*, row_live, stage, stage_slot: exactly as steer_site (dynsteer.kernels.reference);
+                   row_live also flags monitors (4: mon_mask[i] != 0) and dyn terms (8: dyn_mask[i] != 0)
       R rows, K clamp slots, G gate slots (G >= 1, small), N >= T tokens of capacity
       clamp_gate:  int32 [R, K]     gate slot scaling that clamp's strength; -1 = static (ungated)
       mon_mask:    int32 [R]        bit s set => this site computes gate slot s for tokens of that row
@@ -58,6 +59,7 @@ def steer_site_dyn_reference(
     clamp_lo: torch.Tensor,
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
+    row_live: torch.Tensor,
     clamp_gate: torch.Tensor,
     mon_mask: torch.Tensor,
     mon_probe: torch.Tensor,
@@ -88,6 +90,7 @@ def steer_site_dyn_reference(
         clamp_lo: float32 [R, K] lower bounds.
         clamp_hi: float32 [R, K] upper bounds.
         clamp_strength: float32 [R, K] clamp strengths (0 = off).
+        row_live: int32 [R] per-row flags of what the row holds here (derived from the tables; unused here).
         clamp_gate: int32 [R, K] gate slot scaling each clamp's strength, -1 = ungated.
         mon_mask: int32 [R] bitmask of gate slots this site computes.
         mon_probe: float32 [R, G, H] probe directions.
@@ -115,7 +118,8 @@ def steer_site_dyn_reference(
         >>> one = torch.ones(1, 4)
         >>> out = steer_site_dyn_reference(
         ...     h, None, row, zeros(2), zeros(0, 2), zeros(0), zeros(0), zeros(0),
-        ...     torch.zeros(2, 0, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), probe,
+        ...     torch.tensor([0, 12], dtype=torch.int32), torch.zeros(2, 0, dtype=torch.int32),
+        ...     torch.tensor([0, 1], dtype=torch.int32), probe,
         ...     torch.tensor([[0.0], [2.0]]), torch.tensor([[0.0], [5.0]]), zeros(1),
         ...     torch.tensor([0, 1], dtype=torch.int32), dvec, one, 0 * one, gates, scores)
         >>> scores[0, 0].item(), gates[0, 0].item(), out.tolist()

@@ -6,10 +6,10 @@ Contract::
                        unit_offset=False) -> (normed, residual)
       h, r:         [T, H] the branch and the carried residual entering a fused add-norm
       weight, eps:  the RMS norm's weight [H] and epsilon (``unit_offset``: Gemma's norm, ``normed * (1 + w)`` in fp32)
-      tabs_a/b:     the tables of the site applied first / second, in ``SteeringTables`` order: 5 (``vec``,
-                    ``clamp_dir``, ``clamp_lo``, ``clamp_hi``, ``clamp_strength``) or, with a dynamic tier, 13
-                    (+ ``clamp_gate``, ``mon_mask``, ``mon_probe``, ``mon_sharp``, ``mon_thresh``, ``mon_floor``,
-                    ``dyn_mask``, ``dyn_vec``); an empty list: no site
+      tabs_a/b:     the tables of the site applied first / second, in ``SteeringTables`` order: 6 (``vec``,
+                    ``clamp_dir``, ``clamp_lo``, ``clamp_hi``, ``clamp_strength``, ``row_live``) or, with a dynamic
+                    tier, 14 (+ ``clamp_gate``, ``mon_mask``, ``mon_probe``, ``mon_sharp``, ``mon_thresh``,
+                    ``mon_floor``, ``dyn_mask``, ``dyn_vec``); an empty list: no site
       gate_bufs:    ``[gate_mul, gate_add, gates, scores]`` with a dynamic tier (gates / scores updated in place),
                     else empty
       stage_a/b:    capture buffers of the two sites (empty: not captured), rows given by ``stage_slot``
@@ -30,6 +30,8 @@ from dynsteer.kernels.dynamic_reference import steer_site_dyn_reference
 from dynsteer.kernels.reference import steer_site_reference
 
 __all__ = ["add_rms_norm_reference", "steer_add_rms_norm_reference"]
+
+STATIC_TABLES = ("vec", "clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength", "row_live")
 
 
 def add_rms_norm_reference(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -64,7 +66,7 @@ def steer_add_rms_norm_reference(
     for tabs, stage in ((tabs_a, stage_a), (tabs_b, stage_b)):
         if not tabs:
             continue
-        if len(tabs) == 5:
+        if len(tabs) == len(STATIC_TABLES):
             x = steer_site_reference(x, r, row_index, *tabs, stage, stage_slot)
         else:
             x = steer_site_dyn_reference(x, r, row_index, *tabs, *gate_bufs, stage, stage_slot)

@@ -80,13 +80,14 @@ def _steer_site_impl(
     clamp_lo: torch.Tensor,
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
+    row_live: torch.Tensor,
     stage: torch.Tensor,
     stage_slot: Optional[torch.Tensor],
 ) -> torch.Tensor:
     # Looks select_impl up through module globals on each call, so importlib.reload of this
     # module updates the behaviour of the already-registered op.
     impl = select_impl(h)
-    return impl(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, stage, stage_slot)
+    return impl(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, row_live, stage, stage_slot)
 
 
 def _steer_site_fake(
@@ -98,6 +99,7 @@ def _steer_site_fake(
     clamp_lo: torch.Tensor,
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
+    row_live: torch.Tensor,
     stage: torch.Tensor,
     stage_slot: Optional[torch.Tensor],
 ) -> torch.Tensor:
@@ -131,6 +133,7 @@ def steer_site(
     clamp_lo: torch.Tensor,
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
+    row_live: torch.Tensor,
     stage: Optional[torch.Tensor] = None,
     stage_slot: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
@@ -139,7 +142,7 @@ def steer_site(
     Arguments and result: see ``steer_site_reference`` (the contract every implementation shares).
     """
     return torch.ops.dynsteer.steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength,
-                                         no_stage(h) if stage is None else stage, stage_slot)
+                                         row_live, no_stage(h) if stage is None else stage, stage_slot)
 
 
 # ---- dynamic steering (monitors + gated terms) -----------------------------------------------------------------
@@ -152,6 +155,7 @@ def _steer_site_dyn_impl(
     clamp_lo: torch.Tensor,
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
+    row_live: torch.Tensor,
     clamp_gate: torch.Tensor,
     mon_mask: torch.Tensor,
     mon_probe: torch.Tensor,
@@ -168,9 +172,9 @@ def _steer_site_dyn_impl(
     stage_slot: Optional[torch.Tensor],
 ) -> torch.Tensor:
     impl = select_impl(h, dynamic=True)
-    return impl(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, clamp_gate, mon_mask,
-                mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec, gate_mul, gate_add, gates, scores,
-                stage, stage_slot)
+    return impl(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, row_live, clamp_gate,
+                mon_mask, mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec, gate_mul, gate_add, gates,
+                scores, stage, stage_slot)
 
 
 def _steer_site_dyn_fake(
@@ -182,6 +186,7 @@ def _steer_site_dyn_fake(
     clamp_lo: torch.Tensor,
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
+    row_live: torch.Tensor,
     clamp_gate: torch.Tensor,
     mon_mask: torch.Tensor,
     mon_probe: torch.Tensor,
@@ -220,6 +225,7 @@ def steer_site_dyn(
     clamp_lo: torch.Tensor,
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
+    row_live: torch.Tensor,
     clamp_gate: torch.Tensor,
     mon_mask: torch.Tensor,
     mon_probe: torch.Tensor,
@@ -240,8 +246,8 @@ def steer_site_dyn(
     Arguments and result: see ``steer_site_dyn_reference``; ``gates``, ``scores`` (and ``stage``) are updated in place.
     """
     return torch.ops.dynsteer.steer_site_dyn(
-        h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, clamp_gate, mon_mask, mon_probe,
-        mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec, gate_mul, gate_add, gates, scores,
+        h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, row_live, clamp_gate, mon_mask,
+        mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec, gate_mul, gate_add, gates, scores,
         no_stage(h) if stage is None else stage, stage_slot)
 
 

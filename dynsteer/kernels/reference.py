@@ -2,7 +2,7 @@
 
 Contract (shared by every implementation of ``steer_site``)::
 
-    steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, stage=None,
+    steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, row_live, stage=None,
                stage_slot=None) -> out
       h:              [T, H] float32 | bfloat16 | float16, the branch tensor we may modify
       r:              [T, H] same dtype, or None (carried residual; the residual stream is h + r, or h)
@@ -12,6 +12,11 @@ Contract (shared by every implementation of ``steer_site``)::
       clamp_dir:      float32 [R, K, H]  unit directions (zeros where unused)
       clamp_lo/hi:    float32 [R, K]     bounds (-inf / +inf for an open side)
       clamp_strength: float32 [R, K]     0 = clamp slot off
+      row_live:       int32 [R]          what row i holds here: bit 0 (1) vec[i] != 0, bit 1 (2) some strength
+                                         != 0 (bits 2 / 4 / 3 / 8: monitors / dyn terms, see dynamic_reference);
+                                         0 for row 0. A pure function of the other tables, so it changes no
+                                         result: the Triton kernels use it to skip the loads of a row that holds
+                                         nothing (or only some groups) here; the references ignore it.
       stage:          [N, H] or empty, optional: receives the unsteered residual (capture), see below
       stage_slot:     int32 [M >= T], optional: the stage row of each token (-1: none); None: row t
 
@@ -51,6 +56,7 @@ def steer_site_reference(
     clamp_lo: torch.Tensor,
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
+    row_live: torch.Tensor,
     stage: torch.Tensor | None = None,
     stage_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -69,6 +75,7 @@ def steer_site_reference(
         clamp_lo: float32 [R, K] lower bounds.
         clamp_hi: float32 [R, K] upper bounds.
         clamp_strength: float32 [R, K] clamp strengths (0 = off).
+        row_live: int32 [R] per-row flags of what the row holds here (derived from the tables; unused here).
         stage: capture buffer [N, H] written in place with the unsteered residual (None / empty: none).
         stage_slot: int32 [M >= T] stage row per token (-1: not captured); None: token t to row t.
 

@@ -7,7 +7,9 @@ token loads ``h`` and ``r`` once, applies site A and then site B exactly as ``st
 (each site's result rounded to ``h``'s dtype, as the separate op stores it), then computes vLLM's
 ``fused_add_rms_norm`` (fp32 add, residual rounded to the input dtype, fp32 variance, ``normed.to(w.dtype) * w``, or
 with ``unit_offset`` Gemma's ``normed * (1 + w)`` in fp32).
-An idle token (row 0) pays one row-index load on top of the norm. Semantics: ``dynsteer.kernels.fused_reference``.
+An idle token (row 0) pays one row-index load on top of the norm; a steered token at a site where its row holds
+nothing (``row_live`` 0: a spec steering other layers) one flag load more, not the row's vector and strengths.
+Semantics: ``dynsteer.kernels.fused_reference``.
 
 Tables are the per-site tensors of :class:`dynsteer.steering.tables.SteeringTables`, which are standalone
 contiguous allocations: strides are derived from the shapes instead of passed (fewer launch arguments).
@@ -24,51 +26,53 @@ from dynsteer.kernels.triton_steer import _check_stage, _clamp_slots, _dyn_terms
 
 __all__ = ["steer_add_rms_norm_triton"]
 
-STATIC_TABLES = 5  # vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength
-DYN_TABLES = 13  # + clamp_gate, mon_mask, mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec
+STATIC_TABLES = 6  # vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, row_live (SteeringTables.FIELDS)
+DYN_TABLES = 14  # + clamp_gate, mon_mask, mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec
 
 
 @triton.jit
 def _site(x, res, row, t, offs, mask, H, K, G, N,
-          vec_ptr, dir_ptr, lo_ptr, hi_ptr, s_ptr, cg_ptr, mm_ptr, probe_ptr, sharp_ptr, thresh_ptr, floor_ptr,
-          dm_ptr, dvec_ptr, gmul_ptr, gadd_ptr, gates_ptr, scores_ptr,
+          vec_ptr, dir_ptr, lo_ptr, hi_ptr, s_ptr, live_ptr, cg_ptr, mm_ptr, probe_ptr, sharp_ptr, thresh_ptr,
+          floor_ptr, dm_ptr, dvec_ptr, gmul_ptr, gadd_ptr, gates_ptr, scores_ptr,
           stage_ptr, slot_ptr, n_stage,
-          DYN: tl.constexpr, STASH: tl.constexpr, SLOTTED: tl.constexpr, BLOCK_K: tl.constexpr):
+          DYN: tl.constexpr, STASH: tl.constexpr, SLOTTED: tl.constexpr):
     """One site on token t (x: the branch in fp32, res: the carried residual in fp32); returns the steered x."""
     if STASH:
         _stash(x, res, t, stage_ptr, slot_ptr, H, n_stage, offs, mask, HAS_R=True, SLOTTED=SLOTTED)
     if row != 0:
-        v = tl.load(vec_ptr + row * H + offs, mask=mask, other=0.0)
-        ks = tl.arange(0, BLOCK_K)
-        s_all = tl.load(s_ptr + row * K + ks, mask=ks < K, other=0.0)
-        s_any = tl.max(tl.abs(s_all), axis=0)
-        if DYN:
-            mon = tl.load(mm_ptr + row)
-            dyn = tl.load(dm_ptr + row)
-            if mon != 0:
-                _monitor_slots(x + res, row, t, offs, mask, G, mon, probe_ptr, sharp_ptr, thresh_ptr, floor_ptr,
-                               gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, G * H, H, G, 1, G, 1, G, 1, N, 1, N, 1,
-                               N, 1, N, 1)
-            x = x + v
-            if dyn != 0:
-                x = _dyn_terms(x, row, t, offs, mask, G, dyn, gates_ptr, dvec_ptr, N, 1, G * H, H)
-        else:
-            x = x + v
-        if s_any != 0.0:
-            x = _clamp_slots(x, res, row, t, offs, mask, K, dir_ptr, lo_ptr, hi_ptr, s_ptr, cg_ptr, gates_ptr,
-                             K * H, H, K, 1, K, 1, K, 1, K, 1, N, 1, HAS_R=True, GATED=DYN)
+        # The row's flags at this site (steer_site_triton's kernels): 0 is the identity; else only the groups the
+        # row has here are loaded / run (scalar branches, uniform per program).
+        live = tl.load(live_ptr + row)
+        if live != 0:
+            # predicated off without a vector here, and still added, as 0, exactly as before
+            v = tl.load(vec_ptr + row * H + offs, mask=mask & ((live & 1) != 0), other=0.0)
+            if DYN:
+                if (live & 4) != 0:
+                    mon = tl.load(mm_ptr + row)
+                    _monitor_slots(x + res, row, t, offs, mask, G, mon, probe_ptr, sharp_ptr, thresh_ptr, floor_ptr,
+                                   gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, G * H, H, G, 1, G, 1, G, 1, N, 1, N, 1,
+                                   N, 1, N, 1)
+                x = x + v
+                if (live & 8) != 0:
+                    dyn = tl.load(dm_ptr + row)
+                    x = _dyn_terms(x, row, t, offs, mask, G, dyn, gates_ptr, dvec_ptr, N, 1, G * H, H)
+            else:
+                x = x + v
+            if (live & 2) != 0:
+                x = _clamp_slots(x, res, row, t, offs, mask, K, dir_ptr, lo_ptr, hi_ptr, s_ptr, cg_ptr, gates_ptr,
+                                 K * H, H, K, 1, K, 1, K, 1, K, 1, N, 1, HAS_R=True, GATED=DYN)
     return x
 
 
 @triton.jit
 def _steer_add_rms_norm_kernel(
     h_ptr, r_ptr, w_ptr, normed_ptr, resout_ptr, idx_ptr,
-    a_vec, a_dir, a_lo, a_hi, a_s, a_cg, a_mm, a_probe, a_sharp, a_thresh, a_floor, a_dm, a_dvec,
-    b_vec, b_dir, b_lo, b_hi, b_s, b_cg, b_mm, b_probe, b_sharp, b_thresh, b_floor, b_dm, b_dvec,
+    a_vec, a_dir, a_lo, a_hi, a_s, a_live, a_cg, a_mm, a_probe, a_sharp, a_thresh, a_floor, a_dm, a_dvec,
+    b_vec, b_dir, b_lo, b_hi, b_s, b_live, b_cg, b_mm, b_probe, b_sharp, b_thresh, b_floor, b_dm, b_dvec,
     gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, a_stage, b_stage, slot_ptr,
     H, K, G, N, n_stage_a, n_stage_b, eps, stride_h, stride_r,
     HAS_A: tl.constexpr, HAS_B: tl.constexpr, DYN: tl.constexpr, STASH_A: tl.constexpr, STASH_B: tl.constexpr,
-    SLOTTED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+    SLOTTED: tl.constexpr, BLOCK_H: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
@@ -78,17 +82,17 @@ def _steer_add_rms_norm_kernel(
     res = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_A:
         x = _site(x, res, row, t, offs, mask, H, K, G, N,
-                  a_vec, a_dir, a_lo, a_hi, a_s, a_cg, a_mm, a_probe, a_sharp, a_thresh, a_floor, a_dm, a_dvec,
-                  gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, a_stage, slot_ptr, n_stage_a,
-                  DYN=DYN, STASH=STASH_A, SLOTTED=SLOTTED, BLOCK_K=BLOCK_K)
+                  a_vec, a_dir, a_lo, a_hi, a_s, a_live, a_cg, a_mm, a_probe, a_sharp, a_thresh, a_floor, a_dm,
+                  a_dvec, gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, a_stage, slot_ptr, n_stage_a,
+                  DYN=DYN, STASH=STASH_A, SLOTTED=SLOTTED)
         # The separate op stores each site's output in h's dtype; rounding here keeps the two forwards equal
         # (exact for unsteered tokens, whose x still holds h).
         x = x.to(h_ptr.dtype.element_ty).to(tl.float32)
     if HAS_B:
         x = _site(x, res, row, t, offs, mask, H, K, G, N,
-                  b_vec, b_dir, b_lo, b_hi, b_s, b_cg, b_mm, b_probe, b_sharp, b_thresh, b_floor, b_dm, b_dvec,
-                  gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, b_stage, slot_ptr, n_stage_b,
-                  DYN=DYN, STASH=STASH_B, SLOTTED=SLOTTED, BLOCK_K=BLOCK_K)
+                  b_vec, b_dir, b_lo, b_hi, b_s, b_live, b_cg, b_mm, b_probe, b_sharp, b_thresh, b_floor, b_dm,
+                  b_dvec, gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, b_stage, slot_ptr, n_stage_b,
+                  DYN=DYN, STASH=STASH_B, SLOTTED=SLOTTED)
         x = x.to(h_ptr.dtype.element_ty).to(tl.float32)
     # vLLM's fused_add_rms_norm: fp32 sum, the new residual rounded to the input dtype, fp32 variance of the sum.
     s = x + res
@@ -134,6 +138,8 @@ def steer_add_rms_norm_triton(
             raise ValueError(f"steer_add_rms_norm_triton: {name} tables must be contiguous and on {h.device}")
         if tabs and tabs[0].shape[1] != hidden:
             raise ValueError(f"steer_add_rms_norm_triton: {name} vec has hidden size {tabs[0].shape[1]}, h {hidden}")
+        if tabs and (tabs[5].dtype != torch.int32 or tabs[5].shape != tabs[0].shape[:1]):
+            raise ValueError(f"steer_add_rms_norm_triton: {name}[5] (row_live) must be int32 [{tabs[0].shape[0]}]")
     if r.shape != h.shape or r.dtype != h.dtype or h.stride(1) != 1 or r.stride(1) != 1:
         raise ValueError("steer_add_rms_norm_triton: h and r need the same shape and dtype, with contiguous rows")
     if weight.shape != (hidden,) or not weight.is_contiguous():
@@ -150,7 +156,7 @@ def steer_add_rms_norm_triton(
         return normed, resout
     tabs = tabs_a or tabs_b
     num_k = tabs[1].shape[1] if tabs else 0
-    num_g = tabs[7].shape[1] if dyn else 0
+    num_g = tabs[8].shape[1] if dyn else 0  # mon_probe [R, G, H]
     n_buf = gate_bufs[0].shape[1] if dyn else 0
     dummy = row_index  # a valid pointer for every argument a constexpr flag compiles away
     bufs = list(gate_bufs) if dyn else [dummy] * 4
@@ -163,7 +169,7 @@ def steer_add_rms_norm_triton(
         hidden, num_k, num_g, n_buf, stage_a.shape[0] if stash_a else 0, stage_b.shape[0] if stash_b else 0,
         float(eps), h.stride(0), r.stride(0),
         HAS_A=bool(tabs_a), HAS_B=bool(tabs_b), DYN=dyn, STASH_A=stash_a, STASH_B=stash_b,
-        SLOTTED=stage_slot is not None, BLOCK_H=block_h, BLOCK_K=max(2, triton.next_power_of_2(max(num_k, 1))),
-        UNIT_OFFSET=bool(unit_offset), num_warps=_num_warps(block_h),
+        SLOTTED=stage_slot is not None, BLOCK_H=block_h, UNIT_OFFSET=bool(unit_offset),
+        num_warps=_num_warps(block_h),
     )
     return normed, resout

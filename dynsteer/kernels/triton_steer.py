@@ -1,8 +1,11 @@
 """Fused Triton kernels for the per-site steering ops.
 
 ``steer_site_triton`` (semantics: ``dynsteer.kernels.reference``): one program per token loads the row
-index, gathers the vec row, adds it, applies the K clamps (skipped by a scalar branch when the
-strength is 0), all in fp32, and writes a new output.
+index and, for a steered row, that row's ``row_live`` flags at this site, gathers the vec row, adds it,
+applies the K clamps (skipped by a scalar branch when the strength is 0), all in fp32, and writes a new
+output. The flags say which of the row's tables hold anything here: a row with none (steered at other
+sites only) costs one flag load more than row 0 (the index), not its vector (4H bytes) and strengths,
+and a row's vector / clamp loop are loaded / run only where it has one.
 
 ``steer_site_dyn_triton`` (semantics: ``dynsteer.kernels.dynamic_reference``) does the same after
 the row's monitors (probe score -> sigmoid gate, stored to ``gates``/``scores``) and gated dyn
@@ -166,6 +169,7 @@ def _steer_site_kernel(
     lo_ptr,
     hi_ptr,
     s_ptr,
+    live_ptr,
     out_ptr,
     stage_ptr,
     slot_ptr,
@@ -185,11 +189,11 @@ def _steer_site_kernel(
     stride_hi_k,
     stride_s_row,
     stride_s_k,
+    stride_live,
     HAS_R: tl.constexpr,
     STASH: tl.constexpr,
     SLOTTED: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
     # int64 offsets: T * H and R * K * H can exceed 2**31 for large batches / tables.
     t = tl.program_id(0).to(tl.int64)
@@ -205,22 +209,21 @@ def _steer_site_kernel(
     if STASH:
         _stash(x, res, t, stage_ptr, slot_ptr, stride_stage, n_stage, offs, mask, HAS_R=HAS_R, SLOTTED=SLOTTED)
     if row != 0:
-        # Both loads depend only on the row: issued together, waited for once. A row with every strength 0 at
-        # this site (steered elsewhere) skips the clamp loop and its K dependent loads.
-        v = tl.load(vec_ptr + row * stride_vec + offs, mask=mask, other=0.0)
-        ks = tl.arange(0, BLOCK_K)
-        s_all = tl.load(s_ptr + row * stride_s_row + ks * stride_s_k, mask=ks < K, other=0.0)
-        s_any = tl.max(tl.abs(s_all), axis=0)
-        x = x + v
-        if s_any != 0.0:
-            # GATED=False: the gate arguments are dead placeholders (s_ptr, 0) and compile away.
-            x = _clamp_slots(
-                x, res, row, t, offs, mask, K,
-                dir_ptr, lo_ptr, hi_ptr, s_ptr, s_ptr, s_ptr,
-                stride_dir_row, stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k,
-                stride_s_row, stride_s_k, 0, 0, 0, 0,
-                HAS_R=HAS_R, GATED=False,
-            )
+        # What the row holds at this site: nothing (steered at other sites only) is the identity, as row 0 is.
+        live = tl.load(live_ptr + row * stride_live)
+        if live != 0:
+            # Predicated off without a vector here (no traffic); still added, as 0, exactly as before.
+            v = tl.load(vec_ptr + row * stride_vec + offs, mask=mask & ((live & 1) != 0), other=0.0)
+            x = x + v
+            if (live & 2) != 0:  # some strength is non-zero: else the clamp loop and its K loads are skipped
+                # GATED=False: the gate arguments are dead placeholders (s_ptr, 0) and compile away.
+                x = _clamp_slots(
+                    x, res, row, t, offs, mask, K,
+                    dir_ptr, lo_ptr, hi_ptr, s_ptr, s_ptr, s_ptr,
+                    stride_dir_row, stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k,
+                    stride_s_row, stride_s_k, 0, 0, 0, 0,
+                    HAS_R=HAS_R, GATED=False,
+                )
     # Row 0 (unsteered, padding) is the identity: a copy whose only dependent load is the row index.
     tl.store(out_ptr + t * stride_out + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -235,6 +238,7 @@ def _steer_site_dyn_kernel(
     lo_ptr,
     hi_ptr,
     s_ptr,
+    live_ptr,
     cgate_ptr,
     mmask_ptr,
     probe_ptr,
@@ -267,6 +271,7 @@ def _steer_site_dyn_kernel(
     stride_hi_k,
     stride_s_row,
     stride_s_k,
+    stride_live,
     stride_cg_row,
     stride_cg_k,
     stride_mmask,
@@ -293,7 +298,6 @@ def _steer_site_dyn_kernel(
     STASH: tl.constexpr,
     SLOTTED: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
@@ -311,38 +315,41 @@ def _steer_site_dyn_kernel(
     # Row 0 (unsteered, padding) is the identity with no monitors: a copy whose only dependent load is the row
     # index (the idle engine's whole cost per site), instead of a chain of dependent table loads.
     if row != 0:
-        # Every load that depends only on the row is issued here, before the first branch, so the chain is
-        # index -> tables -> store. Monitors read the residual before this site's steering; the masks are uniform
-        # per program, so rows without monitors / dyn terms / clamps at this site skip them with scalar branches.
-        mon = tl.load(mmask_ptr + row * stride_mmask)
-        dyn = tl.load(dmask_ptr + row * stride_dmask)
-        v = tl.load(vec_ptr + row * stride_vec + offs, mask=mask, other=0.0)
-        ks = tl.arange(0, BLOCK_K)
-        s_all = tl.load(s_ptr + row * stride_s_row + ks * stride_s_k, mask=ks < K, other=0.0)
-        s_any = tl.max(tl.abs(s_all), axis=0)
-        if mon != 0:
-            if HAS_R:
-                full = x + res
-            else:
-                full = x
-            _monitor_slots(
-                full, row, t, offs, mask, G, mon, probe_ptr, sharp_ptr, thresh_ptr, floor_ptr, gmul_ptr, gadd_ptr,
-                gates_ptr, scores_ptr, stride_probe_row, stride_probe_g, stride_sharp_row, stride_sharp_g,
-                stride_thresh_row, stride_thresh_g, stride_floor_row, stride_floor_g, stride_gmul_g, stride_gmul_t,
-                stride_gadd_g, stride_gadd_t, stride_gates_g, stride_gates_t, stride_scores_g, stride_scores_t,
-            )
-        x = x + v
-        if dyn != 0:
-            x = _dyn_terms(x, row, t, offs, mask, G, dyn, gates_ptr, dvec_ptr, stride_gates_g, stride_gates_t,
-                           stride_dvec_row, stride_dvec_g)
-        if s_any != 0.0:
-            x = _clamp_slots(
-                x, res, row, t, offs, mask, K,
-                dir_ptr, lo_ptr, hi_ptr, s_ptr, cgate_ptr, gates_ptr,
-                stride_dir_row, stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k,
-                stride_s_row, stride_s_k, stride_cg_row, stride_cg_k, stride_gates_g, stride_gates_t,
-                HAS_R=HAS_R, GATED=True,
-            )
+        # The row's flags at this site; 0 (steered at other sites only) is the identity too, for one more load.
+        # Otherwise each group (vector, monitors, dyn terms, clamps) is loaded / run only where the row has it: the
+        # flags are uniform per program, so these are scalar branches. Monitors read the residual before this
+        # site's steering.
+        live = tl.load(live_ptr + row * stride_live)
+        if live != 0:
+            # Issued before the monitors (it does not depend on them); predicated off without a vector here, and
+            # still added, as 0, exactly as before.
+            v = tl.load(vec_ptr + row * stride_vec + offs, mask=mask & ((live & 1) != 0), other=0.0)
+            if (live & 4) != 0:
+                mon = tl.load(mmask_ptr + row * stride_mmask)
+                if HAS_R:
+                    full = x + res
+                else:
+                    full = x
+                _monitor_slots(
+                    full, row, t, offs, mask, G, mon, probe_ptr, sharp_ptr, thresh_ptr, floor_ptr, gmul_ptr,
+                    gadd_ptr, gates_ptr, scores_ptr, stride_probe_row, stride_probe_g, stride_sharp_row,
+                    stride_sharp_g, stride_thresh_row, stride_thresh_g, stride_floor_row, stride_floor_g,
+                    stride_gmul_g, stride_gmul_t, stride_gadd_g, stride_gadd_t, stride_gates_g, stride_gates_t,
+                    stride_scores_g, stride_scores_t,
+                )
+            x = x + v
+            if (live & 8) != 0:
+                dyn = tl.load(dmask_ptr + row * stride_dmask)
+                x = _dyn_terms(x, row, t, offs, mask, G, dyn, gates_ptr, dvec_ptr, stride_gates_g, stride_gates_t,
+                               stride_dvec_row, stride_dvec_g)
+            if (live & 2) != 0:
+                x = _clamp_slots(
+                    x, res, row, t, offs, mask, K,
+                    dir_ptr, lo_ptr, hi_ptr, s_ptr, cgate_ptr, gates_ptr,
+                    stride_dir_row, stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k,
+                    stride_s_row, stride_s_k, stride_cg_row, stride_cg_k, stride_gates_g, stride_gates_t,
+                    HAS_R=HAS_R, GATED=True,
+                )
     tl.store(out_ptr + t * stride_out + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -398,6 +405,7 @@ def steer_site_triton(
     clamp_lo: torch.Tensor,
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
+    row_live: torch.Tensor,
     stage: torch.Tensor | None = None,
     stage_slot: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -418,6 +426,8 @@ def steer_site_triton(
         raise ValueError("steer_site_triton: r must match h in shape and dtype, with contiguous rows")
     if vec.shape[1] != hidden or clamp_dir.shape[2] != hidden:
         raise ValueError("steer_site_triton: vec / clamp_dir hidden size does not match h")
+    if row_live.dtype != torch.int32 or row_live.shape != vec.shape[:1]:
+        raise ValueError(f"steer_site_triton: row_live must be int32 [{vec.shape[0]}]")
 
     stash = _check_stage(stage, stage_slot, h, "steer_site_triton")
     out = torch.empty_like(h)
@@ -437,6 +447,7 @@ def steer_site_triton(
         clamp_lo,
         clamp_hi,
         clamp_strength,
+        row_live,
         out,
         stage_arg,
         slot_arg,
@@ -456,11 +467,11 @@ def steer_site_triton(
         clamp_hi.stride(1),
         clamp_strength.stride(0),
         clamp_strength.stride(1),
+        row_live.stride(0),
         HAS_R=r is not None,
         STASH=stash,
         SLOTTED=stage_slot is not None,
         BLOCK_H=block_h,
-        BLOCK_K=max(2, triton.next_power_of_2(num_k)),
         num_warps=_num_warps(block_h),
     )
     return out
@@ -475,6 +486,7 @@ def steer_site_dyn_triton(
     clamp_lo: torch.Tensor,
     clamp_hi: torch.Tensor,
     clamp_strength: torch.Tensor,
+    row_live: torch.Tensor,
     clamp_gate: torch.Tensor,
     mon_mask: torch.Tensor,
     mon_probe: torch.Tensor,
@@ -511,6 +523,8 @@ def steer_site_dyn_triton(
         raise ValueError("steer_site_dyn_triton: table hidden size does not match h")
     if mon_probe.shape[1] != num_g or dyn_vec.shape[1] != num_g or clamp_gate.shape[1] != num_k:
         raise ValueError("steer_site_dyn_triton: gate slots / clamp slots differ between tables and buffers")
+    if row_live.dtype != torch.int32 or row_live.shape != vec.shape[:1]:
+        raise ValueError(f"steer_site_dyn_triton: row_live must be int32 [{vec.shape[0]}]")
     for buf in (gate_mul, gate_add, gates, scores):
         if buf.dtype != torch.float32 or buf.shape[0] != num_g or buf.shape[1] < num_tokens:
             raise ValueError("steer_site_dyn_triton: gate buffers must be float32 [G, N >= T]")
@@ -532,6 +546,7 @@ def steer_site_dyn_triton(
         clamp_lo,
         clamp_hi,
         clamp_strength,
+        row_live,
         clamp_gate,
         mon_mask,
         mon_probe,
@@ -564,6 +579,7 @@ def steer_site_dyn_triton(
         clamp_hi.stride(1),
         clamp_strength.stride(0),
         clamp_strength.stride(1),
+        row_live.stride(0),
         clamp_gate.stride(0),
         clamp_gate.stride(1),
         mon_mask.stride(0),
@@ -590,7 +606,6 @@ def steer_site_dyn_triton(
         STASH=stash,
         SLOTTED=stage_slot is not None,
         BLOCK_H=block_h,
-        BLOCK_K=max(2, triton.next_power_of_2(num_k)),
         num_warps=_num_warps(block_h),
     )
     return out

@@ -20,7 +20,7 @@ from dynsteer.steering.tables import SteeringTables
 
 # vLLM's compile cache hashes the source files Dynamo traces (this one) but not tables.py; a cached graph built for
 # another buffer layout can read stale snapshots. Bump this when the tables' tensors change shape or ownership.
-TABLE_LAYOUT = 5
+TABLE_LAYOUT = 6
 
 
 class SiteHook(nn.Module):
@@ -48,7 +48,8 @@ class SiteHook(nn.Module):
         self.register_buffer("stage_slot", stage_slot if self.capturing else None, persistent=False)
 
     def forward(self, h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
-        static = (h, r, self.row_index, self.vec, self.clamp_dir, self.clamp_lo, self.clamp_hi, self.clamp_strength)
+        static = (h, r, self.row_index, self.vec, self.clamp_dir, self.clamp_lo, self.clamp_hi, self.clamp_strength,
+                  self.row_live)
         dyn = ()
         if self.dynamic:  # monitors write gates/scores in place; later sites of the same forward read them
             dyn = (self.clamp_gate, self.mon_mask, self.mon_probe, self.mon_sharp, self.mon_thresh, self.mon_floor,

@@ -1,12 +1,14 @@
 """Persistent device tables for every hooked (layer, site) and the row pool that shares them between requests.
 
 Layout per hooked site (R = rows, K = clamp slots, G = gate slots, H = hidden): ``vec[R, H]``, ``clamp_dir[R, K, H]``,
-``clamp_lo/hi/strength[R, K]`` in float32; with a dynamic tier (G > 0) also ``clamp_gate[R, K]`` and the bitmasks
-``mon_mask[R]``/``dyn_mask[R]`` (int32), ``mon_probe[R, G, H]``, ``mon_sharp/thresh/floor[R, G]`` and
+``clamp_lo/hi/strength[R, K]`` in float32 and ``row_live[R]`` (int32 flags of what the row holds at this site: 1 a
+non-zero vector, 2 a clamp with non-zero strength, 4 monitors, 8 dyn terms; the kernels skip the site for a row whose
+flags are 0 and load only the flagged tables otherwise); with a dynamic tier (G > 0) also ``clamp_gate[R, K]`` and
+the bitmasks ``mon_mask[R]``/``dyn_mask[R]`` (int32), ``mon_probe[R, G, H]``, ``mon_sharp/thresh/floor[R, G]`` and
 ``dyn_vec[R, G, H]``. Shared by all sites: ``row_index[max_tokens]`` (int32) and, with G > 0, the per-token
 ``gate_mul/gate_add`` (staged by the host) and ``gates/scores`` (written by monitors, read by later sites), each
-``[G, max_tokens]`` float32. Row 0 is all zeros and is what padding and unsteered tokens read. Tensors are allocated once, before vLLM profiles memory,
-and only ever written in place, so CUDA graphs captured over them stay valid.
+``[G, max_tokens]`` float32. Row 0 is all zeros and is what padding and unsteered tokens read. Tensors are allocated
+once, before vLLM profiles memory, and only ever written in place, so CUDA graphs captured over them stay valid.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ import torch
 
 from dynsteer.spec import Site
 from dynsteer.steering.compile import RowContent, SiteKey
+
+
+# row_live bits (the kernels test the same values)
+_LIVE_VEC, _LIVE_CLAMP, _LIVE_MON, _LIVE_DYN = 1, 2, 4, 8
 
 
 class RowsExhausted(RuntimeError):
@@ -76,7 +82,7 @@ class SteeringTables:
     standalone buffers are read live.
     """
 
-    FIELDS = ("vec", "clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength")
+    FIELDS = ("vec", "clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength", "row_live")
     DYN_FIELDS = ("clamp_gate", "mon_mask", "mon_probe", "mon_sharp", "mon_thresh", "mon_floor", "dyn_mask",
                   "dyn_vec")
 
@@ -92,7 +98,8 @@ class SteeringTables:
         def site_tensors() -> dict[str, torch.Tensor]:
             t = {"vec": torch.zeros(R, H, **f32), "clamp_dir": torch.zeros(R, K, H, **f32),
                  "clamp_lo": torch.full((R, K), -float("inf"), **f32),
-                 "clamp_hi": torch.full((R, K), float("inf"), **f32), "clamp_strength": torch.zeros(R, K, **f32)}
+                 "clamp_hi": torch.full((R, K), float("inf"), **f32), "clamp_strength": torch.zeros(R, K, **f32),
+                 "row_live": torch.zeros(R, **i32)}
             if G:
                 t.update(clamp_gate=torch.full((R, K), -1, **i32), mon_mask=torch.zeros(R, **i32),
                          mon_probe=torch.zeros(R, G, H, **f32), mon_sharp=torch.zeros(R, G, **f32),
@@ -119,12 +126,14 @@ class SteeringTables:
 
     def write_row(self, row: int, content: RowContent) -> None:
         """Write one row: at the sites ``content`` touches and those its row's previous content touched, the field
-        groups (vector, clamps, monitors, dyn terms) either one holds; everything else already holds the defaults.
+        groups (vector, clamps, monitors, dyn terms) either one holds, and there the row's ``row_live`` flags;
+        everything else already holds the defaults (flags 0).
 
         All fields go up in one host-to-device copy per dtype (pinned, non-blocking: admission never stalls the
         stream) and are scattered on the device by one multi-tensor copy. Before, every (site, field) pair was a
         synchronous pageable copy (~1,250 per row on an 8B model), then every field of a touched site went up
-        (~200 KB per site with a dynamic tier, mostly zeros); a plain vector now moves its own 4H bytes."""
+        (~200 KB per site with a dynamic tier, mostly zeros); a plain vector now moves its own 4H bytes (and its
+        site's 4-byte ``row_live``, in the int32 copy)."""
         old = self._dirty[row]
         new = {key: _groups(prog) for key, prog in content.sites.items()}
         groups: dict[torch.dtype, tuple[list[torch.Tensor], list[np.ndarray]]] = {}
@@ -156,11 +165,17 @@ class SteeringTables:
         torch._foreach_copy_(dsts, views)
 
     def _fields(self, prog: Any, wanted: frozenset[str]) -> list[tuple[str, np.ndarray]]:
-        """The ``wanted`` field groups' values for one site (``prog`` None: the defaults)."""
+        """The ``wanted`` field groups' values for one site (``prog`` None: the defaults), then ``row_live``.
+
+        ``wanted`` covers every group ``prog`` sets, so the flags are derived from the values written here: a
+        kernel that trusts them skips exactly what would have been a no-op."""
         K, H, G = self.max_clamps, self.hidden_size, self.max_gates
         fields: list[tuple[str, np.ndarray]] = []
+        live = 0
         if "vec" in wanted:
-            fields.append(("vec", prog.vec if prog is not None and prog.vec is not None else np.zeros(H, np.float32)))
+            vec = prog.vec if prog is not None and prog.vec is not None else np.zeros(H, np.float32)
+            fields.append(("vec", vec))
+            live |= _LIVE_VEC if np.any(np.asarray(vec, np.float32) != 0) else 0  # as uploaded
         if "clamp" in wanted:
             cdir = np.zeros((K, H), np.float32)
             lo, hi = np.full(K, -np.inf, np.float32), np.full(K, np.inf, np.float32)
@@ -168,6 +183,7 @@ class SteeringTables:
             for k, c in enumerate(prog.clamps if prog is not None else ()):
                 cdir[k], lo[k], hi[k], strength[k], cgate[k] = c.direction, c.lo, c.hi, c.strength, c.gate
             fields += [("clamp_dir", cdir), ("clamp_lo", lo), ("clamp_hi", hi), ("clamp_strength", strength)]
+            live |= _LIVE_CLAMP if np.any(strength != 0) else 0
             if G:
                 fields.append(("clamp_gate", cgate))
         if "mon" in wanted and G:
@@ -179,12 +195,15 @@ class SteeringTables:
                 mon_mask |= 1 << s
             fields += [("mon_mask", np.array(mon_mask, np.int32)), ("mon_probe", probe), ("mon_sharp", sharp),
                        ("mon_thresh", thresh), ("mon_floor", floor)]
+            live |= _LIVE_MON if mon_mask else 0
         if "dyn" in wanted and G:
             dvec, dyn_mask = np.zeros((G, H), np.float32), 0
             for s, v in (prog.dyn.items() if prog is not None else ()):
                 dvec[s] = v
                 dyn_mask |= 1 << s
             fields += [("dyn_mask", np.array(dyn_mask, np.int32)), ("dyn_vec", dvec)]
+            live |= _LIVE_DYN if dyn_mask else 0
+        fields.append(("row_live", np.array(live, np.int32)))
         return fields
 
     def nbytes(self) -> int:
