@@ -1,4 +1,5 @@
-"""Persistent device tables for every hooked (layer, site) and the row pool that shares them between requests.
+"""Persistent device tables for every hooked (layer, site); the row pool that shares rows between requests is in
+``dynsteer.steering.rows``.
 
 Layout per hooked site (R = rows, K = clamp slots, G = gate slots, H = hidden): ``vec[R, H]``, ``clamp_dir[R, K, H]``,
 ``clamp_lo/hi/strength[R, K]`` in float32 and ``row_live[R]`` (int32 flags of what the row holds at this site: 1 a
@@ -13,7 +14,6 @@ once, before vLLM profiles memory, and only ever written in place, so CUDA graph
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,53 +25,6 @@ from dynsteer.steering.compile import RowContent, SiteKey
 
 # row_live bits (the kernels test the same values)
 _LIVE_VEC, _LIVE_CLAMP, _LIVE_MON, _LIVE_DYN = 1, 2, 4, 8
-
-
-class RowsExhausted(RuntimeError):
-    """Every table row holds a live configuration; raise the engine's ``max_rows``."""
-
-
-@dataclass
-class _Row:
-    index: int
-    refs: int
-
-
-class RowPool:
-    """Rows deduplicated by configuration digest and reference-counted; row 0 (empty config) is never handed out."""
-
-    def __init__(self, num_rows: int) -> None:
-        self.num_rows = num_rows
-        self._free = list(range(num_rows - 1, 0, -1))
-        self._by_digest: dict[bytes, _Row] = {}
-
-    def acquire(self, content: RowContent) -> tuple[int, bool]:
-        """The row holding ``content`` and whether it is new (its tables must be written)."""
-        if content.empty:
-            return 0, False
-        row = self._by_digest.get(content.digest)
-        if row is not None:
-            row.refs += 1
-            return row.index, False
-        if not self._free:
-            raise RowsExhausted(f"no free steering row: all {self.num_rows - 1} rows hold distinct live "
-                                f"configurations (raise DynsteerConfig.max_rows)")
-        row = _Row(self._free.pop(), 1)
-        self._by_digest[content.digest] = row
-        return row.index, True
-
-    def release(self, digest: bytes) -> None:
-        if not digest:
-            return
-        row = self._by_digest[digest]
-        row.refs -= 1
-        if row.refs == 0:
-            del self._by_digest[digest]
-            self._free.append(row.index)
-
-    @property
-    def in_use(self) -> int:
-        return len(self._by_digest)
 
 
 class SteeringTables:
