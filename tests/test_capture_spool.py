@@ -115,6 +115,7 @@ def test_dropped_and_inline_delivered_spools_leave_no_files():
     assert len(_spool_files() - before) == 3
     col.records.clear()  # an engine dropping its collector (or records nobody takes, evicted)
     del col
+    assert spool_mod.WRITER.drain(10)  # queued writes hold their spools until written
     gc.collect()
     assert _spool_files() == before
     _, spooled = _drive(True, SPECS)
@@ -124,6 +125,7 @@ def test_dropped_and_inline_delivered_spools_leave_no_files():
     for cap, req in zip(result_mod.unpack_records(packed), SPECS):
         np.testing.assert_array_equal(cap[(1, "post_block")], plain[req].arrays()[1][(1, "post_block")])
     del spooled
+    assert spool_mod.WRITER.drain(10)
     gc.collect()
     assert _spool_files() == before
 

@@ -25,6 +25,7 @@ import threading
 import uuid
 import weakref
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Hashable
 
 import numpy as np
@@ -83,29 +84,46 @@ class SpoolWriter:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def submit(self, spool: Spool, job: list[tuple[int, memoryview, int]], chunk: dict[Hashable, np.ndarray],
-               rows: int) -> None:
+    def submit(self, entries: list[tuple]) -> None:
+        """Queue the chunks :meth:`Spool.reserve` counted (one step's chunks of many spools: one queue item)."""
+        if not entries:
+            return
         if self._thread is None or not self._thread.is_alive():
             with self._lock:  # started lazily
                 if self._thread is None or not self._thread.is_alive():
                     self._thread = threading.Thread(target=self._run, name="dynsteer-spool", daemon=True)
                     self._thread.start()
-        self._queue.put((spool, job, chunk, rows))
+        self._queue.put(entries)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far is written (True) or ``timeout`` seconds pass (False)."""
+        if self._thread is None or not self._thread.is_alive():
+            return True
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
 
     def _run(self) -> None:
         while True:
-            spool, job, chunk, rows = self._queue.get()
-            error = spool._error
-            if error is None:
-                try:
-                    for fd, data, offset in job:
-                        done = 0
-                        while done < len(data):  # pwrite may write less than asked
-                            done += os.pwrite(fd, data[done:], offset + done)
-                except BaseException as exc:  # noqa: BLE001 - handed to the spool's owner at flush
-                    error = exc
-            spool._landed(rows, None if error is None else chunk, error)
-            del spool, job, chunk, error  # while waiting for the next, hold no spool alive (its finalizer unlinks)
+            entries = self._queue.get()
+            if isinstance(entries, threading.Event):
+                entries.set()
+                continue
+            for spool, arrays, start, end, targets in entries:
+                error = spool._error
+                if error is None:
+                    try:
+                        for place, fd, offset in targets:
+                            data = memoryview(np.ascontiguousarray(arrays[place][start:end])).cast("B")
+                            done = 0
+                            while done < len(data):  # pwrite may write less than asked
+                                done += os.pwrite(fd, data[done:], offset + done)
+                    except BaseException as exc:  # noqa: BLE001 - handed to the spool's owner at flush
+                        error = exc
+                unwritten = None if error is None else {p: arrays[p][start:end] for p, _, _ in targets}
+                spool._landed(end - start, unwritten, error)
+            # while waiting for the next item, hold no spool alive (its finalizer unlinks its files)
+            del entries, spool, arrays, error, unwritten
 
 
 WRITER = SpoolWriter()
@@ -141,25 +159,36 @@ class Spool:
         """Queue one chunk: the same number of rows for every place (held by reference until written). Raises
         ValueError for rows that do not match the places' layout and OSError if a file cannot be created (the
         chunk is then not counted); write errors surface at :meth:`flush`."""
-        n, job = None, []
-        for place, rows in arrays.items():
-            if n is None:
-                n = len(rows)
+        sizes = {len(rows) for rows in arrays.values()}
+        if len(sizes) > 1:
+            raise ValueError(f"spool: places have different row counts {sorted(sizes)}")
+        entry = self.reserve(arrays, 0, sizes.pop() if sizes else 0, tuple(arrays))
+        if entry is not None:
+            self.writer.submit([entry])
+
+    def reserve(self, arrays: Mapping[Hashable, np.ndarray], start: int, end: int,
+                places: tuple[Hashable, ...]) -> tuple | None:
+        """Count rows ``[start, end)`` of ``arrays[place]`` for every place as this spool's next chunk and return the
+        writer's entry for it (None for no rows), to :meth:`SpoolWriter.submit` with others: the host path pays a
+        few attribute reads per chunk; the writer slices and copies. Raises ValueError for rows that do not match
+        a place's layout and OSError if a file cannot be created (nothing is counted then)."""
+        if end <= start:
+            return None
+        targets = []
+        for place in places:
+            rows = arrays[place]
             entry = self._files.get(place)
             if entry is None:
                 entry = self._open(place, rows)
             fd, _, dtype, hidden = entry
-            if rows.dtype != dtype or rows.ndim != 2 or rows.shape[1] != hidden or len(rows) != n:
+            if rows.dtype != dtype or rows.ndim != 2 or rows.shape[1] != hidden or end > len(rows):
                 raise ValueError(f"spool: place {place}: rows {rows.dtype} {rows.shape} do not match "
-                                 f"{dtype} [*, {hidden}] x {n}")
-            rows = arrays[place] = np.ascontiguousarray(rows)
-            job.append((fd, memoryview(rows).cast("B"), self.rows * hidden * dtype.itemsize))
-        if not n:
-            return
+                                 f"{dtype} [*, {hidden}] (rows {start}:{end})")
+            targets.append((place, fd, self.rows * hidden * dtype.itemsize))
         with self._done:
             self._pending += 1
-        self.rows += n
-        self.writer.submit(self, job, dict(arrays), n)
+        self.rows += end - start
+        return self, arrays, start, end, targets
 
     def _landed(self, rows: int, unwritten: dict[Hashable, np.ndarray] | None, error: BaseException | None) -> None:
         """Writer thread: a chunk is written, or (``unwritten``) was not."""

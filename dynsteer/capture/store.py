@@ -23,7 +23,7 @@ import torch
 
 from dynsteer.capture.select import PositionLedger, select_positions
 from dynsteer.capture.spec import CaptureSpec
-from dynsteer.capture.spool import Spool, SpoolError, spool_dir
+from dynsteer.capture.spool import WRITER, Spool, SpoolError, spool_dir
 from dynsteer.spec import NAME_PATTERN, Site, SteeringValidationError
 from dynsteer.steering.staging import StagingRing
 
@@ -104,15 +104,21 @@ class CaptureRecord:
         self.explicit = None if isinstance(self.selector, str) else frozenset(self.selector)
 
     def add_chunk(self, positions: np.ndarray, arrays: Mapping[Place, np.ndarray], start: int = 0,
-                  end: int | None = None) -> None:
-        """Land rows ``[start, end)`` of ``arrays`` (one ``[rows, hidden]`` array per place) at ``positions``."""
+                  end: int | None = None, batch: list | None = None) -> None:
+        """Land rows ``[start, end)`` of ``arrays`` (one ``[rows, hidden]`` array per place) at ``positions``.
+        With a spool, ``batch`` collects the writer's entry (the caller submits a step's entries at once);
+        without one, the chunk is queued here."""
         end = start + len(positions) if end is None else end
         if self.spool is not None:
             try:
-                self.spool.append({place: arrays[place][start:end] for place in self.places})
+                entry = self.spool.reserve(arrays, start, end, self.places)
             except (OSError, ValueError) as exc:
                 self._unspool(exc)
             else:
+                if batch is not None:
+                    batch.append(entry)
+                elif entry is not None:
+                    self.spool.writer.submit([entry])
                 self.positions.append(positions)
                 self.chunks += 1
                 return
@@ -396,13 +402,15 @@ class CaptureCollector:
             for (place, dtype), t in pend.host.items():
                 arr = t.numpy()
                 by_dtype.setdefault(dtype, {})[place] = arr.copy() if self._cuda and keep else arr
+            spooled: list = []  # the step's spool writes, handed to the writer thread as one item
             for rec, s, e in pend.segments:
                 if self.records.get(rec.req_id) is not rec:
                     continue  # finished or dropped meanwhile
                 arrays = by_dtype[rec.spec.dtype]
-                rec.add_chunk(pend.positions[s:e], arrays, s, e)
+                rec.add_chunk(pend.positions[s:e], arrays, s, e, spooled)
                 if rec.streaming and self.on_chunk is not None:
                     self.on_chunk(rec, pend.positions[s:e], {place: arrays[place][s:e] for place in rec.places})
+            WRITER.submit([entry for entry in spooled if entry is not None])
             for sel in pend.streams:
                 if self.on_stream is not None:
                     rows, arrays = sel.rows, by_dtype[sel.dtype]
