@@ -155,8 +155,8 @@ class TestFamily:
             for place, arr in cap.arrays.items():
                 assert arr.shape == (len(ids), st.hidden_size)
                 if ON_GPU:  # GPU float32 matmuls may use TF32 (~1e-3 relative each): compare each row's relative
-                    # error; it grows along the positions (families where vLLM itself strays further are listed above); a wrong site is off by
-                    # tens of percent
+                    # error; it grows along the positions (families where vLLM itself strays further are listed
+                    # above); a wrong site is off by tens of percent
                     err = np.linalg.norm(arr - ref[place], axis=1) / np.linalg.norm(ref[place], axis=1)
                     assert err.max() < 3e-2, (arch, place, err.max())
                 else:
