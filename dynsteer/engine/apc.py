@@ -10,6 +10,7 @@ decode-only steering keeps its cache hits.
 from __future__ import annotations
 
 import functools
+import inspect
 import hashlib
 import uuid
 from dataclasses import dataclass, field
@@ -328,6 +329,23 @@ class _Upto:
         return getattr(self.__dict__["_request"], name)
 
 
+def _block_size(hasher: Any) -> int | None:
+    """The block size vLLM's request block hasher hashes at (its closure's ``hash_block_size``), remembered on the
+    function; None if it cannot be read (then every call goes to the hasher, which stops early itself)."""
+    size = getattr(hasher, "_dynsteer_block_size", False)
+    if size is False:
+        try:
+            size = inspect.getclosurevars(hasher).nonlocals.get("hash_block_size")
+        except (TypeError, ValueError):
+            size = None
+        size = size if isinstance(size, int) and size > 0 else None
+        try:
+            hasher._dynsteer_block_size = size
+        except AttributeError:  # not a plain function: look it up every time
+            pass
+    return size
+
+
 def patch_request(cls: type) -> None:
     """Engine core: a request with a dynamic policy hashes a block only once the workers reported on all its
     tokens (prompt tokens need no report: dynamic steering acts on decode tokens)."""
@@ -338,8 +356,13 @@ def patch_request(cls: type) -> None:
         params = getattr(self, "sampling_params", None)
         if self._block_hasher is None or DYNAMIC_KEY not in ((params and params.extra_args) or {}):
             return orig(self)
-        acted = self.__dict__.setdefault("_dynsteer_acted", ActedState())
+        acted = self.__dict__.get("_dynsteer_acted")
+        if acted is None:
+            acted = self.__dict__["_dynsteer_acted"] = ActedState()
         limit = min(self.num_tokens, max(self.num_prompt_tokens, acted.reported))
+        size = _block_size(self._block_hasher)
+        if size and (len(self.block_hashes) + 1) * size > limit:
+            return  # no new full block below the limit (most decode steps): no proxy, no hasher call
         self.block_hashes.extend(self._block_hasher(_Upto(self, limit)))
 
     cls.update_block_hashes = update_block_hashes
