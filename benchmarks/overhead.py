@@ -59,8 +59,8 @@ parallel (``absent2`` after ``absent``, to reuse its compile cache). An 8B engin
 takes all six, an H100 (80 GB) four; engines that do not fit (estimated from free memory) are skipped, lowest
 priority first (capture, then the hook peer), and the report says so.
 
-Commands (offline GPU host; ``. scripts/gpu_env.sh`` puts vLLM on ``PYTHONPATH`` and installs dynsteer; without
-``.git`` there, pass the commit as ``DYNSTEER_GIT_SHA``)::
+Commands (offline GPU host; ``. scripts/gpu_env.sh`` puts vLLM on ``PYTHONPATH`` and installs dynsteer; pass the
+commit as ``DYNSTEER_GIT_SHA``, taken where the checkout lives: a device copy's ``.git`` may be missing or stale)::
 
     W=.gpu-carry/hotwire_vllm-0.1.2-py3-none-any.whl
     python3 benchmarks/overhead.py --hotwire-wheel $W                       # full: H200 (an H100 drops 2 engines)
@@ -615,6 +615,9 @@ def gpu_memory() -> tuple[str, int, int] | None:
 
 
 def git_sha() -> str:
+    """``$DYNSTEER_GIT_SHA`` if set (a device machine's copy of ``.git`` may be stale), else ``git rev-parse``."""
+    if os.environ.get("DYNSTEER_GIT_SHA"):
+        return os.environ["DYNSTEER_GIT_SHA"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              timeout=10).stdout.strip()
