@@ -83,6 +83,7 @@ class SpoolWriter:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.landed = threading.Condition()  # notified after each queue item
 
     def submit(self, entries: list[tuple]) -> None:
         """Queue the chunks :meth:`Spool.reserve` counted (one step's chunks of many spools: one queue item)."""
@@ -110,20 +111,28 @@ class SpoolWriter:
                 entries.set()
                 continue
             for spool, arrays, start, end, targets in entries:
-                error = spool._error
-                if error is None:
+                # Each counter below is written by this thread only (the queued count by the host path only), so
+                # no lock per chunk: waiters are woken once per queue item, under `landed`.
+                failed = spool._error is not None  # nothing after a failed chunk is written
+                if not failed:
                     try:
                         for place, fd, offset in targets:
-                            data = memoryview(np.ascontiguousarray(arrays[place][start:end])).cast("B")
-                            done = 0
-                            while done < len(data):  # pwrite may write less than asked
-                                done += os.pwrite(fd, data[done:], offset + done)
+                            data = np.ascontiguousarray(arrays[place][start:end])  # row slices: already so
+                            done = os.pwrite(fd, data, offset)
+                            if done < data.nbytes:  # pwrite may write less than asked
+                                view = memoryview(data).cast("B")
+                                while done < len(view):
+                                    done += os.pwrite(fd, view[done:], offset + done)
+                        spool._written += end - start
                     except BaseException as exc:  # noqa: BLE001 - handed to the spool's owner at flush
-                        error = exc
-                unwritten = None if error is None else {p: arrays[p][start:end] for p, _, _ in targets}
-                spool._landed(end - start, unwritten, error)
+                        spool._error, failed = exc, True
+                if failed:
+                    spool._unwritten.append({p: arrays[p][start:end] for p, _, _ in targets})
+                spool._landed += 1
+            with self.landed:
+                self.landed.notify_all()
             # while waiting for the next item, hold no spool alive (its finalizer unlinks its files)
-            del entries, spool, arrays, error, unwritten
+            del entries, spool, arrays
 
 
 WRITER = SpoolWriter()
@@ -146,9 +155,9 @@ class Spool:
         self._files: dict[Hashable, tuple[int, Path, np.dtype, int]] = {}  # place -> (fd, path, dtype, hidden)
         self._fds: list[int] = []
         self._paths: list[Path] = []
-        # Write-back state, shared with the writer thread under _done.
-        self._done = threading.Condition()
-        self._pending = 0
+        # Write-back state: _queued is written by the host path only, the rest by the writer thread only.
+        self._queued = 0
+        self._landed = 0
         self._written = 0
         self._error: BaseException | None = None
         self._unwritten: list[dict[Hashable, np.ndarray]] = []
@@ -185,29 +194,16 @@ class Spool:
                 raise ValueError(f"spool: place {place}: rows {rows.dtype} {rows.shape} do not match "
                                  f"{dtype} [*, {hidden}] (rows {start}:{end})")
             targets.append((place, fd, self.rows * hidden * dtype.itemsize))
-        with self._done:
-            self._pending += 1
+        self._queued += 1
         self.rows += end - start
         return self, arrays, start, end, targets
-
-    def _landed(self, rows: int, unwritten: dict[Hashable, np.ndarray] | None, error: BaseException | None) -> None:
-        """Writer thread: a chunk is written, or (``unwritten``) was not."""
-        with self._done:
-            if unwritten is None:
-                self._written += rows
-            else:
-                self._error = self._error or error
-                self._unwritten.append(unwritten)
-            self._pending -= 1
-            self._done.notify_all()
 
     def flush(self) -> None:
         """Wait until every queued chunk is written. Raises :class:`SpoolError` if one failed (nothing after a
         failed chunk is written)."""
-        with self._done:
-            self._done.wait_for(lambda: self._pending == 0)
-            if self._error is not None:
-                raise SpoolError(self._error, self._written, list(self._unwritten))
+        self._idle()
+        if self._error is not None:
+            raise SpoolError(self._error, self._written, list(self._unwritten))
 
     def _open(self, place: Hashable, rows: np.ndarray) -> tuple[int, Path, np.dtype, int]:
         path = self.directory / shm_name(pid_namespace(), os.getpid())
@@ -220,8 +216,9 @@ class Spool:
     def _idle(self) -> None:
         """Wait until the writer holds no chunk of this spool (before its descriptors close: a closed number could
         be reused by another file while a write is in flight)."""
-        with self._done:
-            self._done.wait_for(lambda: self._pending == 0)
+        landed = self.writer.landed
+        with landed:
+            landed.wait_for(lambda: self._landed == self._queued)
 
     def seal(self) -> None:
         """No more rows: close the descriptors (reads and hand-over go by name), so a finished record waiting to be

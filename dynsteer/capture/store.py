@@ -403,14 +403,16 @@ class CaptureCollector:
                 arr = t.numpy()
                 by_dtype.setdefault(dtype, {})[place] = arr.copy() if self._cuda and keep else arr
             spooled: list = []  # the step's spool writes, handed to the writer thread as one item
-            for rec, s, e in pend.segments:
-                if self.records.get(rec.req_id) is not rec:
-                    continue  # finished or dropped meanwhile
-                arrays = by_dtype[rec.spec.dtype]
-                rec.add_chunk(pend.positions[s:e], arrays, s, e, spooled)
-                if rec.streaming and self.on_chunk is not None:
-                    self.on_chunk(rec, pend.positions[s:e], {place: arrays[place][s:e] for place in rec.places})
-            WRITER.submit([entry for entry in spooled if entry is not None])
+            try:
+                for rec, s, e in pend.segments:
+                    if self.records.get(rec.req_id) is not rec:
+                        continue  # finished or dropped meanwhile
+                    arrays = by_dtype[rec.spec.dtype]
+                    rec.add_chunk(pend.positions[s:e], arrays, s, e, spooled)
+                    if rec.streaming and self.on_chunk is not None:
+                        self.on_chunk(rec, pend.positions[s:e], {place: arrays[place][s:e] for place in rec.places})
+            finally:  # a reserved chunk must reach the writer, or its spool's flush would wait for it forever
+                WRITER.submit([entry for entry in spooled if entry is not None])
             for sel in pend.streams:
                 if self.on_stream is not None:
                     rows, arrays = sel.rows, by_dtype[sel.dtype]
