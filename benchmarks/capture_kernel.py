@@ -21,6 +21,7 @@ measured time per decode step of the ``base`` engine at the same batch size (tim
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import datetime as dt
 import json
 import statistics
@@ -52,6 +53,20 @@ def build_hooks(layers: int, hidden: int, max_tokens: int, capture: bool, dtype:
     return hooks, slot
 
 
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``fn``'s launches captured once in a CUDA graph, after three warm-up calls (compiles) off the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def graph_of(hooks: list[SiteHook], h: torch.Tensor, r: torch.Tensor) -> torch.cuda.CUDAGraph:
     """The launches of one forward (each site's output feeds the next, as in a model), captured once."""
 
@@ -61,16 +76,7 @@ def graph_of(hooks: list[SiteHook], h: torch.Tensor, r: torch.Tensor) -> torch.c
             x = hook(x, None if (hook.layer, hook.site) == (0, "pre_attn") else r)
         return x
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (Triton compiles) off the capture
-        for _ in range(3):
-            forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    return graph
+    return capture_graph(forward)
 
 
 def time_replays(graph: torch.cuda.CUDAGraph, replays: int) -> float:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from capture_kernel import capture_graph, time_replays  # noqa: E402
 from static_overhead import print_table_head, write_report  # noqa: E402
 
 from dynsteer import DynsteerConfig, SITES  # noqa: E402
@@ -49,42 +50,23 @@ def build(layers: int, hidden: int, max_tokens: int) -> tuple[SteeringTables, li
     return tables, pairs
 
 
-def fill_rows(tables: SteeringTables, mode: str, hidden: int) -> None:
-    """Row 1: a vector at every site (``static``), plus a monitor and a gated vector (``dynamic``)."""
+def fill_rows(tables: SteeringTables, hidden: int, steered_layer: int) -> None:
+    """Row 1: a vector at every site (``static``); row 2: the same vector plus a monitor and a gated vector
+    (``dynamic``); row 3: row 1's vector at one site only, ``post_block`` of ``steered_layer`` (``static1``). Each
+    with its ``row_live`` flags (the kernels skip a site whose flags are 0)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     for (layer, site) in tables.sites:
         v = tables.views(layer, site)
-        v["vec"][1] = torch.randn(hidden, device="cuda", generator=gen) * 0.01
-        if mode == "dynamic":
-            v["mon_mask"][1] = 1
-            v["mon_probe"][1, 0] = torch.randn(hidden, device="cuda", generator=gen) / hidden ** 0.5
-            v["mon_sharp"][1, 0] = 4.0
-            v["dyn_mask"][1] = 1
-            v["dyn_vec"][1, 0] = torch.randn(hidden, device="cuda", generator=gen) * 0.01
-
-
-def graph_of(fn, replay_calls: int) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (compiles) off the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(replay_calls):
-            fn()
-    return graph
-
-
-def time_replays(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
+        v["vec"][1] = v["vec"][2] = torch.randn(hidden, device="cuda", generator=gen) * 0.01
+        v["mon_mask"][2] = 1
+        v["mon_probe"][2, 0] = torch.randn(hidden, device="cuda", generator=gen) / hidden ** 0.5
+        v["mon_sharp"][2, 0] = 4.0
+        v["dyn_mask"][2] = 1
+        v["dyn_vec"][2, 0] = torch.randn(hidden, device="cuda", generator=gen) * 0.01
+        v["row_live"][1], v["row_live"][2] = 1, 1 | 4 | 8
+    mid = tables.views(steered_layer, "post_block")
+    mid["vec"][3] = mid["vec"][1]
+    mid["row_live"][3] = 1
 
 
 def main() -> None:
@@ -101,19 +83,7 @@ def main() -> None:
     dtype = torch.bfloat16
     compiled = torch.compile(add_rms_norm_reference, dynamic=False)
     tables, pairs = build(args.layers, args.hidden, max(args.tokens))
-    fill_rows(tables, "dynamic", args.hidden)  # rows 1 (static) and 2 (dynamic) of every site
-    for (layer, site) in tables.sites:  # row 2: the dynamic row; row 1 keeps only its vector
-        v = tables.views(layer, site)
-        for name in ("vec", "mon_mask", "mon_probe", "mon_sharp", "dyn_mask", "dyn_vec"):
-            v[name][2] = v[name][1]
-        for name in ("mon_mask", "dyn_mask"):
-            v[name][1] = 0
-        if "row_live" in v:  # what each row holds at this site (the kernels skip a site whose flags are 0)
-            v["row_live"][1], v["row_live"][2] = 1, 1 | 4 | 8
-    mid = tables.views(args.layers // 2, "post_block")  # row 3: one site steered, as a global 1-layer spec
-    mid["vec"][3] = mid["vec"][1]
-    if "row_live" in mid:
-        mid["row_live"][3] = 1
+    fill_rows(tables, args.hidden, args.layers // 2)
     weight = (1 + 0.1 * torch.randn(args.hidden, device="cuda")).to(dtype)
     rows = {}
     for T in args.tokens:
@@ -133,7 +103,7 @@ def main() -> None:
                 x, res = fused_add_rms_norm(first, second, x, res, weight, 1e-5)
             return x
 
-        graphs = {"vllm": graph_of(native, 1), "ours": graph_of(ours, 1)}
+        graphs = {"vllm": capture_graph(native), "ours": capture_graph(ours)}
         runs = {"vllm": ("vllm", 0), "idle": ("ours", 0), "static": ("ours", 1), "static1": ("ours", 3),
                 "dynamic": ("ours", 2)}
         us: dict[str, list[float]] = {name: [] for name in runs}
