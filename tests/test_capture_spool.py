@@ -137,7 +137,7 @@ def test_finished_records_hold_no_descriptor_and_the_file_budget_caps_spooling(m
     col, _ = _drive(True, SPECS, finish=False)
     live = fds()
     recs = [col.finish(r) for r in SPECS]
-    assert fds() == live - 3 and col._spool_files == 0  # sealed: files stay, descriptors close
+    assert fds() == live - 3 and col.spool_files == 0  # sealed: files stay, descriptors close
     for rec in recs:
         rec.arrays()  # still readable by name
     monkeypatch.setattr(store_mod, "MAX_SPOOL_FILES", 2)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import mmap
 import os
 import socket
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from dynsteer.capture import spool as spool_mod
-from dynsteer.capture.spool import SHM_PREFIX, pid_namespace as _pid_namespace
+from dynsteer.capture.spool import SHM_PREFIX, pid_namespace as _pid_namespace, shm_name
 from dynsteer.capture.store import CaptureRecord, Place, place_from_key, place_key
 
 SHM_DIR = spool_mod.SHM_DIR
@@ -186,7 +185,7 @@ def _pack_shared(records: list[CaptureRecord], namespace: str, caller_pid: int) 
             offsets[key] = total
             total += -(-int(np.prod(shape)) * dtype.itemsize // _ALIGN) * _ALIGN
         specs.append(offsets)
-    path = SHM_DIR / f"{SHM_PREFIX}{namespace}-{caller_pid}-{uuid.uuid4().hex}"
+    path = SHM_DIR / shm_name(namespace, caller_pid)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         # Reserve the space now: writing through a mapping past a full tmpfs would be a SIGBUS, not an error.

@@ -24,8 +24,8 @@ import queue
 import threading
 import uuid
 import weakref
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Hashable
 
 import numpy as np
@@ -143,14 +143,14 @@ if hasattr(os, "register_at_fork"):
 class Spool:
     """Rows of one request, one append-only file per place (``[rows, hidden]`` in landing order, row-major).
 
+    Its chunks are written by the process's :data:`WRITER`.
+
     Args:
         directory: where the files go (a tmpfs, normally :data:`SHM_DIR`).
-        writer: the thread that writes (default: the process's :data:`WRITER`).
     """
 
-    def __init__(self, directory: Path, writer: SpoolWriter | None = None) -> None:
+    def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.writer = writer or WRITER
         self.rows = 0  # rows appended to every file (places are written together), written or still queued
         self._files: dict[Hashable, tuple[int, Path, np.dtype, int]] = {}  # place -> (fd, path, dtype, hidden)
         self._fds: list[int] = []
@@ -173,7 +173,7 @@ class Spool:
             raise ValueError(f"spool: places have different row counts {sorted(sizes)}")
         entry = self.reserve(arrays, 0, sizes.pop() if sizes else 0, tuple(arrays))
         if entry is not None:
-            self.writer.submit([entry])
+            WRITER.submit([entry])
 
     def reserve(self, arrays: Mapping[Hashable, np.ndarray], start: int, end: int,
                 places: tuple[Hashable, ...]) -> tuple | None:
@@ -216,7 +216,7 @@ class Spool:
     def _idle(self) -> None:
         """Wait until the writer holds no chunk of this spool (before its descriptors close: a closed number could
         be reused by another file while a write is in flight)."""
-        landed = self.writer.landed
+        landed = WRITER.landed
         with landed:
             landed.wait_for(lambda: self._landed == self._queued)
 

@@ -118,7 +118,7 @@ class CaptureRecord:
                 if batch is not None:
                     batch.append(entry)
                 elif entry is not None:
-                    self.spool.writer.submit([entry])
+                    WRITER.submit([entry])
                 self.positions.append(positions)
                 self.chunks += 1
                 return
@@ -245,8 +245,7 @@ class CaptureCollector:
         # Records the memory consumer delivers spool their rows to shared memory as they land (see
         # dynsteer.capture.spool), up to MAX_SPOOL_FILES open files; beyond that, or without /dev/shm, in memory.
         self.spool_dir = spool_dir() if spool else None
-        self._spool_files = 0  # open spool files of the records below
-        self._spooling: set[str] = set()
+        self._spooling: dict[str, int] = {}  # request -> spool files it was counted for at begin
         self.places = set(stages)  # this worker's places (a pipeline stage holds only its own layers)
         self.engine_places = set(stages) if engine_places is None else engine_places  # what requests may ask for
         self.emit = emit
@@ -284,10 +283,9 @@ class CaptureCollector:
         if not rec.places:  # another pipeline stage holds every place this request asks for
             return
         if (self.spool_dir is not None and "memory" in spec.consumers
-                and self._spool_files + len(rec.places) <= MAX_SPOOL_FILES):
+                and self.spool_files + len(rec.places) <= MAX_SPOOL_FILES):
             rec.spool = Spool(self.spool_dir)
-            self._spool_files += len(rec.places)
-            self._spooling.add(req_id)
+            self._spooling[req_id] = len(rec.places)
         self.records[req_id] = rec
 
     def plan(self, req_ids: list[str] | tuple[str, ...], query_start: np.ndarray, num_computed: np.ndarray,
@@ -334,6 +332,11 @@ class CaptureCollector:
                 pos.extend(sel.positions[np.searchsorted(sel.tokens, fresh)].tolist())
             sel.rows = row_of[sel.tokens]
             self._streams.append(sel)
+
+    @property
+    def spool_files(self) -> int:
+        """Spool files counted against :data:`MAX_SPOOL_FILES`: those of the live records that were given a spool."""
+        return sum(self._spooling.values())
 
     @property
     def needs_plan(self) -> bool:
@@ -427,9 +430,7 @@ class CaptureCollector:
             return None
         self.poll(block=True)
         rec = self.records.pop(req_id)
-        if req_id in self._spooling:  # counted at begin, whatever became of the spool since
-            self._spooling.discard(req_id)
-            self._spool_files -= len(rec.places)
+        self._spooling.pop(req_id, None)  # counted at begin, whatever became of the spool since
         rec.settle()  # its queued writes done (or, failed, its rows in memory)
         if rec.spool is not None:
             rec.spool.seal()  # complete: its files need no descriptor until delivery
