@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import re
 import threading
 from dataclasses import dataclass
@@ -66,6 +67,14 @@ def encode_payload(spec: SteeringSpec | None = None, tag: str | None = None,
         body["trace"] = True
     packed = _PREFIX + base64.b64encode(msgspec.msgpack.encode(body, enc_hook=_enc_hook)).decode("ascii")
     return with_tag(packed, tag)
+
+
+def config_fingerprint(spec: SteeringSpec, policy: DynamicSteeringPolicy | None = None) -> bytes:
+    """Content identity of a spec and policy: equal configurations give equal bytes. Memo keys use it, so a global
+    configuration that is set and cleared again (``with steerer.steering(...)``) finds its admissions still cached."""
+    body = {"spec": spec.model_dump(mode="python"),
+            "policy": None if policy is None else policy.model_dump(mode="python", exclude_none=True)}
+    return hashlib.blake2b(msgspec.msgpack.encode(body, enc_hook=_enc_hook), digest_size=16).digest()
 
 
 def with_tag(payload: str, tag: str | None) -> str:

@@ -21,7 +21,7 @@ from cachetools import LRUCache
 
 from dynsteer.capture.consumers import consumer_class
 from dynsteer.config import CONFIG_KEY, DynsteerConfig, Limits
-from dynsteer.payload import PAYLOAD_KEY, decode_payload, payload_body
+from dynsteer.payload import PAYLOAD_KEY, config_fingerprint, decode_payload, payload_body
 from dynsteer.policy import admit_policy
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
 from dynsteer.steering.compile import compile_phase
@@ -46,14 +46,19 @@ class FrontendState:
     probes: dict[str, Any] = field(default_factory=dict)  # registered probe files, loaded
     controllers: Any = field(default_factory=set)  # names of registered custom controllers
     capacity: int = 63  # table rows requests can take (max_rows - 1)
-    # Admission results per (state version, packed payload): validation compiles every vector,
-    # which for a large batch of identical requests would otherwise dominate LLM.generate's submission loop.
+    # Admission results per (named-vector version, global configuration, packed payload): validation compiles
+    # every vector, which for a large batch of requests would otherwise dominate LLM.generate's submission loop
+    # (and requests trickling into the engine core start their prefill in several steps instead of one).
     # Bounded by bytes: a key holds the whole payload string.
     _memo: LRUCache = field(init=False, repr=False)
-    version: int = 0  # bumped whenever the global spec or a named vector changes: keys the admission memo
+    version: int = 0  # bumped whenever a named vector changes: keys the admission memo
+    # content fingerprint of the global spec and policy (keys the memo too): setting a global and clearing it again
+    # leaves earlier admissions valid, so they stay cached
+    global_key: bytes = b""
 
     def __post_init__(self) -> None:
         self._memo = LRUCache(maxsize=self.limits.cache_bytes, getsizeof=lambda entry: entry[0])
+        self.global_key = config_fingerprint(self.global_spec, self.global_policy)
 
     def register(self, name: str, vector: np.ndarray) -> None:
         """Record a named vector (already registered on the workers); cached admissions become stale."""
@@ -61,9 +66,10 @@ class FrontendState:
         self.version += 1
 
     def set_global(self, spec: SteeringSpec, policy: Any = None) -> None:
-        """Record the global spec and policy (already applied on the workers); cached admissions become stale."""
+        """Record the global spec and policy (already applied on the workers); admissions are memoised per global
+        configuration, so those made under another one are not used until it comes back."""
         self.global_spec, self.global_policy = spec, policy
-        self.version += 1
+        self.global_key = config_fingerprint(spec, policy)
 
     def check_global(self, spec: SteeringSpec, policy: Any) -> Any:
         """Validate a global spec and policy as the workers will; returns the policy with registered probes
@@ -93,7 +99,8 @@ class FrontendState:
             the hashes of the blocks from there on (:func:`patch_block_hashing`, DESIGN §5).
         """
         cacheable = payload is None or isinstance(payload, str)  # JSON-object payloads are not hashable
-        key = (self.version, payload_body(payload))  # tags differ per request; the configuration does not
+        # tags differ per request; the configuration does not
+        key = (self.version, self.global_key, payload_body(payload))
         hit = self._memo.get(key) if cacheable else None
         cached = None if hit is None else hit[1]
         if cached is None:

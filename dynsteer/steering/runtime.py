@@ -22,7 +22,7 @@ from dynsteer.config import Limits
 from dynsteer.controllers.registry import ControllerFault, ControllerRegistry
 from dynsteer.policy import admit_policy
 from dynsteer.steering.staging import StagingRing
-from dynsteer.payload import PAYLOAD_KEY, decode_payload, payload_body
+from dynsteer.payload import PAYLOAD_KEY, config_fingerprint, decode_payload, payload_body
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
 from dynsteer.steering.compile import EMPTY, RowContent, SiteKey, compile_phase
 from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens
@@ -128,6 +128,7 @@ class SteeringRuntime:
         self.consumers: dict[str, Any] = {}
         self._staging = StagingRing(tables.row_index)
         self._compiled: LRUCache = LRUCache(maxsize=self.limits.cache_bytes, getsizeof=_compiled_size)
+        self._global_key = config_fingerprint(self.global_spec, self.global_policy)
         self._high_water = 0
         g = tables.gate_buffers
         self.dynamic = (DynamicDriver(g["gate_mul"], g["gate_add"], g["scores"], g["gates"], max_slots=sync_slots)
@@ -170,7 +171,7 @@ class SteeringRuntime:
             self._release_rows(entry)
         changed = policy != self.global_policy
         self.global_spec, self.global_policy = spec, policy
-        self._compiled.clear()
+        self._global_key = config_fingerprint(spec, policy)  # keys _compiled: a global set and cleared hits again
         for req_id, entry in old_entries:
             if changed and entry.policy is None:
                 self._set_dyn(req_id, entry, fresh=True)
@@ -660,9 +661,10 @@ class SteeringRuntime:
     # ---- internals ----------------------------------------------------------------------------------------------
     def _compile(self, specs: list[tuple[str, SteeringSpec]], key: Any, policy: Any = None,
                  decode_extra: list[tuple[str, SteeringSpec]] = ()) -> list[RowContent]:
-        """Both phases' contents, memoised per payload (most traffic repeats a few configurations; compiling
-        hashes every vector, which would otherwise run for each admitted request). ``decode_extra``: specs added
+        """Both phases' contents, memoised per (global configuration, payload) (most traffic repeats a few
+        configurations; compiling hashes every vector, which would otherwise run for each admitted request). ``decode_extra``: specs added
         to the decode phase only (a monitor's ``steer`` command)."""
+        key = None if key is None else (self._global_key, key)
         cached = self._compiled.get(key) if key is not None else None
         if cached is None:
             pol = None if policy is None else (f"extra_args.{PAYLOAD_KEY}.policy.", policy)
