@@ -149,6 +149,7 @@ def test_cached_batch_arrays_plan_exactly_like_a_fresh_gather(case):
                          np.array([live[r][0] for r in ids], np.int64), int(qsl[-1]), int(qsl[-1]) + 2)
         fresh._batch = None
         for rt in (cached, fresh):
+            rt.release(())  # as the runner glue does at every step (vLLM's usually empty finished set)
             rt.plan(view, payload.__getitem__)
             rt.after_forward()
         n = int(qsl[-1]) + 2
@@ -159,3 +160,27 @@ def test_cached_batch_arrays_plan_exactly_like_a_fresh_gather(case):
     for rt in (cached, fresh):
         rt.release(list(live))
     assert cached.take_traces([r for r in payload]) == fresh.take_traces([r for r in payload])
+
+
+def test_a_steady_decode_gathers_once(monkeypatch):
+    """The runner releases vLLM's (usually empty) finished set at every step: an empty release must not make the
+    runtime gather every request's arrays again."""
+    rt = _runtime()
+    gathers = []
+    real = rt._gather
+    monkeypatch.setattr(rt, "_gather", lambda *a: (gathers.append(1), real(*a))[1])
+    ids = [f"r{i}" for i in range(4)]
+    payload = dict(zip(ids, PAYLOADS[:4]))
+    computed = np.full(4, 3, np.int64)
+    for _ in range(5):
+        rt.release(set())
+        rt.release(set(), finished=False)
+        rt.plan(BatchView(ids, np.arange(5, dtype=np.int64), computed.copy(), np.full(4, 3, np.int64), 4, 4),
+                payload.__getitem__)
+        rt.after_forward()
+        computed += 1
+    assert len(gathers) == 1
+    rt.release(["r0"])  # a real release: the next step gathers the new composition
+    rt.plan(BatchView(ids[1:], np.arange(4, dtype=np.int64), computed[1:].copy(), np.full(3, 3, np.int64), 3, 3),
+            payload.__getitem__)
+    assert len(gathers) == 2

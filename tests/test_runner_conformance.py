@@ -66,7 +66,7 @@ def test_v1_and_v2_views_give_identical_rows_per_token():
     batch = SimpleNamespace(num_reqs=len(v2_order), req_ids=v2_order, query_start_loc_np=qsl,
                             num_computed_tokens_np=np.array([SCHEDULE[r][1] for r in v2_order]),
                             num_tokens=n, num_tokens_after_padding=n + 8)
-    v2.plan(v2_batch_view(batch, {r: SCHEDULE[r][0] for r in SCHEDULE}), lambda r: payload(SCHEDULE[r][3]))
+    v2.plan(v2_batch_view(batch, {r: (None, SCHEDULE[r][0]) for r in SCHEDULE}), lambda r: payload(SCHEDULE[r][3]))
 
     a, b = rows_by_request(v1, v1_order), rows_by_request(v2, v2_order)
     for req in SCHEDULE:

@@ -139,11 +139,25 @@ def patch_v1_runner(cls: type) -> None:
 
 
 # ---- v2 runner (GPU default) -------------------------------------------------------------------------------------
-def v2_batch_view(input_batch: Any, prompt_lens: dict[str, int]) -> BatchView:
+class _PromptLens:
+    """A v2 batch's prompt lengths, looked up by index only for the requests the runtime admits (building an array
+    of all of them at every step was per-request Python in each decode step)."""
+
+    __slots__ = ("ids", "state")
+
+    def __init__(self, ids: Any, state: dict[str, tuple[Any, int]]) -> None:
+        self.ids, self.state = ids, state
+
+    def __getitem__(self, i: int) -> int:
+        return self.state[self.ids[i]][1]
+
+
+def v2_batch_view(input_batch: Any, state: dict[str, tuple[Any, int]]) -> BatchView:
+    """``state``: request id -> (payload, prompt length), recorded when vLLM added the request."""
     n = input_batch.num_reqs
-    return BatchView(req_ids=input_batch.req_ids[:n], query_start_loc=input_batch.query_start_loc_np[: n + 1],
-                     num_computed=input_batch.num_computed_tokens_np[:n],
-                     prompt_lens=np.fromiter((prompt_lens[r] for r in input_batch.req_ids[:n]), np.int64, n),
+    ids = input_batch.req_ids[:n]
+    return BatchView(req_ids=ids, query_start_loc=input_batch.query_start_loc_np[: n + 1],
+                     num_computed=input_batch.num_computed_tokens_np[:n], prompt_lens=_PromptLens(ids, state),
                      num_tokens=int(input_batch.num_tokens),
                      num_tokens_padded=int(input_batch.num_tokens_after_padding))
 
@@ -188,7 +202,7 @@ def patch_v2_runner(cls: type) -> None:
         rt = runtime_of(self)
         if rt is not None:
             state = _state(self)
-            view = v2_batch_view(input_batch, {r: v[1] for r, v in state.items()})
+            view = v2_batch_view(input_batch, state)
             rt.plan(view, lambda req_id: state[req_id][0])
         return input_batch
 

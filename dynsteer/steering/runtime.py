@@ -38,13 +38,14 @@ class BatchView:
 
     Request ``req_ids[i]`` owns tokens ``[query_start_loc[i], query_start_loc[i+1])``; its first token sits at
     absolute position ``num_computed[i]``; tokens at positions ``>= prompt_lens[i]`` are generated (decode) tokens.
-    Tokens ``num_tokens..num_tokens_padded`` are padding.
+    Tokens ``num_tokens..num_tokens_padded`` are padding. ``prompt_lens`` is read only for requests being admitted
+    (an array, or anything indexable by position).
     """
 
     req_ids: Sequence[str]
     query_start_loc: np.ndarray
     num_computed: np.ndarray
-    prompt_lens: np.ndarray
+    prompt_lens: Sequence[int] | np.ndarray
     num_tokens: int
     num_tokens_padded: int
 
@@ -188,8 +189,10 @@ class SteeringRuntime:
         A preempted request keeps its capture record (its ledger skips the positions it recomputes); a finished one
         hands the record to its consumers.
         """
-        self._version += 1
         for req_id in req_ids:
+            # the batch arrays are gathered again only when something was released (the runner calls this every
+            # step, usually with no ids: bumping regardless re-gathered every request at every step)
+            self._version += 1
             entry = self.requests.pop(req_id, None)
             if entry is not None:
                 self._release_rows(entry)
