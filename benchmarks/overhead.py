@@ -140,6 +140,8 @@ MODES = [
     Mode("pr1", "per-request static, 1 config", "dynsteer", True),
     Mode("pr16", "per-request static, 16 configs", "dynsteer", True),
     Mode("pr64", "per-request static, 64 configs", "dynsteer", True, 1.5),
+    # the same 64 vectors registered by name: a payload of ~100 bytes instead of the inline vector's ~22 KB
+    Mode("pr64n", "per-request static, 64 configs naming registered vectors", "dynsteer", True),
     Mode("gate", "global gate (global dynamic policy)", "dynsteer", True, 1.0),
     Mode("prdyn", "per-request dynamic", "dynsteer", True, 1.5),
     Mode("sync", "per-request dynamic + sync controller", "dynsteer", True, 0.3, vs="prdyn"),
@@ -220,6 +222,8 @@ class Workload:
 
             self.steerer = dynsteer.attach(llm)
             self.steerer.register_vector(HOTWIRE_VECTOR_ID, self.vec(0))
+            for i in range(64):  # pr64n's catalogue: the vectors of pr64, registered by name
+                self.steerer.register_vector(f"pr{i}", self.vec(100 + i))
 
     def prompts_for(self, batch: int, repeat: int | None) -> list[dict]:
         """``batch`` distinct random prompts, the same in every engine and mode: those of timed repeat ``repeat``
@@ -262,7 +266,10 @@ class Workload:
         if memo not in self._payloads:
             from dynsteer import AddVector, SteeringSpec, encode_payload
 
-            if key.startswith("pr") and key[2:].isdigit():
+            if key == "pr64n":
+                out = [encode_payload(SteeringSpec(vectors=[AddVector(layer=self.layer, vector=f"pr{i}", scale=scale)]))
+                       for i in range(64)]
+            elif key.startswith("pr") and key[2:].isdigit():
                 n = int(key[2:])
                 out = [encode_payload(SteeringSpec(vectors=[AddVector(layer=self.layer, vector=self.vec(100 + i),
                                                                       scale=scale)])) for i in range(n)]
@@ -299,7 +306,7 @@ class Workload:
         elif key == "gate":
             st.set_policy(self.policy(0, scale, force_open, controller=False))
             teardown = st.clear_policy
-        elif key in ("pr1", "pr16", "pr64", "hwload", "prdyn", "sync"):
+        elif key in ("pr1", "pr16", "pr64", "pr64n", "hwload", "prdyn", "sync"):
             bodies = self.payloads(key, scale, force_open)
             params = [steer_params(base, None, payload=bodies[i % len(bodies)]) for i in range(batch)]
         elif key == "hwsteered":
