@@ -153,7 +153,7 @@ def vec(h: int, seed: int, scale: float = 6.0) -> np.ndarray:
 def row_live(vec: Any, clamp_strength: Any, mon_mask: Any = None, dyn_mask: Any = None) -> Any:
     """int32 [R]: the ``row_live`` flags consistent with the other tables of one site (what
     ``SteeringTables.write_row`` stores): 1 a non-zero vector, 2 a non-zero clamp strength, 4 monitors, 8 dyn
-    terms; row 0 is always 0."""
+    terms; row 0 (which holds nothing) carries the site's summary, here the OR over every row."""
     import torch
 
     live = (vec != 0).flatten(1).any(1).int() | ((clamp_strength != 0).flatten(1).any(1).int() << 1)
@@ -162,4 +162,12 @@ def row_live(vec: Any, clamp_strength: Any, mon_mask: Any = None, dyn_mask: Any 
     if dyn_mask is not None:
         live |= (dyn_mask != 0).int() << 3
     live[0] = 0
+    live[0] = _or_all(live)
     return live.to(torch.int32)
+
+
+def _or_all(t: Any) -> Any:
+    out = 0
+    for v in t.tolist():
+        out |= int(v)
+    return out

@@ -154,6 +154,11 @@ def test_cached_batch_arrays_plan_exactly_like_a_fresh_gather(case):
             rt.after_forward()
         n = int(qsl[-1]) + 2
         assert torch.equal(cached.tables.row_index[:n], fresh.tables.row_index[:n])
+        read = np.array([r for r in np.unique(cached.tables.row_index[:n].numpy()) if r != 0], np.int64)
+        for key in cached.tables.sites:  # each site's summary covers every row this step's tokens read
+            flags = cached.tables.views(*key)["row_live"].numpy()
+            union = int(np.bitwise_or.reduce(flags[read])) if read.size else 0
+            assert int(flags[0]) & union == union, (key, int(flags[0]), union)
         assert torch.equal(cached.dynamic.words, fresh.dynamic.words)
         for r, c in zip(ids, counts):
             live[r][1] += c

@@ -220,6 +220,17 @@ def site_live_metrics(impl: Any, device: str = "cpu") -> dict[str, Any]:
         got_a, got_b, want_b = impl(**kw), impl(**site_b), steer_site_reference(**site_b)
         atol, rtol = _tolerances(DTYPES[dt])
         excess = ((got_b.float() - want_b.float()).abs() - (atol + rtol * want_b.float().abs())).max().item()
+        # Row 0's entry is the site's summary: 0 (no row of the batch holds anything here) copies every token,
+        # whatever its row holds; a batch reading only rows that hold nothing here, summarized, equals the reference.
+        skip = dict(kw, row_live=kw["row_live"].clone())
+        skip["row_live"][0] = 0
+        quiet = dict(site_b, row_index=kw["row_index"].clone(), row_live=site_b["row_live"].clone())
+        quiet["row_index"][:24] = torch.where(idle, rows, torch.zeros_like(rows)).to(torch.int32)
+        quiet["row_live"][0] = 0
+        out[f"summary_{dt}"] = {
+            "skips_all": torch.equal(impl(**skip), kw["h"]),
+            "quiet_exact": torch.equal(impl(**quiet), kw["h"]) and torch.equal(steer_site_reference(**quiet), kw["h"]),
+        }
         out[f"site_live_{dt}"] = {
             "flags_cleared": site_b["row_live"][list(LIVE_ELSEWHERE)].tolist() == [0, 0, 0]
             and bool((kw["row_live"][list(LIVE_ELSEWHERE)] != 0).all()),
@@ -235,6 +246,7 @@ def site_live_metrics(impl: Any, device: str = "cpu") -> dict[str, Any]:
 @pytest.mark.parametrize("dt", ["float32", "bfloat16"])
 def test_triton_row_live_elsewhere_is_identity(interp_results: dict[str, Any], dt: str) -> None:
     assert_site_live(interp_results[f"site_live_{dt}"])
+    assert all(interp_results[f"summary_{dt}"].values()), interp_results[f"summary_{dt}"]
 
 
 def assert_site_live(res: dict[str, Any]) -> None:
@@ -248,8 +260,11 @@ def assert_site_live(res: dict[str, Any]) -> None:
 def test_cuda_row_live_elsewhere_is_identity() -> None:
     from dynsteer.kernels.triton_steer import steer_site_triton
 
-    for res in site_live_metrics(steer_site_triton, "cuda").values():
-        assert_site_live(res)
+    for name, res in site_live_metrics(steer_site_triton, "cuda").items():
+        if name.startswith("summary_"):
+            assert all(res.values()), res
+        else:
+            assert_site_live(res)
 
 
 @pytest.fixture(scope="module")

@@ -308,7 +308,13 @@ def site_live_metrics(impl: Any, device: str = "cpu") -> dict[str, Any]:
     got_a_kw, got_kw, want_kw = clone_buffers(kw), clone_buffers(site_b), clone_buffers(site_b)
     got_a, got, want = impl(**got_a_kw), impl(**got_kw), steer_site_dyn_reference(**want_kw)
     written = monitored(site_b)
+    # the site's summary (row 0's row_live) 0: every token copied, no monitor run, whatever the rows hold
+    skip_kw = clone_buffers(dict(kw, row_live=kw["row_live"].clone()))
+    skip_kw["row_live"][0] = 0
+    skipped = impl(**skip_kw)
     return {
+        "summary_zero_skips": torch.equal(skipped, kw["h"]) and torch.equal(skip_kw["gates"], kw["gates"])
+        and torch.equal(skip_kw["scores"], kw["scores"]),
         "flags": [site_b["row_live"][list(LIVE_ELSEWHERE)].tolist(), kw["row_live"][list(LIVE_ELSEWHERE)].tolist()],
         "idle_tokens": int(idle.sum()),
         "idle_exact_at_b": torch.equal(got[idle], kw["h"][idle]),
@@ -324,6 +330,7 @@ def assert_site_live(res: dict[str, Any]) -> None:
     assert res["flags"][0] == [0, 0, 0] and 0 not in res["flags"][1] and res["idle_tokens"] > 0, res
     assert res["idle_exact_at_b"] and res["steered_at_a"] and res["buffers_untouched"], res
     assert res["out_err"] < 1e-4 and res["gate_err"] < 1e-6, res
+    assert res["summary_zero_skips"], res
 
 
 @pytest.fixture(scope="module")

@@ -230,7 +230,11 @@ def written_tables(num_g: int, device: str = "cpu") -> tuple[Any, list[Any]]:
 
 def written_tables_metrics(impl: Any, num_g: int, device: str = "cpu") -> dict[str, Any]:
     """The fused kernel on ``written_tables``: equal to the reference with both sites; with site B alone, the tokens
-    of row 1 (nothing at B) get the same outputs, bit for bit, as with row 0 (unsteered)."""
+    of row 1 (nothing at B) get the same outputs, bit for bit, as with row 0 (unsteered). With the sites' summaries
+    narrowed to a batch (``SteeringTables.summarize``): equal to the reference where the batch's rows hold nothing at
+    one site; with every summary 0, no token steered at all."""
+    import numpy as np
+
     tables, (tabs_a, tabs_b) = written_tables(num_g, device)
     gen = torch.Generator().manual_seed(num_g)
     h, r = (torch.randn(15, 64, generator=gen).to(device) for _ in range(2))
@@ -246,7 +250,22 @@ def written_tables_metrics(impl: Any, num_g: int, device: str = "cpu") -> dict[s
     unsteered = impl(**clone_state(dict(kw, tabs_a=[], row_index=torch.zeros_like(tables.row_index))))
     rows = tables.row_index[:15].long()
     flags = [[int(t[5][row]) for row in range(5)] for t in (tabs_a, tabs_b)]
+    # A batch reading rows 0 and 2 only (nothing at A): summarized, site A is skipped for every token, B is not.
+    pair = dict(kw, row_index=tables.row_index.clone())
+    pair["row_index"][:15] = torch.tensor([0, 2] * 7 + [0], dtype=torch.int32)
+    tables.summarize(np.array([0, 2]))
+    summaries = [int(tabs_a[5][0]), int(tabs_b[5][0])]
+    pair_got_kw, pair_want_kw = clone_state(pair), clone_state(pair)
+    pair_got, pair_want = impl(**pair_got_kw), steer_add_rms_norm_reference(**pair_want_kw)
+    # Every summary 0 (as after summarize([])): no token is steered, whatever its row holds.
+    tables.summarize(np.array([], np.int64))
+    skipped = impl(**clone_state(kw))
     return {
+        "summaries": summaries,
+        "pair_err": max((g - w).abs().max().item() for g, w in zip(pair_got, pair_want)),
+        "pair_steered_at_b": not torch.equal(pair_got[1][1::2], impl(**clone_state(dict(
+            pair, row_index=torch.zeros_like(tables.row_index))))[1][1::2]),
+        "all_zero_skips": all(torch.equal(x, y) for x, y in zip(skipped, unsteered)),
         "flags": flags,
         "err": max((g - w).abs().max().item() for g, w in zip(got, want)),
         "gate_err": max([(g - w).abs().max().item() for g, w in zip(got_kw["gate_bufs"], want_kw["gate_bufs"])]
@@ -262,14 +281,20 @@ def test_write_row_flags_each_site(num_g: int) -> None:
     tables, (tabs_a, tabs_b) = written_tables(num_g)
     want_a = [0, 1, 0, 4 if num_g else 1, 1]
     want_b = [0, 0, 2, 8 if num_g else 2, 1]
+    want_a[0], want_b[0] = 5 if num_g else 1, 11 if num_g else 3  # row 0: each site's summary (OR of the rows)
     assert tabs_a[5].tolist() == want_a and tabs_b[5].tolist() == want_b
 
 
 @pytest.mark.parametrize("num_g", [0, 2])
 def test_triton_on_written_tables(interp_results: dict[str, Any], num_g: int) -> None:
-    res = interp_results[f"written_tables_G{num_g}"]
-    assert res["flags"][0] == [0, 1, 0, 4 if num_g else 1, 1], res
+    assert_written_tables(interp_results[f"written_tables_G{num_g}"], num_g)
+
+
+def assert_written_tables(res: dict[str, Any], num_g: int) -> None:
+    assert res["flags"][0] == [5 if num_g else 1, 1, 0, 4 if num_g else 1, 1], res
     assert res["err"] < 1e-4 and res["gate_err"] < 1e-6 and res["idle_exact"] and res["steered"], res
+    assert res["summaries"] == [0, 2], res  # row 2 holds a clamp at B only
+    assert res["pair_err"] < 1e-4 and res["pair_steered_at_b"] and res["all_zero_skips"], res
 
 
 # ---- Triton (interpreted) vs reference ---------------------------------------------------------------------------
@@ -333,8 +358,7 @@ def test_cuda_matches_reference(case: Case) -> None:
 def test_cuda_on_written_tables(num_g: int) -> None:
     from dynsteer.kernels.triton_fused import steer_add_rms_norm_triton
 
-    res = written_tables_metrics(steer_add_rms_norm_triton, num_g, "cuda")
-    assert res["err"] < 1e-4 and res["gate_err"] < 1e-6 and res["idle_exact"] and res["steered"], res
+    assert_written_tables(written_tables_metrics(steer_add_rms_norm_triton, num_g, "cuda"), num_g)
 
 
 @pytest.mark.gpu

@@ -4,6 +4,7 @@ writes every row holds exactly its last content (independent reference: per site
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -84,8 +85,20 @@ def test_every_row_holds_exactly_its_last_content(writes):
         for key in SITES:
             prog = content.sites.get(key) if content is not None else None
             for name, tensor in tables.views(*key).items():
+                if row == 0 and name == "row_live":
+                    continue  # the site's summary, checked below
                 got = tensor[row].cpu().numpy()
-                np.testing.assert_array_equal(got, expected_field(prog, name).astype(got.dtype), err_msg=f"{row} {key} {name}")
+                np.testing.assert_array_equal(got, expected_field(prog, name).astype(got.dtype),
+                                              err_msg=f"{row} {key} {name}")
+    for key in SITES:  # row 0's flags: a superset of every row's (ORed in as rows are written), then exact
+        live = tables.views(*key)["row_live"].cpu().numpy()
+        union = int(np.bitwise_or.reduce(live[1:]))
+        assert int(live[0]) & union == union and tables.summaries()[key] == int(live[0])
+    rows = sorted(last)
+    tables.summarize(np.array([0, *rows[:1]]))
+    for key in SITES:
+        live = tables.views(*key)["row_live"].cpu().numpy()
+        assert int(live[0]) == (int(live[rows[0]]) if rows else 0) == tables.summaries()[key]
 
 
 def test_a_row_write_uploads_only_the_sites_and_fields_in_use(monkeypatch):
@@ -96,17 +109,19 @@ def test_a_row_write_uploads_only_the_sites_and_fields_in_use(monkeypatch):
     one = RowContent(sites={SITES[0]: SiteProgram(vec=np.ones(H, np.float32))}, digest=b"a")
     other = RowContent(sites={SITES[3]: SiteProgram(vec=np.ones(H, np.float32))}, digest=b"b")
     tables.write_row(1, one)
-    assert uploaded == [1, 1]  # a plain vector: its own field (float32) and its site's row_live (int32)
+    # a plain vector: its own field (float32) and its site's row_live (int32), and that site's summary (row 0's
+    # row_live), which gains the row's flag
+    assert uploaded == [1, 2]
     uploaded.clear()
-    tables.write_row(1, other)  # the old site's vector is reset, the new one written
-    assert uploaded == [2, 2]
+    tables.write_row(1, other)  # the old site's vector is reset, the new one written (its summary gains it)
+    assert uploaded == [2, 3]
     assert torch.count_nonzero(tables.vec_at(SITES[0], 1)) == 0
     assert torch.equal(tables.vec_at(SITES[3], 1), torch.ones(H))
     # a clamp at the vector's site: the clamp group (4 float32 + clamp_gate int32), the vector (reset there), row_live
     clamp = Clamp(np.eye(H, dtype=np.float32)[0], -1.0, 1.0, 1.0)
     uploaded.clear()
     tables.write_row(1, RowContent(sites={SITES[3]: SiteProgram(clamps=[clamp])}, digest=b"c"))
-    assert sorted(uploaded) == [2, 5]
+    assert sorted(uploaded) == [3, 5]  # int32: clamp_gate, row_live and the summary (now flags 1 | 2)
     assert torch.count_nonzero(tables.vec_at(SITES[3], 1)) == 0
     assert tables.views(*SITES[3])["clamp_strength"][1, 0] == 1.0
     # back to nothing: every group it held returns to the defaults
@@ -122,7 +137,8 @@ def _live(tables: SteeringTables, row: int) -> list[int]:
 
 def test_row_live_follows_each_write():
     """``row_live`` holds, per site, what the row has there (1 vector, 2 clamp strength, 4 monitors, 8 dyn terms),
-    and returns to 0 at a site the row no longer touches; other rows and row 0 stay 0."""
+    and returns to 0 at a site the row no longer touches; other rows stay 0, row 0's entry (the site's summary)
+    gathers every flag written there."""
     tables = SteeringTables(SITES, H, ROWS, K, max_tokens=8, max_gates=G)
     a, b = SITES[1], SITES[4]
     ia, ib = SITES.index(a), SITES.index(b)
@@ -140,8 +156,28 @@ def test_row_live_follows_each_write():
     for n, (prog, flags) in enumerate(cases):
         tables.write_row(2, RowContent(sites={a: prog}, digest=bytes([n + 10])))
         assert _live(tables, 2) == [flags if i == ia else 0 for i in range(len(SITES))], n
-    assert _live(tables, 0) == _live(tables, 1) == _live(tables, 3) == [0] * len(SITES)
+    assert _live(tables, 1) == _live(tables, 3) == [0] * len(SITES)
+    # row 0: each site's summary, every flag written there since (no summarize() yet)
+    assert _live(tables, 0) == [15 if i == ia else 4 if i == ib else 0 for i in range(len(SITES))]
     # static tables (no dynamic tier): vector and clamp flags only
     static = SteeringTables(SITES, H, ROWS, K, max_tokens=8)
     static.write_row(1, RowContent(sites={a: SiteProgram(vec=ones, clamps=[Clamp(ones, 0.0, 0.0, 1.0)])}, digest=b"s"))
     assert _live(static, 1) == [3 if i == ia else 0 for i in range(len(SITES))]
+
+
+def test_summaries_follow_the_batch_rows():
+    tables = SteeringTables(SITES, H, ROWS, K, max_tokens=8, max_gates=G)
+    a, b = SITES[0], SITES[3]
+    tables.write_row(1, RowContent(sites={a: SiteProgram(vec=np.ones(H, np.float32))}, digest=b"a"))
+    clamp = Clamp(np.eye(H, dtype=np.float32)[0], -1.0, 1.0, 1.0)
+    tables.write_row(2, RowContent(sites={b: SiteProgram(clamps=[clamp])}, digest=b"b"))
+    assert tables.summaries()[a] == 1 and tables.summaries()[b] == 2  # ORed in as written
+    tables.summarize(np.array([0, 2]))  # a batch reading rows 0 and 2 only
+    assert tables.summaries() == {key: (2 if key == b else 0) for key in SITES}
+    assert tables.views(*a)["row_live"][0].item() == 0 and tables.views(*b)["row_live"][0].item() == 2
+    tables.summarize(np.array([], np.int64))
+    assert not any(tables.summaries().values())
+    tables.summarize(np.array([1, 2]))
+    assert tables.views(*a)["row_live"][0].item() == 1 and tables.views(*b)["row_live"][0].item() == 2
+    with pytest.raises(ValueError, match="row 0"):
+        tables.write_row(0, RowContent(sites={a: SiteProgram(vec=np.ones(H, np.float32))}, digest=b"z"))

@@ -14,9 +14,12 @@ Contract (shared by every implementation of ``steer_site``)::
       clamp_strength: float32 [R, K]     0 = clamp slot off
       row_live:       int32 [R]          what row i holds here: bit 0 (1) vec[i] != 0, bit 1 (2) some strength
                                          != 0 (bits 2 / 4 / 3 / 8: monitors / dyn terms, see dynamic_reference);
-                                         0 for row 0. A pure function of the other tables, so it changes no
-                                         result: the Triton kernels use it to skip the loads of a row that holds
-                                         nothing (or only some groups) here; the references ignore it.
+                                         A pure function of the other tables, so it changes no result: the
+                                         Triton kernels use it to skip the loads of a row that holds nothing (or
+                                         only some groups) here; the references ignore it. Row 0 holds nothing;
+                                         its entry is the site's summary: a superset of the OR of the flags of
+                                         every row row_index names (0 lets the kernels skip the site for every
+                                         token without loading a row's flags).
       stage:          [N, H] or empty, optional: receives the unsteered residual (capture), see below
       stage_slot:     int32 [M >= T], optional: the stage row of each token (-1: none); None: row t
 

@@ -7,8 +7,10 @@ token loads ``h`` and ``r`` once, applies site A and then site B exactly as ``st
 (each site's result rounded to ``h``'s dtype, as the separate op stores it), then computes vLLM's
 ``fused_add_rms_norm`` (fp32 add, residual rounded to the input dtype, fp32 variance, ``normed.to(w.dtype) * w``, or
 with ``unit_offset`` Gemma's ``normed * (1 + w)`` in fp32).
-An idle token (row 0) pays one row-index load on top of the norm; a steered token at a site where its row holds
-nothing (``row_live`` 0: a spec steering other layers) one flag load more, not the row's vector and strengths.
+An idle token (row 0) pays the row-index load and the site's summary load (``row_live[0]``, issued alongside) on top
+of the norm; at a site no row of the batch steers (summary 0) so does a steered token; at a site where its own row
+holds nothing (``row_live`` 0: a spec steering other layers) it pays the dependent load of its row's flags, not the
+row's vector and strengths.
 Semantics: ``dynsteer.kernels.fused_reference``.
 
 Tables are the per-site tensors of :class:`dynsteer.steering.tables.SteeringTables`, which are standalone
@@ -39,7 +41,10 @@ def _site(x, res, row, t, offs, mask, H, K, G, N,
     """One site on token t (x: the branch in fp32, res: the carried residual in fp32); returns the steered x."""
     if STASH:
         _stash(x, res, t, stage_ptr, slot_ptr, H, n_stage, offs, mask, HAS_R=True, SLOTTED=SLOTTED)
-    if row != 0:
+    # row_live[0]: the site's summary for this step (independent of the token: loaded alongside the row index).
+    # 0, no row of the batch holds anything here: the identity for every token, without the row's flags.
+    on = tl.load(live_ptr)
+    if (row != 0) & (on != 0):
         # The row's flags at this site (steer_site_triton's kernels): 0 is the identity; else only the groups the
         # row has here are loaded / run (scalar branches, uniform per program).
         live = tl.load(live_ptr + row)

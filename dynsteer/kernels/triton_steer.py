@@ -5,7 +5,9 @@ index and, for a steered row, that row's ``row_live`` flags at this site, gather
 applies the K clamps (skipped by a scalar branch when the strength is 0), all in fp32, and writes a new
 output. The flags say which of the row's tables hold anything here: a row with none (steered at other
 sites only) costs one flag load more than row 0 (the index), not its vector (4H bytes) and strengths,
-and a row's vector / clamp loop are loaded / run only where it has one.
+and a row's vector / clamp loop are loaded / run only where it has one. ``row_live[0]`` (row 0 holds
+nothing) is the site's summary for the step, loaded alongside the index: 0 means no row of the batch
+holds anything here, and every token is copied without that dependent flag load.
 
 ``steer_site_dyn_triton`` (semantics: ``dynsteer.kernels.dynamic_reference``) does the same after
 the row's monitors (probe score -> sigmoid gate, stored to ``gates``/``scores``) and gated dyn
@@ -208,7 +210,8 @@ def _steer_site_kernel(
         res = x  # unused placeholder: _clamp_slots reads res only when HAS_R
     if STASH:
         _stash(x, res, t, stage_ptr, slot_ptr, stride_stage, n_stage, offs, mask, HAS_R=HAS_R, SLOTTED=SLOTTED)
-    if row != 0:
+    on = tl.load(live_ptr)  # row_live[0]: the site's summary this step (0: no row of the batch holds anything here)
+    if (row != 0) & (on != 0):
         # What the row holds at this site: nothing (steered at other sites only) is the identity, as row 0 is.
         live = tl.load(live_ptr + row * stride_live)
         if live != 0:
@@ -313,8 +316,10 @@ def _steer_site_dyn_kernel(
         _stash(x, res, t, stage_ptr, slot_ptr, stride_stage, n_stage, offs, mask, HAS_R=HAS_R, SLOTTED=SLOTTED)
 
     # Row 0 (unsteered, padding) is the identity with no monitors: a copy whose only dependent load is the row
-    # index (the idle engine's whole cost per site), instead of a chain of dependent table loads.
-    if row != 0:
+    # index (the idle engine's whole cost per site), instead of a chain of dependent table loads. So is every token
+    # at a site whose summary (row_live[0], loaded alongside) says no row of the batch holds anything here.
+    on = tl.load(live_ptr)
+    if (row != 0) & (on != 0):
         # The row's flags at this site; 0 (steered at other sites only) is the identity too, for one more load.
         # Otherwise each group (vector, monitors, dyn terms, clamps) is loaded / run only where the row has it: the
         # flags are uniform per program, so these are scalar branches. Monitors read the residual before this

@@ -411,6 +411,8 @@ class SteeringRuntime:
                 entry = self.admit(req_id, payload_of(req_id), int(view.prompt_lens[i]))
             entries.append(entry)
         rows = np.array([e.rows for e in entries], np.int32).reshape(n, 2)
+        # each site's summary: what the batch's rows hold there (the kernels skip a site whose summary is 0)
+        self.tables.summarize(np.unique(rows))
         dyn = [e.dyn if e.dyn is not None and e.rows[1] != 0 else None for e in entries]
         return _Batch(
             ids=ids, version=self._version, rows=rows,
