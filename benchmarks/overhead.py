@@ -32,7 +32,8 @@ order rotated by one each repeat, so drift in clocks or host load hits all of th
 over repeats of the paired ratio ``t(mode, repeat) / t(absent, repeat) − 1``.
 
 Modes: ``idle`` (dynsteer loaded, nothing set); static global vectors at 1 / 8 layers; per-request static vectors
-with 1 / 16 / 64 distinct configurations (request ``i`` carries config ``i mod N`` in its payload); ``global gate``
+with 1 / 16 / 64 distinct configurations (request ``i`` carries config ``i mod N`` in its payload; ``pr64n``: the
+same 64 vectors registered by name, so payloads of ~100 bytes instead of ~22 KB); ``global gate``
 (a global policy: monitor at the middle layer, gated vector 4 layers later); per-request dynamic policies (4
 distinct); the same with an EMA-latch sync controller (device tier), also compared with per-request dynamic; capture
 of every generated token at one layer (``Steerer.generate``: generation plus delivery of the rows to the caller);
@@ -794,7 +795,9 @@ def plot(report: dict, path: Path) -> Path | None:
 
 # ---- profile summaries ----------------------------------------------------------------------------------------------
 def summarize_trace(path: Path, steps: int, top: int = 15) -> dict:
-    """Top CPU ops by self time and top device kernels by time, per step, from a chrome trace of torch.profiler."""
+    """Top CPU ops by self time and top device kernels by time, per step, from a chrome trace of torch.profiler; the
+    device's busy / idle time, idle time by tenth of the call, and the batch of the first steps (a batch prefilled in
+    more steps than vLLM alone takes shows requests reaching the engine core late)."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
@@ -802,10 +805,13 @@ def summarize_trace(path: Path, steps: int, top: int = 15) -> dict:
     host_self: Counter = Counter()
     threads: dict = defaultdict(list)
     spans: list = []  # device intervals, for the time the device sat idle waiting for work
+    batches: list = []  # vLLM's per-step annotations ("execute_context_<reqs>(<tokens>)_generation_<reqs>(<tokens>)")
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
         cat = e.get("cat", "")
+        if cat == "user_annotation" and str(e.get("name", "")).startswith("execute_context_"):
+            batches.append((e["ts"], e["name"]))
         if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             kernels[e["name"]] += e["dur"]
             spans.append((e["ts"], e["ts"] + e["dur"]))
@@ -833,13 +839,23 @@ def summarize_trace(path: Path, steps: int, top: int = 15) -> dict:
     # here, not in kernel time). Gaps over 20 µs are counted separately: launch latency is a few µs.
     spans.sort()
     busy, idle, big, end = 0.0, 0.0, 0.0, None
+    tenths = [0.0] * 10  # idle time by tenth of the call: the first tenths hold admission (requests trickling in)
+    first, last = (spans[0][0], max(b for _, b in spans)) if spans else (0.0, 1.0)
     for a, b in spans:
         if end is not None and a > end:
             idle += a - end
             big += a - end if a - end > 20 else 0.0
+            tenths[min(9, int((end - first) / max(last - first, 1e-9) * 10))] += a - end
         busy += max(0.0, b - max(a, end if end is not None else a))
         end = b if end is None else max(end, b)
-    return {"steps": steps, "host_self_us_per_step_total": round(sum(host_self.values()) / steps, 1),
+    # the batch of each of the first steps (one annotation per step and thread: deduplicated by name in order)
+    seen: list = []
+    for _, name in sorted(batches):
+        short = name.removeprefix("execute_context_").replace("_generation_", " + decode ")
+        if not seen or seen[-1] != short:
+            seen.append(short)
+    return {"steps": steps, "first_steps": seen[:4], "device_idle_ms_by_tenth": [round(x / 1e3, 2) for x in tenths],
+            "host_self_us_per_step_total": round(sum(host_self.values()) / steps, 1),
             "device_us_per_step_total": round(sum(kernels.values()) / steps, 1),
             "device_busy_us_per_step": round(busy / steps, 1), "device_idle_us_per_step": round(idle / steps, 1),
             "device_idle_gaps_over_20us_per_step": round(big / steps, 1),
