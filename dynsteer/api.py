@@ -27,7 +27,6 @@ from dynsteer.payload import PAYLOAD_KEY, encode_payload, with_tag
 from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import (AddVector, Ablation, ModelShape, ProjectionClamp, Site, SteeringSpec, Tier,
                            VectorSource, check_vector)
-from dynsteer.steering.compile import compile_phase
 from dynsteer.trace import DynamicTrace
 from dynsteer.vectors import as_vector, pack_vector
 
