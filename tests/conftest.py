@@ -162,12 +162,5 @@ def row_live(vec: Any, clamp_strength: Any, mon_mask: Any = None, dyn_mask: Any 
     if dyn_mask is not None:
         live |= (dyn_mask != 0).int() << 3
     live[0] = 0
-    live[0] = _or_all(live)
+    live[0] = int(np.bitwise_or.reduce(live.cpu().numpy()))
     return live.to(torch.int32)
-
-
-def _or_all(t: Any) -> Any:
-    out = 0
-    for v in t.tolist():
-        out |= int(v)
-    return out

@@ -667,8 +667,8 @@ class SteeringRuntime:
     def _compile(self, specs: list[tuple[str, SteeringSpec]], key: Any, policy: Any = None,
                  decode_extra: list[tuple[str, SteeringSpec]] = ()) -> list[RowContent]:
         """Both phases' contents, memoised per (global configuration, payload) (most traffic repeats a few
-        configurations; compiling hashes every vector, which would otherwise run for each admitted request). ``decode_extra``: specs added
-        to the decode phase only (a monitor's ``steer`` command)."""
+        configurations; compiling hashes every vector, which would otherwise run for each admitted request).
+        ``decode_extra``: specs added to the decode phase only (a monitor's ``steer`` command)."""
         key = None if key is None else (self._global_key, key)
         cached = self._compiled.get(key) if key is not None else None
         if cached is None:

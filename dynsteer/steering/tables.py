@@ -8,8 +8,8 @@ flags are 0 and load only the flagged tables otherwise). Row 0 holds nothing, so
 site's summary instead: the OR of the flags of every row tokens may read this step (a superset: ``write_row`` ORs a
 new row in, :meth:`SteeringTables.summarize` narrows it to the batch's rows). A kernel finding it 0 skips the site for
 every token without the dependent load of a token's row flags (one load in the chain of every steered token at
-every site it does not steer: ~35 µs per forward on an 8B model at batch 64 for one steered site of 96). With a dynamic tier (G > 0) also ``clamp_gate[R, K]`` and
-the bitmasks ``mon_mask[R]``/``dyn_mask[R]`` (int32), ``mon_probe[R, G, H]``, ``mon_sharp/thresh/floor[R, G]`` and
+every site it does not steer: ~35 µs per forward on an 8B model at batch 64 for one steered site of 96). With a
+dynamic tier (G > 0) also ``clamp_gate[R, K]`` and the bitmasks ``mon_mask[R]``/``dyn_mask[R]`` (int32), ``mon_probe[R, G, H]``, ``mon_sharp/thresh/floor[R, G]`` and
 ``dyn_vec[R, G, H]``. Shared by all sites: ``row_index[max_tokens]`` (int32) and, with G > 0, the per-token
 ``gate_mul/gate_add`` (staged by the host) and ``gates/scores`` (written by monitors, read by later sites), each
 ``[G, max_tokens]`` float32. Row 0 is all zeros and is what padding and unsteered tokens read. Tensors are allocated
@@ -94,25 +94,24 @@ class SteeringTables:
         synchronous pageable copy (~1,250 per row on an 8B model), then every field of a touched site went up
         (~200 KB per site with a dynamic tier, mostly zeros); a plain vector now moves its own 4H bytes (and its
         site's 4-byte ``row_live``, in the int32 copy)."""
+        if row == 0:
+            raise ValueError("row 0 is the identity (and carries the sites' summaries): it is never written")
         old = self._dirty[row]
         new = {key: _groups(prog) for key, prog in content.sites.items()}
         groups: dict[torch.dtype, tuple[list[torch.Tensor], list[np.ndarray]]] = {}
-        if row == 0:
-            raise ValueError("row 0 is the identity (and carries the sites' summaries): it is never written")
         for key in self.sites:
             wanted = new.get(key, frozenset()) | old.get(key, frozenset())
             if not wanted:
                 continue
             tensors, prog = self._site[key], content.sites.get(key)
-            fields = self._fields(prog, wanted)
+            pairs = [(tensors[name][row], src) for name, src in self._fields(prog, wanted)]
             i = self.slot[key]
-            self._live[i, row] = int(fields[-1][1])
+            self._live[i, row] = int(pairs[-1][1])  # _fields ends with row_live
             summary = self._summary[i] | self._live[i, row]  # a superset until the next summarize()
             if summary != self._summary[i]:
                 self._summary[i] = summary
-                fields.append(("row_live@0", np.array(summary, np.int32)))
-            for name, src in fields:
-                dst = tensors["row_live"][0] if name == "row_live@0" else tensors[name][row]
+                pairs.append((tensors["row_live"][0], np.array(summary, np.int32)))
+            for dst, src in pairs:
                 dsts, srcs = groups.setdefault(dst.dtype, ([], []))
                 dsts.append(dst)
                 srcs.append(src)
