@@ -17,8 +17,15 @@ from dynsteer.monitor.client import CommandClient
 from dynsteer.spec import AddVector, SteeringSpec
 from tests.conftest import ON_GPU, make_llm
 
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(ON_GPU or (os.cpu_count() or 1) < 2, reason="two CPU workers (the GPU run: h200-x2)")]
+              pytest.mark.skipif(_gpus() < 2 if ON_GPU else (os.cpu_count() or 1) < 2,
+                                 reason="two CPU workers, or two GPUs with DYNSTEER_TEST_DEVICE=cuda")]
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning"]
 
 
@@ -39,11 +46,32 @@ def _run(path, tp: int, command_at: int = 6):
     if tp == 2 and not ON_GPU:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per CPU worker (one NUMA node here)
     try:
+        if ON_GPU:
+            return _in_fresh_process(_generate, path, tp, command_at, cfg, params)
         return _generate(path, tp, command_at, cfg, params)
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         if bind is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+
+
+def _in_fresh_process(fn, *args):
+    """Run ``fn`` in a spawned process whose engine core is in-process (the test steps it and reads its scheduler);
+    one CUDA-graph engine per process, as the GPU suite runs every engine. TP=2 workers are that process's children
+    (a pool's daemonic workers could not start them)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # inherited by the child spawned at submit
+    try:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(fn, *args).result()
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
 
 
 def _generate(path, tp, command_at, cfg, params):

@@ -48,16 +48,20 @@ def run(path, tp: int):
         params_list, tags = st._params(PROMPTS, params, None, policy=policies(st.hidden_size))
         llm.generate(PROMPTS, params_list)
         per_rank = st.take_traces(tags, all_ranks=True)
-    return base, token_ids(outs), [o.trace for o in outs], per_rank, tags
+        states = [w["dynamic"]["controller_state"] for w in st.describe()]
+    return base, token_ids(outs), [o.trace for o in outs], per_rank, tags, states
 
 
 def test_tp2_ranks_decide_identically_and_match_tp1(tiny_llama_path):
-    base2, steered2, traces2, per_rank, tags = run(tiny_llama_path, tp=2)
+    base2, steered2, traces2, per_rank, tags, states = run(tiny_llama_path, tp=2)
     assert len(per_rank) == 2
+    # the device controllers' whole state (every slot, bit for bit) is the same on both ranks, and not trivially:
+    # the two sync-controller requests of each of the two runs left their last states behind
+    assert states[0] == states[1] and states[0]["slots_nonzero"] >= 2, states
     for tag in tags:
         r0, r1 = per_rank[0][tag], per_rank[1][tag]
         assert r0.scale == r1.scale and r0.applied == r1.applied and r0.gate == r1.gate and r0.score == r1.score
-    base1, steered1, traces1, _, _ = run(tiny_llama_path, tp=1)
+    base1, steered1, traces1, _, _, _ = run(tiny_llama_path, tp=1)
     assert steered2 != base2
     assert base2 == base1 and steered2 == steered1
     for t1, t2 in zip(traces1, traces2):

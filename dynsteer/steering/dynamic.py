@@ -24,6 +24,7 @@ decisions.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -628,6 +629,12 @@ class DynamicDriver:
             self.stats.device_slots_in_use += 1
         if st.keep or st.tier == "device":
             st.record = self.records.acquire()
+
+    def state_digest(self) -> tuple[str, int]:
+        """blake2b of the device controller state (every slot, finished requests' last states included) and how
+        many slots hold a non-zero row: TP ranks must agree bit for bit. Synchronises with the device (diagnostic)."""
+        host = self.state.detach().cpu().numpy()
+        return hashlib.blake2b(host.tobytes(), digest_size=16).hexdigest(), int(np.count_nonzero(host.any(axis=1)))
 
     def free(self, st: DynState) -> None:
         """The request finished (or its policy was replaced): release its slot or its host-tier place, once."""

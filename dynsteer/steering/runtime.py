@@ -753,6 +753,7 @@ class SteeringRuntime:
                                                       if h.fused)},
                 "dynamic": None if self.dynamic is None else {
                     "live": len(self._dyn), "global_policy": self.global_policy is not None,
+                    "controller_state": dict(zip(("digest", "slots_nonzero"), self.dynamic.state_digest())),
                     **vars(self.dynamic.stats)}}
 
 
