@@ -110,7 +110,10 @@ _ARCH_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
 # Smaller still: hidden 64, 2 layers, 2 query heads of 32 (1 KV head where the family has GQA), 4 experts (top 2) for
 # MoE families. Their own recipe version, so the six checkpoints above are never rebuilt by a change here.
 _FAMILY_RECIPE_VERSION = 2
+#: families whose own recipe changed since (a new cache directory for them only)
+_FAMILY_REVISION = {"olmo3": 3}
 _ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+_OLMO3_LAYERS = ["sliding_attention", "full_attention"]
 FAMILY_SHAPE: dict[str, Any] = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -148,8 +151,10 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
                                              "embedding_multiplier": 2.0, "attention_multiplier": 0.2,
                                              "logits_scaling": 2.0}),
     "stablelm": ("StableLmForCausalLM", {**_ROPE, "partial_rotary_factor": 0.5, "use_parallel_residual": False}),
-    "olmo3": ("Olmo3ForCausalLM", {**_ROPE, "num_key_value_heads": 2, "sliding_window": 64,
-                                   "layer_types": ["sliding_attention", "full_attention"]}),
+    # RoPE per layer type: a flat dict is merged with Olmo3Config's per-type defaults into a mixed dict that older
+    # transformers (5.17, the GPU host's) reject when building or loading the checkpoint
+    "olmo3": ("Olmo3ForCausalLM", {"rope_parameters": {t: dict(_ROPE["rope_parameters"]) for t in _OLMO3_LAYERS},
+                                   "num_key_value_heads": 2, "sliding_window": 64, "layer_types": _OLMO3_LAYERS}),
     "exaone4": ("Exaone4ForCausalLM", {**_ROPE, "sliding_window": 64, "sliding_window_pattern": 2,
                                        "layer_types": ["sliding_attention", "full_attention"]}),
     "glm4_moe": ("Glm4MoeForCausalLM", {
@@ -225,7 +230,7 @@ def tiny_model(arch: str, cache_dir: str | os.PathLike[str] | None = None) -> pa
     if arch not in _ARCH_SPECS and arch not in _FAMILY_SPECS:
         raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS + FAMILY_ARCHS}")
     root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    version = _RECIPE_VERSION if arch in _ARCH_SPECS else f"f{_FAMILY_RECIPE_VERSION}"
+    version = _RECIPE_VERSION if arch in _ARCH_SPECS else f"f{_FAMILY_REVISION.get(arch, _FAMILY_RECIPE_VERSION)}"
 
     def build(out: pathlib.Path) -> dict[str, Any]:
         _build(arch, out)
