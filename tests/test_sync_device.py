@@ -312,3 +312,27 @@ def test_device_tier_equals_host_tier_in_the_engine(tiny_llama_path):
 
 if __name__ == "__main__":
     sys.exit(_interp_worker())
+
+
+def test_slots_and_state_do_not_depend_on_the_order_requests_were_freed_in() -> None:
+    """TP ranks free a step's finished requests in their own set order: the next requests must still take the same
+    slots, so both ranks' state buffers stay bit-identical."""
+    from dynsteer.steering.dynamic import DynamicDriver
+
+    def driver_after(free_order: list[int]) -> tuple[list[int], str]:
+        gates = torch.zeros(G, 16)
+        drv = DynamicDriver(torch.ones(G, 16), torch.zeros(G, 16), torch.zeros(G, 16), gates, max_slots=8)
+        first = [DynState.for_policy(make_policy("ema_latch", "this_token")) for _ in range(4)]
+        for st in first:
+            drv.place(st)
+        for i in free_order:
+            drv.free(first[i])
+        later = [DynState.for_policy(make_policy(c, "this_token")) for c in ("pid", "latch")]
+        for st in later:
+            drv.place(st)
+        return [st.device_slot for st in later], drv.state_digest()[0]
+
+    slots_a, digest_a = driver_after([0, 1, 2, 3])
+    slots_b, digest_b = driver_after([3, 1, 0, 2])
+    assert slots_a == slots_b == [0, 1]
+    assert digest_a == digest_b

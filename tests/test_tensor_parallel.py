@@ -55,12 +55,12 @@ def run(path, tp: int):
 def test_tp2_ranks_decide_identically_and_match_tp1(tiny_llama_path):
     base2, steered2, traces2, per_rank, tags, states = run(tiny_llama_path, tp=2)
     assert len(per_rank) == 2
-    # the device controllers' whole state (every slot, bit for bit) is the same on both ranks, and not trivially:
-    # the two sync-controller requests of each of the two runs left their last states behind
-    assert states[0] == states[1] and states[0]["slots_nonzero"] >= 2, states
     for tag in tags:
         r0, r1 = per_rank[0][tag], per_rank[1][tag]
         assert r0.scale == r1.scale and r0.applied == r1.applied and r0.gate == r1.gate and r0.score == r1.score
+    # the device controllers' whole state (every slot, bit for bit) is the same on both ranks, and not trivially:
+    # the sync-controller requests of the last run left their final states behind
+    assert states[0] == states[1] and states[0]["slots_nonzero"] >= 2, states
     base1, steered1, traces1, _, _, _ = run(tiny_llama_path, tp=1)
     assert steered2 != base2
     assert base2 == base1 and steered2 == steered1

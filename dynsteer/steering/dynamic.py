@@ -25,6 +25,7 @@ decisions.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -572,7 +573,8 @@ class DynamicDriver:
         self._init = torch.zeros(max(max_slots, 1), self.layout.width, dtype=torch.float64, device="cpu",
                                  pin_memory=self.cuda)
         self.max_slots = max_slots
-        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self._free_slots = list(range(max_slots))  # a min-heap: a request takes the lowest free slot, whatever
+        # order others were freed in (identical slots, so bit-identical state buffers, on every TP rank)
         self.sched_pos = np.full(max(max_slots, 1), -1, np.int64)  # by device slot: the last position staged fresh
         self.records = ReadbackStore(self.layout.G * 4 + 1)
         self.scale_used = torch.ones(N, dtype=torch.float32, device=dev)
@@ -619,7 +621,7 @@ class DynamicDriver:
         else:
             from dynsteer.kernels.controller_reference import controller_row
 
-            s = self._free_slots.pop()
+            s = heapq.heappop(self._free_slots)
             self._init[s] = torch.tensor(controller_row(self.layout, st.slots, st.ctrl_slot, st.ctrl_spec),
                                          dtype=torch.float64)
             # Ordered on the compute stream after every step that used the slot before (its last update included).
@@ -643,7 +645,7 @@ class DynamicDriver:
             self.host_tier -= 1
             st.tier = "host-freed"
         if st.device_slot is not None:
-            self._free_slots.append(st.device_slot)
+            heapq.heappush(self._free_slots, st.device_slot)
             st.device_slot = None
             self.stats.device_slots_in_use -= 1
 

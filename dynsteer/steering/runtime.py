@@ -189,7 +189,9 @@ class SteeringRuntime:
         A preempted request keeps its capture record (its ledger skips the positions it recomputes); a finished one
         hands the record to its consumers.
         """
-        for req_id in req_ids:
+        # sorted: vLLM hands a set, whose order varies per process (string hashing); every TP rank must free slots
+        # and rows in the same order to keep identical buffers
+        for req_id in sorted(req_ids):
             # the batch arrays are gathered again only when something was released (the runner calls this every
             # step, usually with no ids: bumping regardless re-gathered every request at every step)
             self._version += 1
