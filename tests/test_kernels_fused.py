@@ -297,12 +297,94 @@ def assert_written_tables(res: dict[str, Any], num_g: int) -> None:
     assert res["pair_err"] < 1e-4 and res["pair_steered_at_b"] and res["all_zero_skips"], res
 
 
+# ---- idle sites in eager calls: the add-norm alone ----------------------------------------------------------------
+
+
+def test_op_takes_the_plain_add_norm_only_where_both_sites_are_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op's eager call skips the sites (``site_summary``) only when the host summaries of both are 0 and nothing
+    is captured; the result is bit for bit the full reference's. Tables it was not told about always run in full."""
+    import numpy as np
+
+    import dynsteer.kernels.fused_reference as fused_reference
+
+    monkeypatch.delenv(ENV_KERNEL, raising=False)
+    full_calls = []
+    full = fused_reference.steer_add_rms_norm_reference
+    monkeypatch.setattr(fused_reference, "steer_add_rms_norm_reference",
+                        lambda *a, **k: full_calls.append(1) or full(*a, **k))
+    tables, (tabs_a, tabs_b) = written_tables(2)
+    gen = torch.Generator().manual_seed(3)
+    h, r = torch.randn(15, 64, generator=gen), torch.randn(15, 64, generator=gen)
+    tables.row_index[:15] = torch.tensor([0, 2] * 7 + [0], dtype=torch.int32)  # row 2: a clamp at B only
+    tables.gate_buffers["gate_mul"].fill_(1.0)
+    kw = dict(h=h, r=r, weight=torch.ones(64), eps=1e-5, row_index=tables.row_index, tabs_a=tabs_a, tabs_b=tabs_b,
+              gate_bufs=list(tables.gate_buffers.values()))
+
+    def run(**over: Any) -> tuple[bool, bool]:
+        """(took the full path, equal bit for bit to the full reference)"""
+        args = clone_state(dict(dict(kw, stage_a=None, stage_b=None, stage_slot=None, unit_offset=False), **over))
+        before = len(full_calls)
+        got = steer_add_rms_norm(**args)
+        took_full = len(full_calls) > before
+        want = full(**clone_state(args))
+        return took_full, all(torch.equal(g, w) for g, w in zip(got, want))
+
+    assert run() == (True, True)  # after write_row: summaries are supersets, nothing idle
+    tables.summarize(np.array([0, 2]))  # A holds nothing for these rows, B a clamp
+    assert run() == (True, True)
+    assert run(tabs_b=[]) == (False, True)  # site A alone: idle
+    assert run(tabs_a=[]) == (True, True)
+    tables.summarize(np.array([0]))
+    tables.row_index[:15] = 0  # the batch reads row 0 only
+    assert run() == (False, True)
+    assert run(stage_a=stage_buffer(h)) == (True, True)  # captured: the full kernel writes the stage
+    other = make_fused_inputs(15, 64, 2, 2, "ab", torch.float32, False, seed=5)
+    other["row_index"].zero_()
+    other["tabs_a"][5].zero_()
+    other["tabs_b"][5].zero_()  # summary 0, but not tables the op was told about
+    before = len(full_calls)
+    steer_add_rms_norm(**clone_state(other))
+    assert len(full_calls) == before + 1
+
+
+PLAIN_CASES = [(64, "float32", False), (100, "bfloat16", False), (576, "float16", False), (1152, "bfloat16", True),
+               (4096, "bfloat16", False)]
+
+
+def plain_norm_metrics(full: Any, plain: Any, device: str = "cpu") -> dict[str, bool]:
+    """The add-norm kernel vs the full kernel at two idle sites (summaries 0, dynamic tables, a row written at A),
+    bit for bit, for several widths and dtypes, with Gemma's norm too."""
+    import numpy as np
+
+    from dynsteer.steering.compile import RowContent, SiteProgram
+    from dynsteer.steering.tables import SteeringTables
+
+    out = {}
+    for hidden, dt, gemma in PLAIN_CASES:
+        dtype = DTYPES[dt]
+        sites = [(0, "post_attn"), (1, "pre_attn")]
+        tables = SteeringTables(sites, hidden, 3, 2, max_tokens=24, device=device, max_gates=2)
+        vec = np.random.default_rng(hidden).standard_normal(hidden).astype(np.float32)
+        tables.write_row(1, RowContent(sites={sites[0]: SiteProgram(vec=vec)}, digest=b"1"))
+        tables.summarize(np.array([0]))
+        names = SteeringTables.FIELDS + SteeringTables.DYN_FIELDS
+        tabs_a, tabs_b = ([tables.views(*key)[n] for n in names] for key in sites)
+        gen = torch.Generator().manual_seed(hidden)
+        h, r = ((torch.randn(19, hidden, generator=gen) * 4).to(dtype).to(device) for _ in range(2))
+        weight = (1.0 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(device)
+        got = plain(h, r, weight, 1e-6, gemma)
+        want = full(h, r, weight, 1e-6, tables.row_index, tabs_a, tabs_b, list(tables.gate_buffers.values()),
+                    None, None, None, gemma)
+        out[f"H{hidden}-{dt}{'-gemma' if gemma else ''}"] = all(torch.equal(g, w) for g, w in zip(got, want))
+    return out
+
+
 # ---- Triton (interpreted) vs reference ---------------------------------------------------------------------------
 
 
 def _interp_worker() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    from dynsteer.kernels.triton_fused import steer_add_rms_norm_triton
+    from dynsteer.kernels.triton_fused import add_rms_norm_triton, steer_add_rms_norm_triton
 
     results = {}
     for seed, case in enumerate(CASES):
@@ -311,6 +393,7 @@ def _interp_worker() -> int:
         results[_case_id(case)] = compare(steer_add_rms_norm_triton, kw)
     for num_g in (0, 2):
         results[f"written_tables_G{num_g}"] = written_tables_metrics(steer_add_rms_norm_triton, num_g)
+    results["plain_norm"] = plain_norm_metrics(steer_add_rms_norm_triton, add_rms_norm_triton)
     print("RESULTS " + json.dumps(results))
     return 0
 
@@ -323,6 +406,11 @@ def interp_results() -> dict[str, Any]:
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_triton_matches_reference(interp_results: dict[str, Any], case: Case) -> None:
     _assert_metrics(interp_results[_case_id(case)], case[5], rounds_to_nearest=False)
+
+
+def test_triton_plain_norm_equals_the_full_kernel_at_idle_sites(interp_results: dict[str, Any]) -> None:
+    res = interp_results["plain_norm"]
+    assert len(res) == len(PLAIN_CASES) and all(res.values()), res
 
 
 # ---- compiled on a GPU ---------------------------------------------------------------------------------------------
@@ -359,6 +447,49 @@ def test_cuda_on_written_tables(num_g: int) -> None:
     from dynsteer.kernels.triton_fused import steer_add_rms_norm_triton
 
     assert_written_tables(written_tables_metrics(steer_add_rms_norm_triton, num_g, "cuda"), num_g)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_plain_norm_equals_the_full_kernel_at_idle_sites() -> None:
+    from dynsteer.kernels.triton_fused import add_rms_norm_triton, steer_add_rms_norm_triton
+
+    res = plain_norm_metrics(steer_add_rms_norm_triton, add_rms_norm_triton, "cuda")
+    assert len(res) == len(PLAIN_CASES) and all(res.values()), res
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_holds_the_full_kernel_at_idle_sites(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Captured while both sites are idle, the graph still holds the full kernel: a row written afterwards steers
+    on replay, and eager calls at idle sites give the graph's bits."""
+    import numpy as np
+
+    from dynsteer.steering.compile import RowContent, SiteProgram
+
+    monkeypatch.delenv(ENV_KERNEL, raising=False)
+    tables, (tabs_a, tabs_b) = written_tables(2, "cuda")
+    tables.summarize(np.array([0]))
+    tables.gate_buffers["gate_mul"].fill_(1.0)
+    gen = torch.Generator().manual_seed(9)
+    h, r = (torch.randn(8, 64, generator=gen).cuda() for _ in range(2))
+    tables.row_index.zero_()
+    kw = dict(h=h, r=r, weight=torch.ones(64, device="cuda"), eps=1e-5, row_index=tables.row_index, tabs_a=tabs_a,
+              tabs_b=tabs_b, gate_bufs=list(tables.gate_buffers.values()))
+    eager = steer_add_rms_norm(**kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = steer_add_rms_norm(**kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+    vec = np.full(64, 3.0, np.float32)
+    tables.write_row(1, RowContent(sites={tables.sites[0]: SiteProgram(vec=vec)}, digest=b"late"))
+    tables.row_index[:8] = 1
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out[1], (h + r + 3.0), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

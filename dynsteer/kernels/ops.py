@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from dynsteer.kernels import site_summary
 from dynsteer.kernels.dynamic_reference import steer_site_dyn_reference
 from dynsteer.kernels.reference import stash_residual, steer_site_reference
 
@@ -292,7 +293,17 @@ def _fused_impl(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: flo
                 unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
     # Same dispatch rule as select_impl: Triton on CUDA tensors, the torch reference elsewhere, the env var forces.
     forced = os.environ.get(ENV_KERNEL, "").strip().lower()
-    if forced == "reference" or (forced != "triton" and not h.is_cuda):
+    reference = forced == "reference" or (forced != "triton" and not h.is_cuda)
+    # An eager call (never while a CUDA graph is captured: the graph must hold the full kernel) whose sites are both
+    # idle this step and capture nothing: the add-norm alone, the same bits for a cheaper launch (site_summary).
+    if (not stage_a.numel() and not stage_b.numel() and site_summary.idle(tabs_a) and site_summary.idle(tabs_b)
+            and not (h.is_cuda and torch.cuda.is_current_stream_capturing())):
+        if reference:
+            from dynsteer.kernels.fused_reference import add_rms_norm_reference as plain
+        else:
+            from dynsteer.kernels.triton_fused import add_rms_norm_triton as plain
+        return plain(h, r, weight, eps, unit_offset)
+    if reference:
         from dynsteer.kernels.fused_reference import steer_add_rms_norm_reference as impl
     else:
         from dynsteer.kernels.triton_fused import steer_add_rms_norm_triton as impl

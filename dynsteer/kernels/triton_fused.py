@@ -26,7 +26,7 @@ import triton.language as tl
 
 from dynsteer.kernels.triton_steer import _check_stage, _clamp_slots, _dyn_terms, _monitor_slots, _num_warps, _stash
 
-__all__ = ["steer_add_rms_norm_triton"]
+__all__ = ["add_rms_norm_triton", "steer_add_rms_norm_triton"]
 
 STATIC_TABLES = 6  # vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, row_live (SteeringTables.FIELDS)
 DYN_TABLES = 14  # + clamp_gate, mon_mask, mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec
@@ -99,7 +99,13 @@ def _steer_add_rms_norm_kernel(
                   b_dvec, gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, b_stage, slot_ptr, n_stage_b,
                   DYN=DYN, STASH=STASH_B, SLOTTED=SLOTTED)
         x = x.to(h_ptr.dtype.element_ty).to(tl.float32)
-    # vLLM's fused_add_rms_norm: fp32 sum, the new residual rounded to the input dtype, fp32 variance of the sum.
+    _add_norm_store(x, res, t, offs, mask, H, eps, w_ptr, normed_ptr, resout_ptr, UNIT_OFFSET=UNIT_OFFSET)
+
+
+@triton.jit
+def _add_norm_store(x, res, t, offs, mask, H, eps, w_ptr, normed_ptr, resout_ptr, UNIT_OFFSET: tl.constexpr):
+    """vLLM's fused_add_rms_norm on token t: fp32 sum, the new residual rounded to the input dtype, fp32 variance of
+    the sum. Shared by both kernels, so an unsteered token gets the same bits from either."""
     s = x + res
     tl.store(resout_ptr + t * H + offs, s.to(resout_ptr.dtype.element_ty), mask=mask)
     var = tl.sum(s * s, axis=0) / H
@@ -110,6 +116,42 @@ def _steer_add_rms_norm_kernel(
     else:  # normed.to(w.dtype) * w, the product in fp32: exact for 16-bit operands, so one rounding as in torch
         normed = normed.to(w_ptr.dtype.element_ty).to(tl.float32) * w
     tl.store(normed_ptr + t * H + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(h_ptr, r_ptr, w_ptr, normed_ptr, resout_ptr, H, eps, stride_h, stride_r,
+                         BLOCK_H: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """The add-norm alone: what ``_steer_add_rms_norm_kernel`` computes when no site does anything."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    x = tl.load(h_ptr + t * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+    res = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    _add_norm_store(x, res, t, offs, mask, H, eps, w_ptr, normed_ptr, resout_ptr, UNIT_OFFSET=UNIT_OFFSET)
+
+
+def _check_norm_args(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, who: str) -> None:
+    hidden = h.shape[1]
+    if r.shape != h.shape or r.dtype != h.dtype or h.stride(1) != 1 or r.stride(1) != 1:
+        raise ValueError(f"{who}: h and r need the same shape and dtype, with contiguous rows")
+    if weight.shape != (hidden,) or not weight.is_contiguous():
+        raise ValueError(f"{who}: weight must be a contiguous [{hidden}] tensor")
+
+
+def add_rms_norm_triton(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float,
+                        unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The add-norm alone (``fused_reference.add_rms_norm_reference``), bit for bit what
+    :func:`steer_add_rms_norm_triton` gives a token no site steers; a launch with 9 arguments instead of 50 (the op
+    takes it in eager steps whose sites are all idle: the launch's host cost is what those steps wait for)."""
+    _check_norm_args(h, r, weight, "add_rms_norm_triton")
+    normed, resout = torch.empty_like(h), torch.empty_like(h)
+    num_tokens, hidden = h.shape
+    if num_tokens:
+        block_h = triton.next_power_of_2(hidden)
+        _add_rms_norm_kernel[(num_tokens,)](h, r, weight, normed, resout, hidden, float(eps), h.stride(0),
+                                            r.stride(0), BLOCK_H=block_h, UNIT_OFFSET=bool(unit_offset),
+                                            num_warps=_num_warps(block_h))
+    return normed, resout
 
 
 def _site_args(tabs: list[torch.Tensor], dyn: bool, dummy: torch.Tensor) -> list[torch.Tensor]:
@@ -145,10 +187,7 @@ def steer_add_rms_norm_triton(
             raise ValueError(f"steer_add_rms_norm_triton: {name} vec has hidden size {tabs[0].shape[1]}, h {hidden}")
         if tabs and (tabs[5].dtype != torch.int32 or tabs[5].shape != tabs[0].shape[:1]):
             raise ValueError(f"steer_add_rms_norm_triton: {name}[5] (row_live) must be int32 [{tabs[0].shape[0]}]")
-    if r.shape != h.shape or r.dtype != h.dtype or h.stride(1) != 1 or r.stride(1) != 1:
-        raise ValueError("steer_add_rms_norm_triton: h and r need the same shape and dtype, with contiguous rows")
-    if weight.shape != (hidden,) or not weight.is_contiguous():
-        raise ValueError(f"steer_add_rms_norm_triton: weight must be a contiguous [{hidden}] tensor")
+    _check_norm_args(h, r, weight, "steer_add_rms_norm_triton")
     if dyn and (len(gate_bufs) != 4 or any(not g.is_contiguous() or g.dtype != torch.float32 for g in gate_bufs)):
         raise ValueError("steer_add_rms_norm_triton: a dynamic site needs the 4 contiguous float32 gate buffers "
                          "[G, N] (gate_mul, gate_add, gates, scores)")

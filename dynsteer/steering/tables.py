@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dynsteer.kernels import site_summary
 from dynsteer.spec import Site
 from dynsteer.steering.compile import RowContent, SiteKey
 
@@ -70,6 +71,8 @@ class SteeringTables:
         # host mirror of row_live per (site, row), and of each site's summary (row 0's device entry)
         self._live = np.zeros((len(self.sites), num_rows), np.int32)
         self._summary = np.zeros(len(self.sites), np.int32)
+        for i, key in enumerate(self.sites):  # the fused op's eager calls skip idle sites from the host copy
+            site_summary.watch(self._site[key]["row_live"], self._summary, i)
         self.row_index = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.device = self.row_index.device
         # Standalone tensors (not views of one buffer), for the same reason as the site tables.
