@@ -199,6 +199,22 @@ def test_op_validates_and_dispatches(monkeypatch: pytest.MonkeyPatch) -> None:
         steer_add_rms_norm_triton(**dict(kw, gate_bufs=kw["gate_bufs"][:2]))
 
 
+def test_op_under_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Traced and functionalized (AOT autograd), the op still updates the gate buffers and capture stages in place
+    and returns what eager returns."""
+    monkeypatch.delenv(ENV_KERNEL, raising=False)
+    kw = make_fused_inputs(6, 64, 2, 2, "ab", torch.float32, True, seed=8)
+    eager_kw, compiled_kw = clone_state(kw), clone_state(kw)
+    want = steer_add_rms_norm(**eager_kw)
+    torch._dynamo.reset()
+    got = torch.compile(steer_add_rms_norm, backend="aot_eager", fullgraph=True)(**compiled_kw)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(g, w) for g, w in zip(compiled_kw["gate_bufs"], eager_kw["gate_bufs"]))
+    assert torch.equal(compiled_kw["stage_a"], eager_kw["stage_a"]) and torch.equal(compiled_kw["stage_b"],
+                                                                                      eager_kw["stage_b"])
+    assert not torch.equal(eager_kw["gate_bufs"][2], kw["gate_bufs"][2])  # the monitors did write gates
+
+
 def written_tables(num_g: int, device: str = "cpu") -> tuple[Any, list[Any]]:
     """Two sites' tables as ``SteeringTables.write_row`` fills them (``row_live`` included), rows live at one site and
     not the other: 1 a vector at A; 2 a clamp at B; 3 a monitor at A and its gated vector at B (static tables: a
