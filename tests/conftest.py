@@ -55,6 +55,13 @@ def _release_memory() -> None:
     gc.collect()
 
 
+def gpu_count() -> int:
+    """CUDA devices visible to this process (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def texts(outputs: list[Any]) -> list[str]:
     return [o.outputs[0].text for o in outputs]
 

@@ -15,16 +15,10 @@ from dynsteer.commands import SteerCommand, ThresholdCommand
 from dynsteer.config import MonitorConfig
 from dynsteer.monitor.client import CommandClient
 from dynsteer.spec import AddVector, SteeringSpec
-from tests.conftest import ON_GPU, make_llm
-
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
+from tests.conftest import ON_GPU, gpu_count, make_llm
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(_gpus() < 2 if ON_GPU else (os.cpu_count() or 1) < 2,
+              pytest.mark.skipif(gpu_count() < 2 if ON_GPU else (os.cpu_count() or 1) < 2,
                                  reason="two CPU workers, or two GPUs with DYNSTEER_TEST_DEVICE=cuda")]
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning"]
 

@@ -310,10 +310,6 @@ def test_device_tier_equals_host_tier_in_the_engine(tiny_llama_path):
     assert dev_stats["device_slots_exhausted"] == 0
 
 
-if __name__ == "__main__":
-    sys.exit(_interp_worker())
-
-
 def test_slots_and_state_do_not_depend_on_the_order_requests_were_freed_in() -> None:
     """TP ranks free a step's finished requests in their own set order: the next requests must still take the same
     slots, so both ranks' state buffers stay bit-identical."""
@@ -336,3 +332,7 @@ def test_slots_and_state_do_not_depend_on_the_order_requests_were_freed_in() -> 
     slots_b, digest_b = driver_after([3, 1, 0, 2])
     assert slots_a == slots_b == [0, 1]
     assert digest_a == digest_b
+
+
+if __name__ == "__main__":
+    sys.exit(_interp_worker())

@@ -7,16 +7,10 @@ import pytest
 
 import dynsteer
 from dynsteer import Action, DynamicSteeringPolicy, DynsteerConfig, Monitor, Rule, SyncControllerSpec
-from tests.conftest import ON_GPU, make_llm, token_ids
+from tests.conftest import ON_GPU, gpu_count, make_llm, token_ids
 
 
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-pytestmark = pytest.mark.skipif(not ON_GPU or _gpus() < 2, reason="needs two GPUs (DYNSTEER_TEST_DEVICE=cuda)")
+pytestmark = pytest.mark.skipif(not ON_GPU or gpu_count() < 2, reason="needs two GPUs (DYNSTEER_TEST_DEVICE=cuda)")
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning", "she opened the door and"]
 
 
