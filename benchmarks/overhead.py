@@ -8,8 +8,12 @@ own process below it, as vLLM runs by default):
   every figure; ``absent2`` is the A/A control: two identical engines, whose paired-median difference is the noise
   floor every other figure must be read against (aim: ≤ 0.3 %).
 * ``dynsteer``: the default ``DynsteerConfig`` (3 sites × every layer, dynamic tier ``max_gates=2``, device sync tier)
-  with one change: ``max_rows = max(64, largest batch + 2)``, because the default 64 rows hold 63 distinct live
-  configurations and the 64-config mode needs 64 at once (rows only size the tables; no per-step cost).
+  with one change: ``max_rows = max(64, largest batch + 2) + 32``. The default 64 rows hold 63 distinct live
+  configurations, the 64-config mode needs 64 at once, and one engine serves every mode's configurations in turn
+  (those 64, the dynamic modes' policies, hotwire's vector, global specs): with fewer rows than that union, eviction
+  of the least recently released row rewrites, at every pass, the row each configuration is about to need (on the
+  H200, 9570f43: every per-request-static call rewrote all 64 rows, +3.6 % at batch 64 in a mixed run against
+  +1.1 % alone). Rows only size the tables (no per-step cost); the report lists table rows written per timed call.
 * ``dynsteer-capture``: the same plus capture buffers at ``post_block`` of the steered layer.
 * ``dynsteer-inline``: the default config with ``forward="inline"`` (each site's work as torch ops traced into the
   compiled graph, which inductor may fuse with the neighbouring residual add and norm, instead of one opaque op
@@ -377,7 +381,7 @@ class Workload:
             return None
         d = self.steerer.describe()[0]
         dyn = d.get("dynamic") or {}
-        return {"steps": d["stats"]["steps"], **{k: dyn.get(k, 0) for k in (
+        return {"steps": d["stats"]["steps"], "rows_written": d.get("rows_written", 0), **{k: dyn.get(k, 0) for k in (
             "dynamic_steps", "sync_steps", "host_sync_steps", "host_ms", "wait_ms", "controller_ms")}}
 
 
@@ -721,8 +725,8 @@ def print_tables(report: dict) -> None:
     # per-step host time
     host = report.get("host_counters") or {}
     print()
-    print("| mode: wall ms per step [dynsteer host ms per step: staging / read-back / waiting] | "
-          + " | ".join(f"batch {b}" for b in batches) + " |")
+    print("| mode: wall ms per step [dynsteer host ms per step: staging / read-back / waiting] (table rows written "
+          "per timed call) | " + " | ".join(f"batch {b}" for b in batches) + " |")
     print("|---" * (len(batches) + 1) + "|")
     for k, per in report["seconds"].items():
         cells = []
@@ -733,6 +737,8 @@ def print_tables(report: dict) -> None:
             if c and c.get("steps") and c.get("dynamic_steps"):  # dynamic-tier host work, when any
                 cell += (f" [{c['host_ms'] / c['steps']:.3f} / {c['controller_ms'] / c['steps']:.3f} / "
                          f"{c['wait_ms'] / c['steps']:.3f}]")
+            if c and c.get("rows_written") and xs:  # rows rewritten in timed calls: the row pool is too small
+                cell += f" ({c['rows_written'] / len(xs):.1f} rows)"
             cells.append(cell)
         print(f"| {BY_KEY[k].label} | " + " | ".join(cells) + " |")
     print("\nA/A (absent2 vs absent, paired median): "
@@ -1058,8 +1064,8 @@ class Bench:
         for e in self.engines:
             dyn = None
             if ENGINE_KIND[e] == "dynsteer":
-                # default DynsteerConfig but for rows: 64 distinct per-request configs need 64 (default: 63)
-                dyn = {"max_rows": max(64, max(args.batches) + 2)}
+                # default DynsteerConfig but for rows: every mode's configurations at once (module docstring)
+                dyn = {"max_rows": max(64, max(args.batches) + 2) + 32}
                 if e == "dynsteer-inline":
                     dyn.update(forward="inline")
                 if e == "dynsteer-capture":

@@ -39,6 +39,10 @@ class RowPool:
         self._by_digest: dict[bytes, _Row] = {}  # live and idle rows
         self._idle: OrderedDict[bytes, _Row] = OrderedDict()  # refs == 0, least recently released first
         self.revived = 0  # acquisitions served by an idle row's content (no table write)
+        # acquisitions that wrote a row (a never-used one, or an idle row evicted): more live configurations in
+        # rotation than rows show as this growing at every pass over the catalogue (LRU eviction then rewrites the
+        # row each configuration is about to need)
+        self.written = 0
 
     def acquire(self, content: RowContent) -> tuple[int, bool]:
         """The row holding ``content`` and whether it is new (its tables must be written)."""
@@ -61,6 +65,7 @@ class RowPool:
             raise RowsExhausted(f"no free steering row: all {self.num_rows - 1} rows hold distinct live "
                                 f"configurations (raise DynsteerConfig.max_rows)")
         self._by_digest[content.digest] = _Row(index, 1)
+        self.written += 1
         return index, True
 
     def release(self, digest: bytes) -> None:

@@ -747,6 +747,7 @@ class SteeringRuntime:
         """JSON-friendly state for ``collective_rpc`` callers."""
         return {"shape": self.shape.model_dump(mode="json"), "rows_in_use": self.pool.in_use,
                 "rows_idle": self.pool.idle, "rows_revived": self.pool.revived,
+                "rows_written": self.pool.written,
                 "rows_total": self.tables.num_rows - 1, "live_requests": len(self.requests),
                 "named_vectors": sorted(self.named), "global_empty": self.global_spec.is_empty(),
                 "table_bytes": self.tables.nbytes(), "stats": vars(self.stats).copy(),
