@@ -19,6 +19,7 @@ the record then keeps its rows in worker memory instead (``CaptureRecord``), los
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -26,10 +27,11 @@ import uuid
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Hashable
+from typing import Callable, Hashable
 
 import numpy as np
 
+logger = logging.getLogger("dynsteer")
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "dynsteer-capture-"
 
@@ -85,8 +87,10 @@ class SpoolWriter:
         self._lock = threading.Lock()
         self.landed = threading.Condition()  # notified after each queue item
 
-    def submit(self, entries: list[tuple]) -> None:
-        """Queue the chunks :meth:`Spool.reserve` counted (one step's chunks of many spools: one queue item)."""
+    def submit(self, entries: list[tuple] | Callable[[], list[tuple]]) -> None:
+        """Queue the chunks :meth:`Spool.reserve` counted (one step's chunks of many spools: one queue item), or a
+        job that returns such entries when the thread reaches it (it reserves them there: a capture step's split
+        per request runs off the host path; see ``CaptureCollector``)."""
         if not entries:
             return
         if self._thread is None or not self._thread.is_alive():
@@ -106,13 +110,21 @@ class SpoolWriter:
 
     def _run(self) -> None:
         while True:
-            entries = self._queue.get()
-            if isinstance(entries, threading.Event):
-                entries.set()
+            item = self._queue.get()
+            if isinstance(item, threading.Event):
+                item.set()
                 continue
+            entries = item
+            if callable(item):
+                try:
+                    entries = item()
+                except BaseException:  # noqa: BLE001 - a job reports its own failures; the thread must live on
+                    logger.exception("dynsteer spool writer: a job failed")
+                    entries = []
             for spool, arrays, start, end, targets in entries:
-                # Each counter below is written by this thread only (the queued count by the host path only), so
-                # no lock per chunk: waiters are woken once per queue item, under `landed`.
+                # Each counter below is written by this thread only (the queued count by whoever reserves the
+                # spool's chunks: the host path, or this thread for a job's), so no lock per chunk: waiters are
+                # woken once per queue item, under `landed`.
                 failed = spool._error is not None  # nothing after a failed chunk is written
                 if not failed:
                     try:
@@ -132,7 +144,8 @@ class SpoolWriter:
             with self.landed:
                 self.landed.notify_all()
             # while waiting for the next item, hold no spool alive (its finalizer unlinks its files)
-            del entries, spool, arrays
+            del entries, item
+            spool = arrays = None
 
 
 WRITER = SpoolWriter()

@@ -7,12 +7,19 @@ steering launch), so ``stage[:n]`` holds exactly the step's capture and a step t
 After the forward, the collector converts those rows to the requested dtype on the compute stream, copies them to
 pinned host memory on a side stream (GPU) and moves them into the requests' records once the copy's event has
 completed, so the hot path never waits on the device. Per step the host does one conversion, one copy and one host
-copy-out per place and dtype; per capturing request it does a few integer comparisons (decode) and one list append
-when its rows land.
+copy-out per place and dtype.
+
+A steady decode step (one token per request, every capturing request at its next position, selectors ``all`` or
+``all_generated``) is planned with array operations over the batch's capturing requests (:class:`_BatchCapture`,
+rebuilt when the batch or the records change), and its landed rows go to the spool writer thread as one job that
+splits them per request (records the memory consumer delivers through a spool, without a streaming consumer): the
+host path does no per-request Python in such a step. Other steps (prefill chunks, joins, recomputed positions after
+a preemption, explicit or prompt selectors) take the per-request path, as do records delivered otherwise.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -92,6 +99,9 @@ class CaptureRecord:
     ledger: PositionLedger = field(default_factory=PositionLedger)
     chunks: int = 0
     streaming: bool = False  # a consumer of this record wants chunks as they land
+    # Its chunks are counted and written by the spool's writer thread, from a step's rows as a whole (a spool, no
+    # streaming consumer); fixed at begin, so a spool is never reserved from two threads.
+    split_off: bool = False
     # consumer name -> how far it got: "delivered" (held for the caller), "written" (fsynced to disk), "queued"
     # (handed to ZeroMQ; not confirmed by a receiver). A consumer that failed has no entry.
     deliveries: dict[str, str] = field(default_factory=dict)
@@ -234,6 +244,59 @@ class _Pending:
     positions: np.ndarray
     segments: list[tuple[CaptureRecord, int, int]]  # (record, start, end) into the step's rows
     streams: list[StreamSelection] = field(default_factory=list)
+    batch: _BatchCapture | None = None  # a batched decode step: its records own rows batch_base + 0, 1, ...
+    batch_base: int = 0
+
+
+@dataclass
+class _BatchCapture:
+    """The capturing requests of one batch composition, as arrays, for decode steps without per-request Python:
+    request ``idx[i]`` of the batch is ``recs[i]``, whose next position is ``high[i] + 1``."""
+
+    ids: tuple[str, ...]
+    version: int
+    idx: np.ndarray  # batch indices of the capturing requests (int64)
+    recs: list[CaptureRecord]
+    high: np.ndarray  # each record's ledger high, advanced here by batched steps, written back by sync()
+    generated_only: np.ndarray  # the record selects generated positions only (else every position)
+    prompt_len: np.ndarray
+    batched: bool  # every record's selector is "all" or "all_generated" (others take the per-request path)
+    split: np.ndarray  # indices into recs of records the writer thread splits (split_off)
+    split_recs: list[CaptureRecord]
+    main: list[tuple[int, CaptureRecord]]  # the others, handled on the host path
+    wanted: set[tuple[Place, str]]
+    dirty: bool = False  # high moved since the ledgers were written
+
+    def sync(self) -> None:
+        """Write the batched steps' positions back into the records' ledgers."""
+        if self.dirty:
+            for rec, high in zip(self.recs, self.high.tolist()):
+                rec.ledger.high = high
+            self.dirty = False
+
+
+def _split_step(positions: np.ndarray, by_dtype: dict[str, dict[Place, np.ndarray]], recs: list[CaptureRecord],
+                starts: list[int], ends: list[int]) -> list[tuple]:
+    """Spool writer thread: land each record's rows ``[start, end)`` of a step (their positions, and their spool's
+    next chunk, whose write entry is returned). A spool that cannot take a chunk keeps it, and every later one, in
+    memory; the record's owner finds them at ``settle``."""
+    entries = []
+    for rec, start, end in zip(recs, starts, ends):
+        arrays = by_dtype[rec.spec.dtype]
+        rec.positions.append(positions[start:end])
+        rec.chunks += 1
+        spool = rec.spool
+        if spool._error is None:
+            try:
+                entry = spool.reserve(arrays, start, end, rec.places)
+            except (OSError, ValueError) as exc:
+                spool._error = exc
+            else:
+                if entry is not None:
+                    entries.append(entry)
+                continue
+        spool._unwritten.append({place: arrays[place][start:end] for place in rec.places})
+    return entries
 
 
 class CaptureCollector:
@@ -271,6 +334,10 @@ class CaptureCollector:
         self.on_stream: Callable[[StreamSelection, dict[Place, np.ndarray]], None] | None = None
         self._streams: list[StreamSelection] = []
         self.streams: Callable[[CaptureSpec], bool] = lambda spec: False
+        self._version = 0  # bumped when a record begins or finishes
+        self._batch: _BatchCapture | None = None  # the last batch composition's capturing requests
+        self._step_batch: tuple[_BatchCapture, int] | None = None  # this step's batched rows
+        self._jobs = 0  # split jobs handed to the spool writer since finish last waited for it
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def begin(self, req_id: str, tag: str | None, spec: CaptureSpec | None, prompt_len: int) -> None:
@@ -286,15 +353,77 @@ class CaptureCollector:
                 and self.spool_files + len(rec.places) <= MAX_SPOOL_FILES):
             rec.spool = Spool(self.spool_dir)
             self._spooling[req_id] = len(rec.places)
+            rec.split_off = not rec.streaming
         self.records[req_id] = rec
+        self._version += 1
 
     def plan(self, req_ids: list[str] | tuple[str, ...], query_start: np.ndarray, num_computed: np.ndarray,
              streams: list[StreamSelection] = ()) -> None:
         """Select this step's rows of every capturing request in the batch (request ``i`` owns batch rows
         ``query_start[i]:query_start[i+1]``, its first at absolute position ``num_computed[i]``), and of every
         stream (a token that a record and streams select takes one capture row)."""
-        records = self.records
         rows, pos, segments = self._rows, self._pos, self._segments
+        if not self._plan_batched(req_ids, query_start, num_computed, rows, pos):
+            self._plan_each(req_ids, query_start, num_computed, rows, pos, segments)
+        if streams:
+            self._plan_streams(streams, rows, pos)
+        self._stage_slots(rows)
+
+    def _batch_of(self, req_ids: list[str] | tuple[str, ...]) -> _BatchCapture:
+        """The capturing requests of this batch composition (rebuilt when the batch or the records change)."""
+        b = self._batch
+        req_ids = req_ids if isinstance(req_ids, tuple) else tuple(req_ids)
+        if b is not None and b.version == self._version and b.ids == req_ids:
+            return b
+        if b is not None:
+            b.sync()
+        idx, recs = [], []
+        for i, req_id in enumerate(req_ids):
+            rec = self.records.get(req_id)
+            if rec is not None:
+                idx.append(i)
+                recs.append(rec)
+                rec.ledger.start_run()
+        split = [i for i, rec in enumerate(recs) if rec.split_off]
+        b = self._batch = _BatchCapture(
+            ids=req_ids, version=self._version, idx=np.asarray(idx, np.int64), recs=recs,
+            high=np.asarray([rec.ledger.high for rec in recs], np.int64),
+            generated_only=np.asarray([rec.selector == "all_generated" for rec in recs], bool),
+            prompt_len=np.asarray([rec.prompt_len for rec in recs], np.int64),
+            batched=all(rec.selector in ("all", "all_generated") for rec in recs),
+            split=np.asarray(split, np.int64), split_recs=[recs[i] for i in split],
+            main=[(i, rec) for i, rec in enumerate(recs) if not rec.split_off],
+            wanted={(place, rec.spec.dtype) for rec in recs for place in rec.places})
+        return b
+
+    def _plan_batched(self, req_ids: list[str] | tuple[str, ...], query_start: np.ndarray,
+                      num_computed: np.ndarray, rows: list[int], pos: list[int]) -> bool:
+        """A decode step (one token per request) in which every capturing request takes its next position: the
+        rows and positions as arrays, no per-request Python. False (nothing done) for any other step."""
+        n = len(req_ids)
+        if not self.records or self._step_batch is not None or int(query_start[n]) - int(query_start[0]) != n:
+            return False
+        b = self._batch_of(req_ids)
+        if not b.batched or not b.recs:
+            return False
+        first = np.asarray(num_computed[:n], np.int64)[b.idx]
+        if not (first == b.high + 1).all() or not (first[b.generated_only] >= b.prompt_len[b.generated_only]).all():
+            return False
+        tokens = np.asarray(query_start[:n], np.int64)[b.idx]
+        self._step_batch = (b, len(pos))
+        rows.extend(tokens.tolist())
+        pos.extend(first.tolist())
+        b.high[:] = first
+        b.dirty = True
+        return True
+
+    def _plan_each(self, req_ids: list[str] | tuple[str, ...], query_start: np.ndarray, num_computed: np.ndarray,
+                   rows: list[int], pos: list[int], segments: list[tuple[CaptureRecord, int, int]]) -> None:
+        """Any step (prefill chunks, recomputed positions, explicit selectors), request by request."""
+        if self._batch is not None:  # the ledgers move here: the arrays are rebuilt from them next time
+            self._batch.sync()
+            self._batch = None
+        records = self.records
         for i, req_id in enumerate(req_ids):
             rec = records.get(req_id)
             if rec is None:
@@ -313,9 +442,6 @@ class CaptureCollector:
                     pos.extend(fresh.tolist())
             if len(pos) > before:
                 segments.append((rec, before, len(pos)))
-        if streams:
-            self._plan_streams(streams, rows, pos)
-        self._stage_slots(rows)
 
     def _plan_streams(self, streams: list[StreamSelection], rows: list[int], pos: list[int]) -> None:
         """Give each stream's tokens capture rows, reusing the rows of tokens that records (or earlier streams)
@@ -356,15 +482,17 @@ class CaptureCollector:
 
     def after_forward(self) -> None:
         """Convert the step's captured rows (compute stream) and start their copy to host (side stream)."""
-        if not self._segments and not self._streams:
+        if not self._segments and not self._streams and self._step_batch is None:
             self.poll()
             return
         n, positions, segments = len(self._rows), np.array(self._pos, dtype=np.int64), self._segments
-        streams = self._streams
-        self._rows, self._pos, self._segments, self._streams = [], [], [], []
+        streams, batch = self._streams, self._step_batch
+        self._rows, self._pos, self._segments, self._streams, self._step_batch = [], [], [], [], None
         specs = {id(rec.spec): rec for rec, _, _ in segments}.values()  # requests sharing a payload share its spec
         wanted = {(place, rec.spec.dtype) for rec in specs for place in rec.places}
         wanted |= {(place, sel.dtype) for sel in streams for place in sel.places}
+        if batch is not None:
+            wanted |= batch[0].wanted
         gathered: dict[tuple[Place, str], torch.Tensor] = {}
         for place, dtype in wanted:
             rows_at = self.stages[place][:n]
@@ -382,9 +510,9 @@ class CaptureCollector:
                 for g in gathered.values():
                     g.record_stream(self._side)
                 done.record(self._side)
-            self._pending.append(_Pending(done, host, positions, segments, streams))
+            self._pending.append(_Pending(done, host, positions, segments, streams, *(batch or (None, 0))))
         else:  # fresh tensors already: the staging buffers may be overwritten by the next step
-            self._pending.append(_Pending(None, gathered, positions, segments, streams))
+            self._pending.append(_Pending(None, gathered, positions, segments, streams, *(batch or (None, 0))))
         self.poll()
 
     def poll(self, block: bool = False) -> None:
@@ -400,14 +528,28 @@ class CaptureCollector:
             # instead of growing with everything captured until the requests finish.
             # Only rows that stay referenced (records without a spool, streams) are copied; a spool's write reads the
             # pinned rows directly, and they return to the allocator with this step's tensors.
-            keep = bool(pend.streams) or any(not rec.spooled for rec, _, _ in pend.segments)
+            # Records the writer thread splits (split_off) are handed over as one job per step: the host path
+            # does no per-request work for them.
+            batch, base = pend.batch, pend.batch_base
+            split = [seg for seg in pend.segments if seg[0].split_off]
+            main = [seg for seg in pend.segments if not seg[0].split_off]
+            if batch is not None:
+                main += [(rec, base + i, base + i + 1) for i, rec in batch.main]
+            keep = bool(pend.streams) or any(not rec.spooled for rec, _, _ in main)
             by_dtype: dict[str, dict[Place, np.ndarray]] = {}
             for (place, dtype), t in pend.host.items():
                 arr = t.numpy()
                 by_dtype.setdefault(dtype, {})[place] = arr.copy() if self._cuda and keep else arr
+            recs, starts, ends = [seg[0] for seg in split], [seg[1] for seg in split], [seg[2] for seg in split]
+            if batch is not None and batch.split_recs:
+                first = (base + batch.split).tolist()
+                recs, starts, ends = recs + batch.split_recs, starts + first, ends + [x + 1 for x in first]
+            if recs:
+                WRITER.submit(functools.partial(_split_step, pend.positions, by_dtype, recs, starts, ends))
+                self._jobs += 1
             spooled: list = []  # the step's spool writes, handed to the writer thread as one item
             try:
-                for rec, s, e in pend.segments:
+                for rec, s, e in main:
                     if self.records.get(rec.req_id) is not rec:
                         continue  # finished or dropped meanwhile
                     arrays = by_dtype[rec.spec.dtype]
@@ -429,7 +571,11 @@ class CaptureCollector:
         if req_id not in self.records:
             return None
         self.poll(block=True)
+        if self._jobs:  # the writer thread has split every landed step into the records
+            WRITER.drain()
+            self._jobs = 0
         rec = self.records.pop(req_id)
+        self._version += 1
         self._spooling.pop(req_id, None)  # counted at begin, whatever became of the spool since
         rec.settle()  # its queued writes done (or, failed, its rows in memory)
         if rec.spool is not None:
