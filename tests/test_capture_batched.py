@@ -138,7 +138,7 @@ def test_batched_decode_steps_land_exactly_the_selected_rows(spool):
     assert h.batched_steps >= 12  # most decode steps took the batched path
     for req in ("a", "b", "c", "d", "e"):
         h.check(req)
-    assert h.col.records == {}
+    assert h.col.records == {} and h.col._batch is None  # nothing holds a finished record
 
 
 def test_a_spool_failing_in_the_writer_thread_loses_nothing(monkeypatch):

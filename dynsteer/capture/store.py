@@ -576,6 +576,9 @@ class CaptureCollector:
             self._jobs = 0
         rec = self.records.pop(req_id)
         self._version += 1
+        if self._batch is not None:  # it holds its records: drop it, or a finished one would outlive delivery
+            self._batch.sync()
+            self._batch = None
         self._spooling.pop(req_id, None)  # counted at begin, whatever became of the spool since
         rec.settle()  # its queued writes done (or, failed, its rows in memory)
         if rec.spool is not None:
