@@ -33,7 +33,10 @@ Each engine runs in several modes (rows of the table; all 128 generated tokens, 
 ``ignore_eos=True``, decode batch 1 / 16 / 64; the prompts of a batch are distinct, and fresh every repeat, so
 prefix caching never favours an engine). Every repeat measures every (engine, mode) once per batch size, in an
 order rotated by one each repeat, so drift in clocks or host load hits all of them alike. An overhead is the median
-over repeats of the paired ratio ``t(mode, repeat) / t(absent, repeat) − 1``.
+over repeats of the paired ratio ``t(mode, repeat) / t(absent, repeat) − 1``. Each steering mode is also reported
+against the same engine's idle mode (no target of its own): a whole engine process can sit a point or two off
+another for a run, which every figure against ``absent`` carries and a comparison within one engine does not.
+``--from-json`` recomputes every comparison from the stored repeats.
 
 Modes: ``idle`` (dynsteer loaded, nothing set); static global vectors at 1 / 8 layers; per-request static vectors
 with 1 / 16 / 64 distinct configurations (request ``i`` carries config ``i mod N`` in its payload; ``pr64n``: the
@@ -165,8 +168,13 @@ MODES = [
     Mode("hook", "eager peer + forward hook, 1 layer", "hook", True),
 ]
 BY_KEY = {m.key: m for m in MODES}
-# Informative pairs besides "vs absent" and each mode's own target (no target of their own).
-EXTRA_PAIRS = [("hwsteered", "hwidle"), ("hook", "eager"), ("capture", "capidle"), ("stream", "capidle")]
+# Informative pairs besides "vs absent" and each mode's own target (no target of their own). Steering modes against
+# the same engine's idle mode: an engine process can sit a point or two off another for a whole run (same code, same
+# GPU), which every "vs absent" figure carries and a comparison within one engine does not.
+EXTRA_PAIRS = [("hwsteered", "hwidle"), ("hook", "eager"), ("capture", "capidle"), ("stream", "capidle"),
+               *((k, "idle") for k in ("static1", "static8", "pr1", "pr16", "pr64", "pr64n", "gate", "prdyn",
+                                       "hwload")),
+               *((k, "i_idle") for k in ("i_static1", "i_pr64", "i_prdyn"))]
 ENGINES = ["absent", "absent2", "dynsteer", "hotwire", "hook", "dynsteer-capture",
            "dynsteer-inline"]  # start / keep priority
 ENGINE_KIND = {"absent": "absent", "absent2": "absent", "dynsteer": "dynsteer", "dynsteer-capture": "dynsteer",
@@ -1304,6 +1312,8 @@ def main() -> None:
         return worker(json.loads(args.worker))
     if args.from_json:
         report = json.loads(Path(args.from_json).read_text())
+        # recomputed from the repeats, so a report shows the pairs this version of the script knows
+        report["overhead_pct"] = comparisons(report["seconds"], report["modes"], report["args"]["batches"])
         print_tables(report)
         print(f"plot: {plot(report, Path(args.from_json).with_suffix('.png'))}")
         return
