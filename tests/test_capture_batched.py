@@ -91,7 +91,7 @@ class Harness:
             np.testing.assert_array_equal(got, np.stack([want[p][place] for p in sorted(want)]), err_msg=req)
 
 
-def _scenario(h: Harness, fail_after: int | None = None, monkeypatch=None) -> None:
+def _scenario(h: Harness) -> None:
     h.begin("a", _spec("all_generated"), 5)
     h.begin("b", _spec("all", layers=(1,)), 3)
     h.begin("x", None, 4)  # in the batch, captures nothing
@@ -125,6 +125,8 @@ def _scenario(h: Harness, fail_after: int | None = None, monkeypatch=None) -> No
     gen.update(a=gen["a"] + 1, b=gen["b"] + 1, c=4, d=4)
     for _ in range(4):  # selectors the batched path does not take: every request by the per-request path
         decode(["a", "b", "c", "d", "e"])
+    for _ in range(2):  # every capturing request waits: nobody in the batch captures
+        decode(["x"])
     for _ in range(2):
         decode(["a", "e"])
 

@@ -334,7 +334,7 @@ class CaptureCollector:
         self.on_stream: Callable[[StreamSelection, dict[Place, np.ndarray]], None] | None = None
         self._streams: list[StreamSelection] = []
         self.streams: Callable[[CaptureSpec], bool] = lambda spec: False
-        self._version = 0  # bumped when a record begins or finishes
+        self._version = 0  # bumped when a record begins (finish drops the batch arrays instead)
         self._batch: _BatchCapture | None = None  # the last batch composition's capturing requests
         self._step_batch: tuple[_BatchCapture, int] | None = None  # this step's batched rows
         self._jobs = 0  # split jobs handed to the spool writer since finish last waited for it
@@ -398,13 +398,16 @@ class CaptureCollector:
 
     def _plan_batched(self, req_ids: list[str] | tuple[str, ...], query_start: np.ndarray,
                       num_computed: np.ndarray, rows: list[int], pos: list[int]) -> bool:
-        """A decode step (one token per request) in which every capturing request takes its next position: the
-        rows and positions as arrays, no per-request Python. False (nothing done) for any other step."""
+        """A decode step (one token per request) in which every capturing request takes its next position (or none
+        is in the batch): the rows and positions as arrays, no per-request Python. False (nothing done) for any
+        other step."""
         n = len(req_ids)
         if not self.records or self._step_batch is not None or int(query_start[n]) - int(query_start[0]) != n:
             return False
         b = self._batch_of(req_ids)
-        if not b.batched or not b.recs:
+        if not b.recs:  # nobody in this batch captures (records live elsewhere, e.g. preempted): nothing to plan
+            return True
+        if not b.batched:
             return False
         first = np.asarray(num_computed[:n], np.int64)[b.idx]
         if not (first == b.high + 1).all() or not (first[b.generated_only] >= b.prompt_len[b.generated_only]).all():
@@ -575,7 +578,6 @@ class CaptureCollector:
             WRITER.drain()
             self._jobs = 0
         rec = self.records.pop(req_id)
-        self._version += 1
         if self._batch is not None:  # it holds its records: drop it, or a finished one would outlive delivery
             self._batch.sync()
             self._batch = None
