@@ -132,11 +132,19 @@ def test_dropped_and_inline_delivered_spools_leave_no_files():
 
 
 def test_finished_records_hold_no_descriptor_and_the_file_budget_caps_spooling(monkeypatch):
-    def fds() -> int:
-        return len(os.listdir("/proc/self/fd"))
+    def fds() -> int:  # descriptors open on this process's spool files only (other tests' threads open their own)
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) in _spool_files()
+            except OSError:  # closed meanwhile (listdir's own descriptor, another thread's)
+                pass
+        return n
 
     col, _ = _drive(True, SPECS, finish=False)
+    gc.collect()  # earlier tests' records, if any still hold a spool, close it now rather than mid-count
     live = fds()
+    assert live >= 3
     recs = [col.finish(r) for r in SPECS]
     assert fds() == live - 3 and col.spool_files == 0  # sealed: files stay, descriptors close
     for rec in recs:
