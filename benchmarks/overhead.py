@@ -453,6 +453,8 @@ def worker(cfg: dict) -> None:
               kv_cache_memory_bytes=cfg["kv_bytes"], seed=0, enforce_eager=cfg["eager"] or cfg["kind"] == "hook")
     if cfg.get("dynsteer") is not None:
         kw["additional_config"] = {"dynsteer": cfg["dynsteer"]}
+    if cfg.get("timing_split"):  # vLLM's per-request timestamps (every engine alike): the call's phases
+        kw["disable_log_stats"] = False
     if cfg.get("profile_dir"):
         kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": cfg["profile_dir"],
                                  "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True}
@@ -485,6 +487,20 @@ def worker(cfg: dict) -> None:
             reply("ERROR", {"error": f"{type(exc).__name__}: {exc}"[:2000]})
 
 
+def timing_split(outs: list, m0: float, m1: float, tokens: int) -> dict | None:
+    """A call's phases from vLLM's per-request timestamps (engine core, ``time.monotonic``, one clock per host):
+    ``ramp_ms`` from the call's start until every request has its first token (request intake and prefills),
+    ``step_ms`` the mean decode step after that (until the last request's last token), ``tail_ms`` from there until
+    the call returns (finishing, outputs, the caller's work such as capture delivery). ``None`` without stats."""
+    stats = [o.metrics for o in outs]
+    if not stats or any(m is None or not getattr(m, "first_token_ts", 0.0) for m in stats):
+        return None
+    first = max(m.first_token_ts for m in stats)
+    last = max(m.last_token_ts for m in stats)
+    return {"ramp_ms": (first - m0) * 1e3, "step_ms": (last - first) * 1e3 / max(tokens - 1, 1),
+            "tail_ms": (m1 - last) * 1e3}
+
+
 def _dynsteer_registered() -> bool:
     mod = sys.modules.get("dynsteer.engine.plugin")
     return bool(mod is not None and getattr(mod, "_registered", False))
@@ -497,15 +513,20 @@ def handle(work: Workload, cmd: dict) -> dict:
                                       repeat=cmd.get("repeat"))
         before = work.counters()
         try:
+            m0 = time.monotonic()
             t0 = time.perf_counter()
             outs = call()
             seconds = time.perf_counter() - t0
+            m1 = time.monotonic()
         finally:
             if teardown is not None:
                 teardown()
         after = work.counters()
         assert all(len(o.outputs[0].token_ids) == work.params.max_tokens for o in outs), "short output"
         res: dict = {"s": seconds}
+        split = timing_split(outs, m0, m1, work.params.max_tokens)
+        if split is not None:
+            res["split"] = split
         if before is not None:
             res["counters"] = {k: after[k] - before[k] for k in after}
         if cmd.get("tokens"):
@@ -694,6 +715,23 @@ def comparisons(seconds: dict, modes: list[str], batches: list[int]) -> dict:
     return out
 
 
+def split_report(splits: dict, modes: list[str]) -> dict:
+    """Per mode and batch: each phase's median over repeats, and its paired median difference from absent's (ms;
+    the ramp and tail per call, the step per decode step). Repeats pair by index, as in :func:`comparisons`."""
+    out: dict = {}
+    for k in modes:
+        for b, xs in splits.get(k, {}).items():
+            ref = splits.get("absent", {}).get(b, [])
+            entry = {}
+            for phase in ("ramp_ms", "step_ms", "tail_ms"):
+                vals = [x[phase] for x in xs]
+                diffs = [x[phase] - r[phase] for x, r in zip(xs, ref)]
+                entry[phase] = {"median": round(statistics.median(vals), 4),
+                                "vs_absent": round(statistics.median(diffs), 4) if diffs and k != "absent" else None}
+            out.setdefault(k, {})[b] = entry
+    return out
+
+
 def status(value: float, target: float | None, aa: float | None, is_aa: bool) -> str:
     if target is None:
         return ""
@@ -749,6 +787,19 @@ def print_tables(report: dict) -> None:
                 cell += f" ({c['rows_written'] / len(xs):.1f} rows)"
             cells.append(cell)
         print(f"| {BY_KEY[k].label} | " + " | ".join(cells) + " |")
+    split = report.get("timing_split")
+    if split:
+        print("\n| mode: ramp ms / decode step ms / tail ms (paired median difference from absent) | "
+              + " | ".join(f"batch {b}" for b in batches) + " |")
+        print("|---" * (len(batches) + 1) + "|")
+        for k, per in split.items():
+            cells = []
+            for b in batches:
+                e = per.get(str(b))
+                cells.append("—" if e is None else " / ".join(
+                    f"{e[p]['median']:.3f}" + ("" if e[p]["vs_absent"] is None else f" ({e[p]['vs_absent']:+.3f})")
+                    for p in ("ramp_ms", "step_ms", "tail_ms")))
+            print(f"| {BY_KEY[k].label} | " + " | ".join(cells) + " |")
     print("\nA/A (absent2 vs absent, paired median): "
           + ", ".join(f"batch {b}: {aa[str(b)]:+.2f} %" for b in batches if str(b) in aa)
           + f" (aim ≤ {AA_TARGET_PCT} %); repeats: {report['repeats_done']}")
@@ -905,6 +956,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help="also profile one short call per (engine, mode)")
     ap.add_argument("--profile-tokens", type=int, default=16)
     ap.add_argument("--profile-batch", type=int, help="default: the largest batch")
+    ap.add_argument("--timing-split", action="store_true",
+                    help="every engine keeps vLLM's request stats on; each timed call is split into ramp (until "
+                         "every first token), decode step and tail, each compared with absent's")
     ap.add_argument("--serial-start", action="store_true", help="start engines one after another")
     ap.add_argument("--start-timeout", type=float, help="seconds for all engines to come up (default 900; "
                     "--reduced 360); one that is not up by then is skipped")
@@ -976,6 +1030,7 @@ class Bench:
         self.startup_s = 0.0
         self.seconds: dict[str, dict[str, list[float]]] = {}
         self.host: dict[str, dict[str, Counter]] = defaultdict(dict)
+        self.splits: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
         self.errors: dict[str, str] = {}
         self.verification: dict[str, dict] = {}
         self.profiles: dict = {}
@@ -1068,7 +1123,8 @@ class Bench:
                     batches=args.batches, tokens=args.tokens, prompt_len=args.prompt_len,
                     max_model_len=self.max_model_len,
                     max_num_batched_tokens=max(max(args.batches) * args.prompt_len, self.max_model_len, 512),
-                    gpu_util=args.gpu_util, kv_bytes=self.kv_bytes, verify_scale=args.verify_scale)
+                    gpu_util=args.gpu_util, kv_bytes=self.kv_bytes, verify_scale=args.verify_scale,
+                    timing_split=args.timing_split)
         for e in self.engines:
             dyn = None
             if ENGINE_KIND[e] == "dynsteer":
@@ -1203,6 +1259,8 @@ class Bench:
                     if res is None:
                         continue
                     self.seconds[k][str(batch)].append(res["s"])
+                    if "split" in res:
+                        self.splits[k][str(batch)].append(res["split"])
                     if "counters" in res:
                         self.host[k].setdefault(str(batch), Counter()).update(res["counters"])
             for per in self.seconds.values():  # a mode that failed mid-repeat: keep the lists aligned by repeat
@@ -1284,6 +1342,7 @@ class Bench:
             "steering_changed_tokens": {k: v["steering_changed_tokens"] for k, v in self.verification.items()},
             "verification": self.verification,
             "host_counters": self.host,
+            "timing_split": split_report(self.splits, self.modes) if self.splits else None,
             "profile": self.profiles or None,
             "seconds": secs,
             "seconds_by_engine": {e: {k: secs[k] for k in secs if BY_KEY[k].engine == e} for e in self.cfgs},
