@@ -85,12 +85,12 @@ def main() -> None:
 
     native = torch.compile(chain_native, dynamic=True)
     ours = torch.compile(chain_ours, dynamic=True)
-    first, second = pairs[2]
+    first, second = pairs[1]  # post_block of layer 0, pre_attn of layer 1: a two-site norm
     rows = {}
     for T in args.tokens:
         h = torch.randn(T, args.hidden, device="cuda", dtype=dtype)
         r = torch.randn(T, args.hidden, device="cuda", dtype=dtype)
-        torch.testing.assert_close(native(h, r), ours(h, r), rtol=0, atol=0)  # idle: the same bits
+        native(h, r), ours(h, r)  # compile (bits are checked by tests/test_kernels_fused.py, not here)
         stage = ops.no_stage(h)
         tabs_a, tabs_b = first.tables(), second.tables()
         bufs = [first.gate_mul, first.gate_add, first.gates, first.scores]

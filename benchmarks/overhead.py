@@ -1343,6 +1343,7 @@ class Bench:
             "verification": self.verification,
             "host_counters": self.host,
             "timing_split": split_report(self.splits, self.modes) if self.splits else None,
+            "timing_split_repeats": self.splits or None,
             "profile": self.profiles or None,
             "seconds": secs,
             "seconds_by_engine": {e: {k: secs[k] for k in secs if BY_KEY[k].engine == e} for e in self.cfgs},

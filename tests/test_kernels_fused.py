@@ -532,5 +532,72 @@ def test_cuda_graph_replay(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.testing.assert_close(kw["gate_bufs"][2], want_kw["gate_bufs"][2], atol=1e-5, rtol=0)
 
 
+TRACED_CASES = [CASES[i] for i in (0, 3, 6, 9)]  # dynamic + capture, static + capture, 4096 wide bf16, Gemma
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", TRACED_CASES, ids=_case_id)
+def test_cuda_inductor_launches_the_traced_kernel_itself(monkeypatch: pytest.MonkeyPatch, case: Case) -> None:
+    """Under torch.compile (inductor, dynamic shapes) a fused site pair is the traced op, whose kernel launch
+    inductor emits in its own code (no call back into the op); outputs, gate buffers and capture stages equal the
+    eager op's bit for bit, for two chained norms (the second reads the gates the first wrote)."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.delenv(ENV_KERNEL, raising=False)
+    monkeypatch.delenv("DYNSTEER_FUSED_LAUNCH", raising=False)
+    num_tokens, hidden, num_k, num_g, sites, dt, cap, gemma = case
+    kw = _cuda(make_fused_inputs(num_tokens, hidden, num_k, num_g, sites, DTYPES[dt], cap, seed=40 + hidden,
+                                 gemma=gemma))
+
+    def two(kw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, res = steer_add_rms_norm(**kw)
+        return steer_add_rms_norm(**dict(kw, h=normed, r=res))
+
+    eager_kw, compiled_kw = clone_state(kw), clone_state(kw)
+    want = two(eager_kw)
+    torch._dynamo.reset()
+    seen: list[str] = []
+
+    def backend(gm: Any, example: Any) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        seen.extend(str(n.target) for n in gm.graph.nodes)
+        return compile_fx(gm, example)
+
+    fn = torch.compile(two, backend=backend, dynamic=True, fullgraph=True)
+    got, codes = run_and_get_code(fn, compiled_kw)
+    torch.cuda.synchronize()
+    assert any("steer_add_rms_norm_traced" in t for t in seen), seen
+    code = "\n".join(codes)
+    assert "_steer_add_rms_norm_kernel" in code and "dynsteer.steer_add_rms_norm" not in code
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(g, w) for g, w in zip(compiled_kw["gate_bufs"], eager_kw["gate_bufs"]))
+    for name in ("stage_a", "stage_b"):
+        assert (compiled_kw[name] is None) == (eager_kw[name] is None)
+        assert compiled_kw[name] is None or torch.equal(compiled_kw[name], eager_kw[name])
+    if cap:
+        assert not torch.equal(eager_kw["stage_a"], kw["stage_a"])  # the kernel did capture
+
+
+def test_traced_op_only_while_compiling_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager calls (and CPU tensors, and the forced reference, and DYNSTEER_FUSED_LAUNCH=opaque) keep the opaque op."""
+    from dynsteer.kernels import ops
+
+    monkeypatch.delenv(ENV_KERNEL, raising=False)
+    cpu = torch.zeros(2, 4)
+    assert hasattr(torch.ops.dynsteer, "steer_add_rms_norm_traced")
+    assert not ops.use_traced_fused(cpu)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not ops.use_traced_fused(cpu)
+    fake_cuda = SimpleNamespace(is_cuda=True)
+    assert ops.use_traced_fused(fake_cuda)
+    monkeypatch.setenv(ENV_KERNEL, "reference")
+    assert not ops.use_traced_fused(fake_cuda)
+    monkeypatch.delenv(ENV_KERNEL)
+    monkeypatch.setenv("DYNSTEER_FUSED_LAUNCH", "opaque")
+    assert not ops.use_traced_fused(fake_cuda)
+
+
 if __name__ == "__main__":
     sys.exit(_interp_worker())

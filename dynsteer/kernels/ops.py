@@ -14,6 +14,7 @@ Semantics: see ``dynsteer.kernels.reference`` (static) and ``dynsteer.kernels.dy
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from typing import Optional
@@ -24,8 +25,9 @@ from dynsteer.kernels import site_summary
 from dynsteer.kernels.dynamic_reference import steer_site_dyn_reference
 from dynsteer.kernels.reference import stash_residual, steer_site_reference
 
-__all__ = ["DYN_OP_NAME", "FUSED_OP_NAME", "OP_NAME", "ENV_KERNEL", "no_stage", "select_controller_impl", "select_impl",
-           "steer_add_rms_norm", "steer_site", "steer_site_dyn"]
+__all__ = ["DYN_OP_NAME", "FUSED_OP_NAME", "OP_NAME", "ENV_KERNEL", "TRACED_FUSED_OP_NAME", "no_stage",
+           "select_controller_impl", "select_impl", "steer_add_rms_norm", "steer_site", "steer_site_dyn",
+           "use_traced_fused"]
 
 OP_NAME = "dynsteer::steer_site"
 DYN_OP_NAME = "dynsteer::steer_site_dyn"
@@ -335,6 +337,52 @@ def _register_fused() -> None:
 
 _register_fused()
 
+TRACED_FUSED_OP_NAME = "dynsteer::steer_add_rms_norm_traced"
+ENV_FUSED_LAUNCH = "DYNSTEER_FUSED_LAUNCH"
+
+
+def _fused_traced_impl(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, row_index: torch.Tensor,
+                       tabs_a: list[torch.Tensor], tabs_b: list[torch.Tensor], gate_bufs: list[torch.Tensor],
+                       stage_a: torch.Tensor, stage_b: torch.Tensor, stage_slot: Optional[torch.Tensor],
+                       unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from dynsteer.kernels.triton_fused import steer_add_rms_norm_triton
+
+    return steer_add_rms_norm_triton(h, r, weight, eps, row_index, tabs_a, tabs_b, gate_bufs, stage_a, stage_b,
+                                     stage_slot, unit_offset, traced=True)
+
+
+def _register_fused_traced() -> None:
+    """``steer_add_rms_norm`` as a ``torch.library.triton_op``: the same kernel, the same schema, but torch.compile
+    sees the launch and emits it in its generated code like one of its own kernels, instead of calling back into
+    Python through the dispatcher for every norm. That matters in compiled steps that run without a CUDA graph
+    (token counts above vLLM's captured sizes: prefills while requests arrive): on the H200 a compiled chain of the
+    64 opaque op calls of an 8B forward took 3.6-4.0 ms of host time against 0.08-0.09 ms for vLLM's own
+    add-norms (``benchmarks/eager_norm_launch.py``). The traced op always launches the full kernel (an eager call's
+    idle shortcut, :mod:`site_summary`, is a host decision a compiled graph cannot take); CUDA graphs held the full
+    kernel already. Used only while compiling on CUDA (:func:`use_traced_fused`)."""
+    if hasattr(torch.ops.dynsteer, "steer_add_rms_norm_traced"):
+        return
+    if importlib.util.find_spec("triton") is None:  # triton_op needs it importable, not a GPU
+        return
+    torch.library.triton_op(TRACED_FUSED_OP_NAME, mutates_args=("gate_bufs", "stage_a", "stage_b"))(
+        _fused_traced_impl)
+
+
+_register_fused_traced()
+
+
+def use_traced_fused(h: torch.Tensor) -> bool:
+    """Whether a fused site pair on ``h`` should call the traced op: while torch.compile traces a CUDA forward with
+    the Triton kernels selected (``DYNSTEER_KERNEL`` not ``reference``) and the op registered; ``DYNSTEER_FUSED_LAUNCH=
+    opaque`` keeps the opaque op (the dispatcher path) for comparison."""
+    if not (h.is_cuda and torch.compiler.is_compiling()):
+        return False
+    if os.environ.get(ENV_KERNEL, "").strip().lower() == "reference":
+        return False
+    if os.environ.get(ENV_FUSED_LAUNCH, "").strip().lower() == "opaque":
+        return False
+    return hasattr(torch.ops.dynsteer, "steer_add_rms_norm_traced")
+
 
 def steer_add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, row_index: torch.Tensor,
                        tabs_a: list[torch.Tensor], tabs_b: list[torch.Tensor], gate_bufs: list[torch.Tensor],
@@ -343,7 +391,8 @@ def steer_add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, e
                        unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Call ``torch.ops.dynsteer.steer_add_rms_norm`` (contract: ``dynsteer.kernels.fused_reference``): up to two
     steering sites, then vLLM's fused add + RMS norm (``unit_offset``: Gemma's); returns ``(normed, residual)``."""
-    return torch.ops.dynsteer.steer_add_rms_norm(
+    op = torch.ops.dynsteer.steer_add_rms_norm_traced if use_traced_fused(h) else torch.ops.dynsteer.steer_add_rms_norm
+    return op(
         h, r, weight, eps, row_index, list(tabs_a), list(tabs_b), list(gate_bufs),
         no_stage(h) if stage_a is None else stage_a, no_stage(h) if stage_b is None else stage_b, stage_slot,
         unit_offset)

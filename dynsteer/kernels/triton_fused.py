@@ -173,8 +173,13 @@ def steer_add_rms_norm_triton(
     stage_b: torch.Tensor | None = None,
     stage_slot: torch.Tensor | None = None,
     unit_offset: bool = False,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the fused kernel (contract: ``dynsteer.kernels.fused_reference.steer_add_rms_norm_reference``)."""
+    """Launch the fused kernel (contract: ``dynsteer.kernels.fused_reference.steer_add_rms_norm_reference``).
+
+    ``traced``: called from the body of ``torch.ops.dynsteer.steer_add_rms_norm_traced`` (a ``triton_op``), whose
+    launch torch.compile lowers into its own generated code: the kernel goes through ``wrap_triton`` and the token
+    count may be symbolic (vLLM never runs a forward of 0 tokens, so no branch on it)."""
     num_tokens, hidden = h.shape
     dyn = len(tabs_a or tabs_b) == DYN_TABLES
     for name, tabs in (("tabs_a", tabs_a), ("tabs_b", tabs_b)):
@@ -196,7 +201,7 @@ def steer_add_rms_norm_triton(
     if (stash_a and not stage_a.is_contiguous()) or (stash_b and not stage_b.is_contiguous()):
         raise ValueError("steer_add_rms_norm_triton: capture buffers must be contiguous")
     normed, resout = torch.empty_like(h), torch.empty_like(h)
-    if num_tokens == 0:
+    if not traced and num_tokens == 0:
         return normed, resout
     tabs = tabs_a or tabs_b
     num_k = tabs[1].shape[1] if tabs else 0
@@ -205,7 +210,8 @@ def steer_add_rms_norm_triton(
     dummy = row_index  # a valid pointer for every argument a constexpr flag compiles away
     bufs = list(gate_bufs) if dyn else [dummy] * 4
     block_h = triton.next_power_of_2(hidden)
-    _steer_add_rms_norm_kernel[(num_tokens,)](
+    kernel = torch.library.wrap_triton(_steer_add_rms_norm_kernel) if traced else _steer_add_rms_norm_kernel
+    kernel[(num_tokens,)](
         h, r, weight, normed, resout, row_index,
         *_site_args(tabs_a, dyn, dummy), *_site_args(tabs_b, dyn, dummy),
         *bufs, stage_a if stash_a else dummy, stage_b if stash_b else dummy,
