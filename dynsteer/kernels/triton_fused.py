@@ -109,7 +109,8 @@ def _add_norm_store(x, res, t, offs, mask, H, eps, w_ptr, normed_ptr, resout_ptr
     s = x + res
     tl.store(resout_ptr + t * H + offs, s.to(resout_ptr.dtype.element_ty), mask=mask)
     var = tl.sum(s * s, axis=0) / H
-    normed = s * tl.rsqrt(var + eps)
+    # eps arrives as fp32 from Triton's own launcher but as fp64 from inductor's (the traced op): fp32 either way
+    normed = s * tl.rsqrt(var + tl.cast(eps, tl.float32))
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if UNIT_OFFSET:  # Gemma: normed * (1 + w), all in fp32
         normed = normed * (w + 1.0)
