@@ -715,6 +715,11 @@ def comparisons(seconds: dict, modes: list[str], batches: list[int]) -> dict:
     return out
 
 
+def step_lists(splits: dict) -> dict:
+    """The mean decode step (ms) of every repeat, per mode and batch, shaped like ``seconds``."""
+    return {k: {b: [x["step_ms"] for x in xs] for b, xs in per.items()} for k, per in splits.items()}
+
+
 def split_report(splits: dict, modes: list[str]) -> dict:
     """Per mode and batch: each phase's median over repeats, and its paired median difference from absent's (ms;
     the ramp and tail per call, the step per decode step). Repeats pair by index, as in :func:`comparisons`."""
@@ -742,17 +747,16 @@ def status(value: float, target: float | None, aa: float | None, is_aa: bool) ->
     return "≈" if aa is not None and value <= target + abs(aa) else "✗"
 
 
-def print_tables(report: dict) -> None:
-    batches = report["args"]["batches"]
-    aa = report.get("aa_pct") or {}
-    verification = report.get("verification", {})
+def print_comparisons(title: str, comps: dict, batches: list, verification: dict, first_row: str = "") -> None:
+    """One markdown table of comparisons, each cell marked against its target with that table's own A/A."""
+    aa = {b: c["median"] for b, c in comps.get("A/A control: absent2 vs absent", {}).get("per_batch", {}).items()
+          if c}
     print()
-    print("| comparison (overhead %, median of paired ratios) | " + " | ".join(f"batch {b}" for b in batches)
-          + " | target | steering changed tokens |")
+    print(f"| {title} | " + " | ".join(f"batch {b}" for b in batches) + " | target | steering changed tokens |")
     print("|---" * (len(batches) + 3) + "|")
-    tps = report["tokens_per_s"].get("absent", {})
-    print("| absent (tok/s) | " + " | ".join(f"{tps.get(str(b), 0):.0f}" for b in batches) + " | | |")
-    for label, comp in report["overhead_pct"].items():
+    if first_row:
+        print(first_row)
+    for label, comp in comps.items():
         a, target, is_aa = comp["a"], comp["target_pct"], comp["a"] == "aa"
         cells = []
         for b in batches:
@@ -765,6 +769,19 @@ def print_tables(report: dict) -> None:
         vcell = "—" if ver is None else ("yes" if ver else "**NO ⚠**")
         flag = " ⚠ steering not verified" if ver is False else ""
         print(f"| {label}{flag} | " + " | ".join(cells) + f" | {tgt} | {vcell} |")
+
+
+def print_tables(report: dict) -> None:
+    batches = report["args"]["batches"]
+    aa = report.get("aa_pct") or {}
+    verification = report.get("verification", {})
+    tps = report["tokens_per_s"].get("absent", {})
+    print_comparisons("comparison (overhead % of the whole call, median of paired ratios)", report["overhead_pct"],
+                      batches, verification,
+                      "| absent (tok/s) | " + " | ".join(f"{tps.get(str(b), 0):.0f}" for b in batches) + " | | |")
+    if report.get("step_overhead_pct"):
+        print_comparisons("comparison (overhead % of the mean decode step, median of paired ratios)",
+                          report["step_overhead_pct"], batches, verification)
     skipped = report.get("skipped") or {}
     for name, why in skipped.items():
         print(f"| ({name}: not run: {why}) |" + " |" * (len(batches) + 2))
@@ -1344,6 +1361,9 @@ class Bench:
             "host_counters": self.host,
             "timing_split": split_report(self.splits, self.modes) if self.splits else None,
             "timing_split_repeats": self.splits or None,
+            # the same comparisons on the decode step alone (steady state, request intake and tail left out)
+            "step_overhead_pct": comparisons(step_lists(self.splits), self.modes, args.batches) if self.splits
+            else None,
             "profile": self.profiles or None,
             "seconds": secs,
             "seconds_by_engine": {e: {k: secs[k] for k in secs if BY_KEY[k].engine == e} for e in self.cfgs},
@@ -1374,6 +1394,9 @@ def main() -> None:
         report = json.loads(Path(args.from_json).read_text())
         # recomputed from the repeats, so a report shows the pairs this version of the script knows
         report["overhead_pct"] = comparisons(report["seconds"], report["modes"], report["args"]["batches"])
+        if report.get("timing_split_repeats"):
+            report["step_overhead_pct"] = comparisons(step_lists(report["timing_split_repeats"]), report["modes"],
+                                                      report["args"]["batches"])
         print_tables(report)
         print(f"plot: {plot(report, Path(args.from_json).with_suffix('.png'))}")
         return
