@@ -80,10 +80,11 @@ Time. Full (H200, 6 engines, 18 modes × 3 batches, 15 repeats): start-up ~3-4 m
 (the eager peer's runs dominate), ~20 min in all; ``--max-minutes`` caps it. ``--reduced`` (for one 10-minute device
 call): 5 engines (absent, absent2, dynsteer, hotwire, dynsteer with capture buffers), 15 modes (idle, static 1 / 8
 layers, per-request 64 configs, global gate, per-request dynamic, + sync controller, dynsteer on hotwire's workload,
-hotwire idle / steered, capture-enabled idle, capture and stream every generated token at 1 layer), batches 1 and 64,
-at most 12 repeats within ``--max-minutes 7.5`` (engines not up within ``--start-timeout 360`` s are skipped). On an
-H200 (2026-11-23, ``--max-minutes 6.3``): start-up 2.5-3 min, one repeat ~25 s, 7 repeats, 6 min in all, which
-leaves time in the device call for ``gpu_env.sh`` (unpacking vLLM on a fresh machine). The hotwire wheel is
+hotwire idle / steered, capture-enabled idle, capture and stream every generated token at 1 layer), batches 1, 16
+and 64, ``--timing-split`` on, at most 12 repeats within ``--max-minutes 7.5`` (engines not up within
+``--start-timeout 360`` s are skipped). On an H200 (2026-11-24, a6cc202, ``--max-minutes 9.4``): start-up ~3.5 min,
+one repeat ~33 s, 9 repeats, 9 min in all; the default 7.5 leaves time in the device call for ``gpu_env.sh``
+(unpacking vLLM on a fresh machine). The hotwire wheel is
 git-ignored: carry it (``.gpu-carry/…whl``) with the call, or the hotwire modes are skipped.
 With ``--max-minutes`` no further repeat starts once the next one would end past the budget (at least one always
 runs), and the report is written anyway; the JSON is also rewritten after every repeat, so a killed run leaves one.
@@ -95,6 +96,14 @@ figure at that batch, ✗ beyond), and ``overhead-<device>-<date>[-reduced].png`
 per mode, the A/A band shaded. Targets: idle ≤ +0.3 %; static 1 layer ≤ +0.5 %, 8 layers ≤ +1.5 %; per-request
 static 64 configs ≤ +1.5 %; global gate ≤ +1 %; per-request dynamic ≤ +1.5 %; + sync controller ≤ +0.3 % over
 per-request dynamic; capture 1 layer ≤ +2 %; dynsteer ≤ hotwire-vllm on hotwire's workload.
+
+Decode steps. A call's time also holds its request intake: ``LLM.generate`` submits the batch one request at a time
+while the engine core already steps, so how the prompts split into prefill steps (and whether a step exceeds vLLM's
+captured graph sizes and runs without a graph) changes from call to call: on the H200 the time until every request
+has its first token ranged 32-122 ms at batch 16 within one engine and run. ``--timing-split`` (on in ``--reduced``)
+turns vLLM's request statistics on in every engine and splits each call into that ramp, the mean decode step after
+it and the tail, from the engine core's timestamps; every comparison is then also reported on the decode step alone
+(``step_overhead_pct``), whose A/A control resolves ~0.1 point where the whole call's swings by a point or more.
 """
 
 from __future__ import annotations
@@ -986,7 +995,8 @@ def parse_args() -> argparse.Namespace:
     d = dict(batches=[1, 16, 64], tokens=128, prompt_len=32, repeats=15, max_minutes=0.0, dtype="bfloat16",
              load_format="dummy", start_timeout=900.0, modes=[m.key for m in MODES])
     if args.reduced:
-        d.update(batches=[1, 64], repeats=12, max_minutes=7.5, start_timeout=360, modes=REDUCED_MODES)
+        d.update(batches=[1, 16, 64], repeats=12, max_minutes=7.5, start_timeout=360, modes=REDUCED_MODES)
+        args.timing_split = True
     if args.cpu_smoke:
         d.update(batches=[1, 4], tokens=8, prompt_len=8, repeats=2, dtype="float32", load_format="auto")
         args.eager = True
