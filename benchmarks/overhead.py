@@ -832,7 +832,8 @@ def print_tables(report: dict) -> None:
 
 
 def plot(report: dict, path: Path) -> Path | None:
-    """Overhead % vs batch size, one line per mode (vs absent), the A/A band shaded; peers in a second panel."""
+    """Overhead % vs batch size, one line per mode (vs absent), the A/A band shaded: whole calls, mean decode steps
+    (when the report has the timing split), and the peers in a panel of their own."""
     try:
         import matplotlib
 
@@ -842,16 +843,20 @@ def plot(report: dict, path: Path) -> Path | None:
         print("matplotlib not available: no plot (re-plot elsewhere with --from-json)")
         return None
     batches = report["args"]["batches"]
-    comps = {c["a"]: c for c in report["overhead_pct"].values() if c["b"] == "absent" and c["a"] != "aa"}
+    whole, step = report["overhead_pct"], report.get("step_overhead_pct")
+    comps = {c["a"]: c for c in whole.values() if c["b"] == "absent" and c["a"] != "aa"}
     peers = {"eager", "hook"}
-    panels = [("dynsteer and hotwire-vllm", [k for k in comps if k not in peers])]
+    panels = [("whole call: dynsteer and hotwire-vllm", whole, [k for k in comps if k not in peers])]
+    if step:
+        panels.append(("mean decode step: dynsteer and hotwire-vllm", step, [k for k in comps if k not in peers]))
     if any(k in comps for k in peers):
-        panels.append(("eager forward-hook peer (and hotwire's workload)",
+        panels.append(("eager forward-hook peer (and hotwire's workload)", whole,
                        [k for k in comps if k in peers or k in ("hwsteered", "hwload")]))
     fig, axes = plt.subplots(1, len(panels), figsize=(8 * len(panels) + 3, 6), squeeze=False)
-    aa = report["overhead_pct"].get("A/A control: absent2 vs absent")
     colors = plt.get_cmap("tab20")
-    for ax, (title, keys) in zip(axes[0], panels):
+    for ax, (title, src, keys) in zip(axes[0], panels):
+        aa = src.get("A/A control: absent2 vs absent")
+        by_mode = {c["a"]: c for c in src.values() if c["b"] == "absent" and c["a"] != "aa"}
         if aa:
             xs = [b for b in batches if aa["per_batch"].get(str(b))]
             med = [abs(aa["per_batch"][str(b)]["median"]) for b in xs]
@@ -861,7 +866,9 @@ def plot(report: dict, path: Path) -> Path | None:
                             [aa["per_batch"][str(b)]["q75"] for b in xs], color="grey", alpha=0.15,
                             label="A/A: quartiles of paired ratios")
         for i, k in enumerate(keys):
-            per = comps[k]["per_batch"]
+            if k not in by_mode:
+                continue
+            per = by_mode[k]["per_batch"]
             xs = [b for b in batches if per.get(str(b))]
             ver = report.get("verification", {}).get(k, {}).get("steering_changed_tokens")
             ax.plot(xs, [per[str(b)]["median"] for b in xs], marker="o", color=colors(i % 20),
