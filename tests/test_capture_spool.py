@@ -133,10 +133,10 @@ def test_dropped_and_inline_delivered_spools_leave_no_files():
 
 def test_finished_records_hold_no_descriptor_and_the_file_budget_caps_spooling(monkeypatch):
     def fds() -> int:  # descriptors open on this process's spool files only (other tests' threads open their own)
-        n = 0
+        n, ours = 0, _spool_files()
         for fd in os.listdir("/proc/self/fd"):
             try:
-                n += os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) in _spool_files()
+                n += os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) in ours
             except OSError:  # closed meanwhile (listdir's own descriptor, another thread's)
                 pass
         return n

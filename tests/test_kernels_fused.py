@@ -544,8 +544,10 @@ def test_cuda_inductor_launches_the_traced_kernel_itself(monkeypatch: pytest.Mon
     eager op's bit for bit, for two chained norms (the second reads the gates the first wrote)."""
     from torch._inductor.utils import run_and_get_code
 
+    from dynsteer.kernels import ops
+
     monkeypatch.delenv(ENV_KERNEL, raising=False)
-    monkeypatch.delenv("DYNSTEER_FUSED_LAUNCH", raising=False)
+    monkeypatch.delenv(ops.ENV_FUSED_LAUNCH, raising=False)
     num_tokens, hidden, num_k, num_g, sites, dt, cap, gemma = case
     kw = _cuda(make_fused_inputs(num_tokens, hidden, num_k, num_g, sites, DTYPES[dt], cap, seed=40 + hidden,
                                  gemma=gemma))
@@ -596,7 +598,7 @@ def test_traced_op_only_while_compiling_on_cuda(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv(ENV_KERNEL, "reference")
     assert not ops.use_traced_fused(fake_cuda)
     monkeypatch.delenv(ENV_KERNEL)
-    monkeypatch.setenv("DYNSTEER_FUSED_LAUNCH", "opaque")
+    monkeypatch.setenv(ops.ENV_FUSED_LAUNCH, "opaque")
     assert not ops.use_traced_fused(fake_cuda)
 
 

@@ -36,6 +36,12 @@ ENV_KERNEL = "DYNSTEER_KERNEL"
 SteerImpl = Callable[..., torch.Tensor]
 
 
+def forced_kernel() -> str:
+    """``DYNSTEER_KERNEL`` as set now (lower case, ``""`` when unset): read on every call, so tests and launch
+    scripts can flip it late."""
+    return os.environ.get(ENV_KERNEL, "").strip().lower()
+
+
 def select_impl(h: torch.Tensor, dynamic: bool = False) -> SteerImpl:
     """Return the implementation that should run for ``h`` (the one dispatch decision).
 
@@ -49,7 +55,7 @@ def select_impl(h: torch.Tensor, dynamic: bool = False) -> SteerImpl:
         ``steer_site_triton`` / ``steer_site_reference``, or with ``dynamic``
         ``steer_site_dyn_triton`` / ``steer_site_dyn_reference``.
     """
-    forced = os.environ.get(ENV_KERNEL, "").strip().lower()
+    forced = forced_kernel()
     if forced not in ("", "auto", "reference", "triton"):
         raise ValueError(f"{ENV_KERNEL}={forced!r}: expected 'reference', 'triton' or 'auto'")
     if forced == "reference" or (forced != "triton" and not h.is_cuda):
@@ -64,7 +70,7 @@ def select_impl(h: torch.Tensor, dynamic: bool = False) -> SteerImpl:
 def select_controller_impl(t: torch.Tensor) -> tuple[Callable[..., None], Callable[..., None]]:
     """The device sync tier's ``(control, update)`` kernels for tensors on ``t``'s device (same rule as
     :func:`select_impl`: Triton on CUDA, the torch reference elsewhere, ``DYNSTEER_KERNEL`` forces one)."""
-    forced = os.environ.get(ENV_KERNEL, "").strip().lower()
+    forced = forced_kernel()
     if forced == "reference" or (forced != "triton" and not t.is_cuda):
         from dynsteer.kernels.controller_reference import control_reference, update_reference
 
@@ -267,7 +273,7 @@ def _stash_impl(h: torch.Tensor, r: Optional[torch.Tensor], out: torch.Tensor,
                slot: Optional[torch.Tensor] = None) -> None:
     # The unsteered residual stream h + r of the tokens the host gave a slot this step, into a persistent buffer.
     # The "op" forward passes the buffer to the steering op instead (no extra kernel); "inline" forwards use this.
-    if out.is_cuda and os.environ.get(ENV_KERNEL, "").strip().lower() != "reference":
+    if out.is_cuda and forced_kernel() != "reference":
         from dynsteer.kernels.triton_steer import stash_triton
 
         stash_triton(h, r, out, slot)  # the reference selects rows with nonzero: a device sync, not graph safe
@@ -294,7 +300,7 @@ def _fused_impl(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: flo
                 stage_a: torch.Tensor, stage_b: torch.Tensor, stage_slot: Optional[torch.Tensor],
                 unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
     # Same dispatch rule as select_impl: Triton on CUDA tensors, the torch reference elsewhere, the env var forces.
-    forced = os.environ.get(ENV_KERNEL, "").strip().lower()
+    forced = forced_kernel()
     reference = forced == "reference" or (forced != "triton" and not h.is_cuda)
     # An eager call (never while a CUDA graph is captured: the graph must hold the full kernel) whose sites are both
     # idle this step and capture nothing: the add-norm alone, the same bits for a cheaper launch (site_summary).
@@ -377,7 +383,7 @@ def use_traced_fused(h: torch.Tensor) -> bool:
     opaque`` keeps the opaque op (the dispatcher path) for comparison."""
     if not (h.is_cuda and torch.compiler.is_compiling()):
         return False
-    if os.environ.get(ENV_KERNEL, "").strip().lower() == "reference":
+    if forced_kernel() == "reference":
         return False
     if os.environ.get(ENV_FUSED_LAUNCH, "").strip().lower() == "opaque":
         return False
