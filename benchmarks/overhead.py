@@ -20,6 +20,10 @@ own process below it, as vLLM runs by default):
   launch per site); modes ``i_idle``, ``i_static1``, ``i_pr64``, ``i_prdyn`` (not in ``--reduced``: on the H200,
   2026-11-23, it measured +53 to +68 % against the custom op's +5 to +16 %, so the op stays the default; it is the
   first engine dropped where memory is short, e.g. on an H100).
+* ``dynsteer-bare`` and ``dynsteer-1layer`` (diagnostic, not in ``--reduced``): the plugin loaded with no layer
+  hooked (``layers=[]``, ``require=False``: the scheduler, runner and frontend glue around vLLM's own forward; mode
+  ``b_idle``) and with one layer hooked (``layers=[middle]``: two of the 64 add-norms are dynsteer's; modes
+  ``l_idle``, ``l_static1``). Together with ``idle`` they split the idle engine's cost into glue and forward.
 * ``hotwire``: hotwire-vllm 0.1.2 (``--hotwire-wheel``), installed with ``pip install --no-deps --target`` into a
   private folder on that engine's ``PYTHONPATH`` only (its ``vllm.general_plugins`` entry point is found there);
   dynsteer disabled in it, and hotwire is visible to no other engine (checked before start, listed in the report).
@@ -171,6 +175,11 @@ MODES = [
     Mode("i_static1", "static global, 1 layer, forward=inline", "dynsteer-inline", True, 0.5),
     Mode("i_pr64", "per-request static, 64 configs, forward=inline", "dynsteer-inline", True, 1.5),
     Mode("i_prdyn", "per-request dynamic, forward=inline", "dynsteer-inline", True, 1.5),
+    # where the idle engine's cost sits: dynsteer's plugin loaded but no layer hooked (scheduler and runner glue
+    # only, vLLM's own compiled forward), and one hooked layer (2 of the 64 add-norms are dynsteer's kernel)
+    Mode("b_idle", "idle, no layer hooked (plugin glue only)", "dynsteer-bare", False),
+    Mode("l_idle", "idle, 1 layer hooked", "dynsteer-1layer", False),
+    Mode("l_static1", "static global, 1 layer, 1 layer hooked", "dynsteer-1layer", True),
     Mode("hwidle", "hotwire-vllm idle", "hotwire", False),
     Mode("hwsteered", "hotwire-vllm steered, 1 layer", "hotwire", True),
     Mode("eager", "eager peer, no hook", "hook", False),
@@ -183,11 +192,13 @@ BY_KEY = {m.key: m for m in MODES}
 EXTRA_PAIRS = [("hwsteered", "hwidle"), ("hook", "eager"), ("capture", "capidle"), ("stream", "capidle"),
                *((k, "idle") for k in ("static1", "static8", "pr1", "pr16", "pr64", "pr64n", "gate", "prdyn",
                                        "hwload")),
-               *((k, "i_idle") for k in ("i_static1", "i_pr64", "i_prdyn"))]
+               *((k, "i_idle") for k in ("i_static1", "i_pr64", "i_prdyn")), ("l_static1", "l_idle"),
+               ("l_idle", "b_idle"), ("idle", "b_idle")]
 ENGINES = ["absent", "absent2", "dynsteer", "hotwire", "hook", "dynsteer-capture",
-           "dynsteer-inline"]  # start / keep priority
+           "dynsteer-inline", "dynsteer-bare", "dynsteer-1layer"]  # start / keep priority
 ENGINE_KIND = {"absent": "absent", "absent2": "absent", "dynsteer": "dynsteer", "dynsteer-capture": "dynsteer",
-               "dynsteer-inline": "dynsteer", "hotwire": "hotwire", "hook": "hook"}
+               "dynsteer-inline": "dynsteer", "dynsteer-bare": "dynsteer", "dynsteer-1layer": "dynsteer",
+               "hotwire": "hotwire", "hook": "hook"}
 REDUCED_MODES = ["absent", "aa", "idle", "static1", "static8", "pr64", "gate", "prdyn", "sync", "hwload", "hwidle",
                  "hwsteered", "capidle", "capture", "stream"]
 
@@ -239,7 +250,7 @@ class Workload:
         self.kind = cfg["kind"]
         self.steerer = None
         self._payloads: dict = {}
-        if self.kind == "dynsteer":
+        if self.kind == "dynsteer" and cfg["engine"] != "dynsteer-bare":  # the bare engine has no runtime
             import dynsteer
 
             self.steerer = dynsteer.attach(llm)
@@ -319,7 +330,7 @@ class Workload:
         llm, st = self.llm, self.steerer
         params = base
         teardown = None
-        key = key.removeprefix("i_")  # the inline engine's modes run the same workloads
+        key = re.sub(r"^[ibl]_", "", key)  # the inline, bare and 1-layer engines' modes run the same workloads
         if key in ("static1", "static8"):
             layers = [self.layer] if key == "static1" else spread_layers(8, self.num_layers)
             st.apply_steering_spec(SteeringSpec(vectors=[AddVector(layer=l, vector=self.vec(10 + l), scale=scale)
@@ -1166,6 +1177,10 @@ class Bench:
                 dyn = {"max_rows": max(64, max(args.batches) + 2) + 32}
                 if e == "dynsteer-inline":
                     dyn.update(forward="inline")
+                if e == "dynsteer-bare":  # nothing hooked: the plugin's glue around vLLM's own forward
+                    dyn.update(layers=[], require=False)
+                if e == "dynsteer-1layer":
+                    dyn.update(layers=[steer_layer(self.num_layers)])
                 if e == "dynsteer-capture":
                     from dynsteer.config import MonitorConfig
 
