@@ -914,6 +914,7 @@ def summarize_trace(path: Path, steps: int, top: int = 15) -> dict:
     host_self: Counter = Counter()
     threads: dict = defaultdict(list)
     spans: list = []  # device intervals, for the time the device sat idle waiting for work
+    device_events: list = []  # (start, duration, name) of every kernel / copy, for the steady-state window
     batches: list = []  # vLLM's per-step annotations ("execute_context_<reqs>(<tokens>)_generation_<reqs>(<tokens>)")
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
@@ -924,6 +925,7 @@ def summarize_trace(path: Path, steps: int, top: int = 15) -> dict:
         if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             kernels[e["name"]] += e["dur"]
             spans.append((e["ts"], e["ts"] + e["dur"]))
+            device_events.append((e["ts"], e["dur"], e["name"]))
         elif cat in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function"):
             threads[(e.get("pid"), e.get("tid"))].append(e)
     for evs in threads.values():  # self time: an event's duration less that of the events nested in it
@@ -968,7 +970,41 @@ def summarize_trace(path: Path, steps: int, top: int = 15) -> dict:
             "device_us_per_step_total": round(sum(kernels.values()) / steps, 1),
             "device_busy_us_per_step": round(busy / steps, 1), "device_idle_us_per_step": round(idle / steps, 1),
             "device_idle_gaps_over_20us_per_step": round(big / steps, 1),
-            "top_host_ops_self_us_per_step": per(host_self), "top_device_kernels_us_per_step": per(kernels)}
+            "top_host_ops_self_us_per_step": per(host_self), "top_device_kernels_us_per_step": per(kernels),
+            "steady": steady_window(device_events, batches)}
+
+
+def steady_window(device_events: list, batches: list) -> dict:
+    """The second half of the call's device time (pure decode at every batch size here): the steps vLLM annotated
+    there, the device's period per step, its busy and idle time per step, and every kernel with its launches and
+    time per step (the whole list: an extra small kernel per layer is what a top-N list hides)."""
+    if not device_events:
+        return {}
+    device_events.sort()
+    first, last = device_events[0][0], max(a + d for a, d, _ in device_events)
+    start = first + (last - first) / 2
+    window = [ev for ev in device_events if ev[0] >= start]
+    marks: list = []  # decode-step annotations (one per step and thread: those 0.5 ms apart count once)
+    for ts, name in sorted(batches):
+        if ts >= start and name.startswith("execute_context_0(0)") and (not marks or ts - marks[-1] > 500):
+            marks.append(ts)
+    steps = len(marks) or 1
+    kernels: dict = defaultdict(lambda: [0, 0.0])
+    busy, end = 0.0, None
+    for a, d, name in window:
+        kernels[name][0] += 1
+        kernels[name][1] += d
+        busy += max(0.0, a + d - max(a, end if end is not None else a))
+        end = a + d if end is None else max(end, a + d)
+    span = last - window[0][0]
+    # the pace: from the first counted step's start to the last's (host annotations; equal to the device's pace in
+    # a steady decode), per step
+    period = (marks[-1] - marks[0]) / (len(marks) - 1) if len(marks) > 1 else span / steps
+    rows = sorted(([name[:160], round(n / steps, 3), round(us / steps, 3)] for name, (n, us) in kernels.items()),
+                  key=lambda r: -r[2])
+    return {"steps": steps, "period_us": round(period, 2), "busy_us_per_step": round(busy / steps, 2),
+            "idle_us_per_step": round(period - busy / steps, 2),
+            "launches_per_step": round(sum(n for n, _ in kernels.values()) / steps, 2), "kernels": rows}
 
 
 # ---- main -----------------------------------------------------------------------------------------------------------
@@ -999,7 +1035,7 @@ def parse_args() -> argparse.Namespace:
                          "raised 10× and 50× where that still leaves a request's tokens unchanged")
     ap.add_argument("--profile", action="store_true", help="also profile one short call per (engine, mode)")
     ap.add_argument("--profile-tokens", type=int, default=16)
-    ap.add_argument("--profile-batch", type=int, help="default: the largest batch")
+    ap.add_argument("--profile-batch", type=int, nargs="+", help="batch sizes to profile (default: the largest)")
     ap.add_argument("--timing-split", action="store_true",
                     help="every engine keeps vLLM's request stats on; each timed call is split into ramp (until "
                          "every first token), decode step and tail, each compared with absent's")
@@ -1326,31 +1362,33 @@ class Bench:
         if self.budget_s and self.elapsed() + 30 > self.budget_s:
             print("--profile skipped: budget spent", flush=True)
             return
-        batch = args.profile_batch or max(args.batches)
+        batches = args.profile_batch or [max(args.batches)]
         dest = self.out_dir / f"{self.json_path.stem}-profile"
         dest.mkdir(parents=True, exist_ok=True)
-        for k in [k for k in self.modes if k not in self.errors]:
-            eng = self.live.get(BY_KEY[k].engine)
-            if eng is None:
-                continue
-            try:
-                res = eng.call({"op": "profile", "mode": k, "batch": batch, "tokens": args.profile_tokens},
-                               args.run_timeout)
-            except EngineDied as exc:
-                self.profiles[k] = {"error": str(exc)[:300]}
-                continue
-            if "error" in res:
-                self.profiles[k] = {"error": res["error"]}
-                continue
-            entry: dict = {"batch": batch, "files": res["files"]}
-            for name in res["files"]:
-                shutil.copy2(Path(self.cfgs[eng.name]["profile_dir"]) / name, dest / name)
-                if ".pt.trace.json" in name:
-                    try:
-                        entry["summary"] = summarize_trace(dest / name, args.profile_tokens)
-                    except Exception as exc:  # noqa: BLE001 - a trace we cannot read must not cost the report
-                        entry["summary_error"] = repr(exc)
-            self.profiles[k] = entry
+        for batch in batches:
+            for k in [k for k in self.modes if k not in self.errors]:
+                key = k if len(batches) == 1 else f"{k}@b{batch}"
+                eng = self.live.get(BY_KEY[k].engine)
+                if eng is None:
+                    continue
+                try:
+                    res = eng.call({"op": "profile", "mode": k, "batch": batch, "tokens": args.profile_tokens},
+                                   args.run_timeout)
+                except EngineDied as exc:
+                    self.profiles[key] = {"error": str(exc)[:300]}
+                    continue
+                if "error" in res:
+                    self.profiles[key] = {"error": res["error"]}
+                    continue
+                entry: dict = {"batch": batch, "files": res["files"]}
+                for name in res["files"]:
+                    shutil.copy2(Path(self.cfgs[eng.name]["profile_dir"]) / name, dest / name)
+                    if ".pt.trace.json" in name:
+                        try:
+                            entry["summary"] = summarize_trace(dest / name, args.profile_tokens)
+                        except Exception as exc:  # noqa: BLE001 - a trace we cannot read must not cost the report
+                            entry["summary_error"] = repr(exc)
+                self.profiles[key] = entry
         (dest / "summary.json").write_text(json.dumps(self.profiles, indent=1))
         print(f"profiles: {dest}", flush=True)
 
