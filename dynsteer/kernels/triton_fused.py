@@ -7,10 +7,12 @@ token loads ``h`` and ``r`` once, applies site A and then site B exactly as ``st
 (each site's result rounded to ``h``'s dtype, as the separate op stores it), then computes vLLM's
 ``fused_add_rms_norm`` (fp32 add, residual rounded to the input dtype, fp32 variance, ``normed.to(w.dtype) * w``, or
 with ``unit_offset`` Gemma's ``normed * (1 + w)`` in fp32).
-An idle token (row 0) pays the row-index load and the site's summary load (``row_live[0]``, issued alongside) on top
-of the norm; at a site no row of the batch steers (summary 0) so does a steered token; at a site where its own row
-holds nothing (``row_live`` 0: a spec steering other layers) it pays the dependent load of its row's flags, not the
-row's vector and strengths.
+Every load an idle token needs is issued at the top, with ``h``, ``r`` and the weight: the row index, each site's
+summary (``row_live[0]``) and its row's flags (``row_live[row]``, which only a steered token waits for). At decode
+sizes the kernel is one program per token and its time is the chain of memory round trips (its operands evicted by
+the GEMMs between norms), so an idle token pays one round trip plus the row flags' dependent load it does not wait
+for; at a site no row of the batch steers (summary 0) so does a steered token; at a site where its own row holds
+nothing (``row_live`` 0: a spec steering other layers) it pays the row flags, not the row's vector and strengths.
 Semantics: ``dynsteer.kernels.fused_reference``.
 
 Tables are the per-site tensors of :class:`dynsteer.steering.tables.SteeringTables`, which are standalone
@@ -33,21 +35,28 @@ DYN_TABLES = 14  # + clamp_gate, mon_mask, mon_probe, mon_sharp, mon_thresh, mon
 
 
 @triton.jit
-def _site(x, res, row, t, offs, mask, H, K, G, N,
-          vec_ptr, dir_ptr, lo_ptr, hi_ptr, s_ptr, live_ptr, cg_ptr, mm_ptr, probe_ptr, sharp_ptr, thresh_ptr,
+def _site_flags(live_ptr, row):
+    """A site's summary ``row_live[0]`` (0: no row of the batch holds anything here this step) and the token's row
+    flags ``row_live[row]`` (the summary itself for row 0, which the caller excludes). Both are loaded at the top of
+    the kernel, with the token's inputs: loaded where they are used, each site's was a memory round trip of its own
+    after the previous site's branch, and at decode sizes (one program per token, tables evicted by the GEMMs between
+    norms) the kernel's time is its chain of round trips. An idle token never waits for the row flags' load."""
+    return tl.load(live_ptr), tl.load(live_ptr + row)
+
+
+@triton.jit
+def _site(x, res, row, on, live, t, offs, mask, H, K, G, N,
+          vec_ptr, dir_ptr, lo_ptr, hi_ptr, s_ptr, cg_ptr, mm_ptr, probe_ptr, sharp_ptr, thresh_ptr,
           floor_ptr, dm_ptr, dvec_ptr, gmul_ptr, gadd_ptr, gates_ptr, scores_ptr,
           stage_ptr, slot_ptr, n_stage,
           DYN: tl.constexpr, STASH: tl.constexpr, SLOTTED: tl.constexpr):
-    """One site on token t (x: the branch in fp32, res: the carried residual in fp32); returns the steered x."""
+    """One site on token t (x: the branch in fp32, res: the carried residual in fp32; ``on``, ``live``: the site's
+    flags from :func:`_site_flags`); returns the steered x."""
     if STASH:
         _stash(x, res, t, stage_ptr, slot_ptr, H, n_stage, offs, mask, HAS_R=True, SLOTTED=SLOTTED)
-    # row_live[0]: the site's summary for this step (independent of the token: loaded alongside the row index).
-    # 0, no row of the batch holds anything here: the identity for every token, without the row's flags.
-    on = tl.load(live_ptr)
+    # Summary 0: the identity for every token. Else the row's flags (steer_site_triton's kernels): 0 is the
+    # identity; else only the groups the row has here are loaded / run (scalar branches, uniform per program).
     if (row != 0) & (on != 0):
-        # The row's flags at this site (steer_site_triton's kernels): 0 is the identity; else only the groups the
-        # row has here are loaded / run (scalar branches, uniform per program).
-        live = tl.load(live_ptr + row)
         if live != 0:
             # predicated off without a vector here, and still added, as 0, exactly as before
             v = tl.load(vec_ptr + row * H + offs, mask=mask & ((live & 1) != 0), other=0.0)
@@ -85,33 +94,47 @@ def _steer_add_rms_norm_kernel(
     row = tl.load(idx_ptr + t).to(tl.int64)
     x = tl.load(h_ptr + t * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
     res = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    w = _load_weight(w_ptr, offs, mask)
+    on_a, live_a, on_b, live_b = 0, 0, 0, 0
     if HAS_A:
-        x = _site(x, res, row, t, offs, mask, H, K, G, N,
-                  a_vec, a_dir, a_lo, a_hi, a_s, a_live, a_cg, a_mm, a_probe, a_sharp, a_thresh, a_floor, a_dm,
+        on_a, live_a = _site_flags(a_live, row)
+    if HAS_B:
+        on_b, live_b = _site_flags(b_live, row)
+    if HAS_A:
+        x = _site(x, res, row, on_a, live_a, t, offs, mask, H, K, G, N,
+                  a_vec, a_dir, a_lo, a_hi, a_s, a_cg, a_mm, a_probe, a_sharp, a_thresh, a_floor, a_dm,
                   a_dvec, gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, a_stage, slot_ptr, n_stage_a,
                   DYN=DYN, STASH=STASH_A, SLOTTED=SLOTTED)
         # The separate op stores each site's output in h's dtype; rounding here keeps the two forwards equal
         # (exact for unsteered tokens, whose x still holds h).
         x = x.to(h_ptr.dtype.element_ty).to(tl.float32)
     if HAS_B:
-        x = _site(x, res, row, t, offs, mask, H, K, G, N,
-                  b_vec, b_dir, b_lo, b_hi, b_s, b_live, b_cg, b_mm, b_probe, b_sharp, b_thresh, b_floor, b_dm,
+        x = _site(x, res, row, on_b, live_b, t, offs, mask, H, K, G, N,
+                  b_vec, b_dir, b_lo, b_hi, b_s, b_cg, b_mm, b_probe, b_sharp, b_thresh, b_floor, b_dm,
                   b_dvec, gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, b_stage, slot_ptr, n_stage_b,
                   DYN=DYN, STASH=STASH_B, SLOTTED=SLOTTED)
         x = x.to(h_ptr.dtype.element_ty).to(tl.float32)
-    _add_norm_store(x, res, t, offs, mask, H, eps, w_ptr, normed_ptr, resout_ptr, UNIT_OFFSET=UNIT_OFFSET)
+    _add_norm_store(x, res, w, t, offs, mask, H, eps, w_ptr, normed_ptr, resout_ptr, UNIT_OFFSET=UNIT_OFFSET)
 
 
 @triton.jit
-def _add_norm_store(x, res, t, offs, mask, H, eps, w_ptr, normed_ptr, resout_ptr, UNIT_OFFSET: tl.constexpr):
+def _load_weight(w_ptr, offs, mask):
+    """The norm's weight, loaded with the token's inputs: issued after the variance's reduction it was a second
+    memory round trip per program, which at decode sizes (one program per token, the weight evicted by the GEMMs
+    between norms) is most of the kernel's time."""
+    return tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _add_norm_store(x, res, w, t, offs, mask, H, eps, w_ptr, normed_ptr, resout_ptr, UNIT_OFFSET: tl.constexpr):
     """vLLM's fused_add_rms_norm on token t: fp32 sum, the new residual rounded to the input dtype, fp32 variance of
-    the sum. Shared by both kernels, so an unsteered token gets the same bits from either."""
+    the sum (``w``: the weight in fp32, from :func:`_load_weight`; ``w_ptr`` gives its dtype). Shared by both
+    kernels, so an unsteered token gets the same bits from either."""
     s = x + res
     tl.store(resout_ptr + t * H + offs, s.to(resout_ptr.dtype.element_ty), mask=mask)
     var = tl.sum(s * s, axis=0) / H
     # eps arrives as fp32 from Triton's own launcher but as fp64 from inductor's (the traced op): fp32 either way
     normed = s * tl.rsqrt(var + tl.cast(eps, tl.float32))
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if UNIT_OFFSET:  # Gemma: normed * (1 + w), all in fp32
         normed = normed * (w + 1.0)
     else:  # normed.to(w.dtype) * w, the product in fp32: exact for 16-bit operands, so one rounding as in torch
@@ -128,7 +151,8 @@ def _add_rms_norm_kernel(h_ptr, r_ptr, w_ptr, normed_ptr, resout_ptr, H, eps, st
     mask = offs < H
     x = tl.load(h_ptr + t * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
     res = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    _add_norm_store(x, res, t, offs, mask, H, eps, w_ptr, normed_ptr, resout_ptr, UNIT_OFFSET=UNIT_OFFSET)
+    w = _load_weight(w_ptr, offs, mask)
+    _add_norm_store(x, res, w, t, offs, mask, H, eps, w_ptr, normed_ptr, resout_ptr, UNIT_OFFSET=UNIT_OFFSET)
 
 
 def _check_norm_args(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, who: str) -> None:
