@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -77,6 +78,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--evict-mb", type=int, default=0,
+                    help="before each add-norm, write a scratch buffer of this size (MB), evicting L2 as the GEMMs "
+                         "between a model's norms do (0: back-to-back norms, their operands L2-resident)")
+    ap.add_argument("--traced", action="store_true",
+                    help="also time the kernel as torch.compile launches it in an engine (the traced op)")
     args = ap.parse_args()
     from dynsteer.kernels.fused_reference import add_rms_norm_reference  # vLLM's native add-norm, bit for bit
 
@@ -86,6 +92,12 @@ def main() -> None:
     fill_rows(tables, args.hidden, args.layers // 2)
     weight = (1 + 0.1 * torch.randn(args.hidden, device="cuda")).to(dtype)
     rows = {}
+    scratch = torch.empty(max(args.evict_mb, 1) << 20, dtype=torch.uint8, device="cuda")
+
+    def evict() -> None:
+        if args.evict_mb:
+            scratch.fill_(1)
+
     for T in args.tokens:
         gen = torch.Generator(device="cuda").manual_seed(T)
         h = torch.randn(T, args.hidden, device="cuda", dtype=dtype, generator=gen)
@@ -94,18 +106,23 @@ def main() -> None:
         def native():
             x, res = h, r
             for _ in pairs:
+                evict()
                 x, res = compiled(x, res, weight, 1e-5)
             return x
 
         def ours():
             x, res = h, r
             for first, second in pairs:
+                evict()
                 x, res = fused_add_rms_norm(first, second, x, res, weight, 1e-5)
             return x
 
         graphs = {"vllm": capture_graph(native), "ours": capture_graph(ours)}
         runs = {"vllm": ("vllm", 0), "idle": ("ours", 0), "static": ("ours", 1), "static1": ("ours", 3),
                 "dynamic": ("ours", 2)}
+        if args.traced:  # the traced op, launched from inductor's generated code as in a compiled engine
+            graphs["traced"] = capture_graph(torch.compile(ours, dynamic=False))
+            runs.update({"idle_traced": ("traced", 0), "static1_traced": ("traced", 3)})
         us: dict[str, list[float]] = {name: [] for name in runs}
         for rnd in range(args.rounds):
             for name in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
@@ -114,7 +131,7 @@ def main() -> None:
                 us[name].append(time_replays(graphs[graph], args.replays))
         tables.row_index.zero_()
         row = {f"{name}_us": round(statistics.median(v), 2) for name, v in us.items()}
-        for name in ("idle", "static", "static1", "dynamic"):
+        for name in [n for n in runs if n != "vllm"]:
             diffs = [c - b for b, c in zip(us["vllm"], us[name])]
             row[f"{name}_delta_us"] = round(statistics.median(diffs), 3)
             row[f"{name}_delta_us_range"] = [round(min(diffs), 3), round(max(diffs), 3)]
@@ -124,7 +141,8 @@ def main() -> None:
         "benchmark": "fused_norm_kernel", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bfloat16",
         "layers": args.layers, "hidden": args.hidden, "norms": len(pairs), "replays": args.replays,
-        "rounds": args.rounds, "tokens": rows,
+        "rounds": args.rounds, "evict_mb": args.evict_mb, "commit": os.environ.get("DYNSTEER_GIT_SHA"),
+        "tokens": rows,
     }
     path = write_report(report, args.out)
     print_table_head("tokens per forward", args.tokens)
