@@ -666,13 +666,14 @@ class DynamicDriver:
             tokens: this step's dynamic decode tokens.
             upto: tokens of this step, padding included.
         """
-        host_tier = self.host_tier > 0
-        t0 = time.perf_counter()
-        self.poll(lookup, block=host_tier)
         t1 = time.perf_counter()
-        if host_tier:
+        if self.host_tier > 0:  # host-tier controllers decide this step's multipliers from the previous one's scores
+            self.poll(lookup, block=True)
+            t0, t1 = t1, time.perf_counter()
             self.stats.wait_ms += (t1 - t0) * 1e3
             self.stats.host_sync_steps += 1
+        # Otherwise read-backs are fed in after_forward: this is the stretch of the step between vLLM's inputs and
+        # the forward's launch, where the device may be waiting for the host.
         self._step = None
         if not len(tokens):
             return
@@ -757,8 +758,15 @@ class DynamicDriver:
             words[CTL, tokens.index[k]] = -2 - j
         self._replay.copy_to(len(replays))
 
-    def after_forward(self) -> None:
-        """Advance the device sync tier and start copying this step's dynamic-token values to the host."""
+    def after_forward(self, lookup: Any = None) -> None:
+        """Advance the device sync tier and start copying this step's dynamic-token values to the host; then feed
+        earlier steps' completed read-backs to their requests (``lookup``: ``req_id -> state``; None: left to the
+        next call), while the device runs the forward just launched."""
+        self._launch_readback()
+        if lookup is not None:
+            self.poll(lookup)
+
+    def _launch_readback(self) -> None:
         self.prompt.latch()
         step, self._step = self._step, None
         if step is None:

@@ -538,7 +538,7 @@ class SteeringRuntime:
         if self.capture is not None:
             self.capture.after_forward()
         if self.dynamic is not None:
-            self.dynamic.after_forward()
+            self.dynamic.after_forward(self._state_of)
 
     def take_captures(self, tags: Iterable[str]) -> list[CaptureRecord]:
         """Finish live records with these tags (the caller knows they are done) and take them from memory."""
