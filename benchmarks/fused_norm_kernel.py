@@ -81,6 +81,10 @@ def main() -> None:
     ap.add_argument("--evict-mb", type=int, default=0,
                     help="before each add-norm, write a scratch buffer of this size (MB), evicting L2 as the GEMMs "
                          "between a model's norms do (0: back-to-back norms, their operands L2-resident)")
+    ap.add_argument("--gemm-mb", type=int, default=0,
+                    help="between add-norms, a GEMM of the norm's output with a weight of this size (MB, bf16) whose "
+                         "output feeds the next norm, as a model's projections do (evicts L2 and keeps the chain's "
+                         "dependencies under torch.compile; exclusive with --evict-mb)")
     ap.add_argument("--traced", action="store_true",
                     help="also time the kernel as torch.compile launches it in an engine (the traced op)")
     args = ap.parse_args()
@@ -93,10 +97,16 @@ def main() -> None:
     weight = (1 + 0.1 * torch.randn(args.hidden, device="cuda")).to(dtype)
     rows = {}
     scratch = torch.empty(max(args.evict_mb, 1) << 20, dtype=torch.uint8, device="cuda")
+    wide = max(args.gemm_mb << 20, 1) // (2 * args.hidden)
+    proj = (torch.randn(args.hidden, max(wide, args.hidden), device="cuda") / args.hidden ** 0.5).to(dtype)
 
     def evict() -> None:
         if args.evict_mb:
             scratch.fill_(1)
+
+    def project(x: torch.Tensor) -> torch.Tensor:
+        """The next norm's input from this one's output, through a GEMM (--gemm-mb) or as is."""
+        return torch.mm(x, proj)[:, :args.hidden] if args.gemm_mb else x
 
     for T in args.tokens:
         gen = torch.Generator(device="cuda").manual_seed(T)
@@ -107,22 +117,32 @@ def main() -> None:
             x, res = h, r
             for _ in pairs:
                 evict()
-                x, res = compiled(x, res, weight, 1e-5)
+                x, res = compiled(project(x), res, weight, 1e-5)
             return x
 
         def ours():
             x, res = h, r
             for first, second in pairs:
                 evict()
-                x, res = fused_add_rms_norm(first, second, x, res, weight, 1e-5)
+                x, res = fused_add_rms_norm(first, second, project(x), res, weight, 1e-5)
             return x
 
         graphs = {"vllm": capture_graph(native), "ours": capture_graph(ours)}
         runs = {"vllm": ("vllm", 0), "idle": ("ours", 0), "static": ("ours", 1), "static1": ("ours", 3),
                 "dynamic": ("ours", 2)}
-        if args.traced:  # the traced op, launched from inductor's generated code as in a compiled engine
+        if args.traced:  # as in a compiled engine: the traced op launched from inductor's generated code, against
+            # vLLM's add-norm compiled by inductor in the same graph (both chains compiled whole)
+            def native_plain():
+                x, res = h, r
+                for _ in pairs:
+                    evict()
+                    x, res = add_rms_norm_reference(project(x), res, weight, 1e-5)
+                return x
+
             graphs["traced"] = capture_graph(torch.compile(ours, dynamic=False))
-            runs.update({"idle_traced": ("traced", 0), "static1_traced": ("traced", 3)})
+            graphs["vllm_traced"] = capture_graph(torch.compile(native_plain, dynamic=False))
+            runs.update({"vllm_traced": ("vllm_traced", 0), "idle_traced": ("traced", 0),
+                         "static1_traced": ("traced", 3)})
         us: dict[str, list[float]] = {name: [] for name in runs}
         for rnd in range(args.rounds):
             for name in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
@@ -131,8 +151,9 @@ def main() -> None:
                 us[name].append(time_replays(graphs[graph], args.replays))
         tables.row_index.zero_()
         row = {f"{name}_us": round(statistics.median(v), 2) for name, v in us.items()}
-        for name in [n for n in runs if n != "vllm"]:
-            diffs = [c - b for b, c in zip(us["vllm"], us[name])]
+        for name in [n for n in runs if not n.startswith("vllm")]:
+            base = "vllm_traced" if name.endswith("_traced") else "vllm"  # compiled whole against compiled whole
+            diffs = [c - b for b, c in zip(us[base], us[name])]
             row[f"{name}_delta_us"] = round(statistics.median(diffs), 3)
             row[f"{name}_delta_us_range"] = [round(min(diffs), 3), round(max(diffs), 3)]
         rows[str(T)] = row
@@ -141,7 +162,7 @@ def main() -> None:
         "benchmark": "fused_norm_kernel", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bfloat16",
         "layers": args.layers, "hidden": args.hidden, "norms": len(pairs), "replays": args.replays,
-        "rounds": args.rounds, "evict_mb": args.evict_mb, "commit": os.environ.get("DYNSTEER_GIT_SHA"),
+        "rounds": args.rounds, "evict_mb": args.evict_mb, "gemm_mb": args.gemm_mb, "commit": os.environ.get("DYNSTEER_GIT_SHA"),
         "tokens": rows,
     }
     path = write_report(report, args.out)
@@ -150,7 +171,11 @@ def main() -> None:
                        ("idle_delta_us", "dynsteer's kernel, idle: difference (µs)"),
                        ("static_delta_us", "every token steered (static): difference (µs)"),
                        ("static1_delta_us", "every token steered at one site of 96: difference (µs)"),
-                       ("dynamic_delta_us", "every token gated (monitor + gated vector): difference (µs)")]:
+                       ("dynamic_delta_us", "every token gated (monitor + gated vector): difference (µs)"),
+                       ("idle_traced_delta_us", "compiled whole (the traced op), idle: difference (µs)"),
+                       ("static1_traced_delta_us", "compiled whole, steered at one site: difference (µs)")]:
+        if key not in rows[str(args.tokens[0])]:
+            continue
         print(f"| {label} | " + " | ".join(f"{rows[str(T)][key]:+.2f}" for T in args.tokens) + " |")
     print(f"report: {path}")
 
