@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec
-from dynsteer.kernels.controller_reference import Layout, control_reference, controller_row, update_reference
+from dynsteer.kernels.controller_reference import (Layout, control_reference, controller_row, readback_reference,
+                                                   update_reference)
 from dynsteer.steering.dynamic import DynState, policy_slots
 from tests.conftest import run_interpreted
 
@@ -188,15 +189,34 @@ def compare(got: dict, want: dict) -> dict:
             "nan_equal": bool(torch.equal(got["state"].isnan(), want["state"].isnan()))}
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def readback_cases(device: str = "cpu") -> list[tuple]:
+    """Random gate buffers and read-back columns: G of 1 (one gate), 3 (not a power of 2) and 8; columns repeated,
+    out of order, none at all."""
+    out = []
+    for seed, (g, n, m) in enumerate([(1, 5, 3), (3, 17, 9), (8, 64, 64), (2, 9, 0)]):
+        gen = torch.Generator().manual_seed(seed)
+        bufs = [torch.randn(g, n, generator=gen).to(device) for _ in range(4)]
+        scale = torch.randn(n, generator=gen).to(device)
+        cols = torch.randint(0, n, (m,), generator=gen, dtype=torch.int32).to(device)
+        out.append((*bufs, scale, cols))
+    return out
+
+
 def _interp_worker() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from dynsteer.kernels.triton_controller import control_triton, update_triton
+    from dynsteer.kernels.triton_controller import control_triton, readback_triton, update_triton
 
     results = {}
     for seed in range(4):
         case = random_case(seed)
         results[str(seed)] = compare(run_case(case, control_triton, update_triton),
                                      run_case(case, control_reference, update_reference))
+    # the read-back gather: bit-equal (a copy); a mismatch reports the case
+    results["readback"] = [i for i, case in enumerate(readback_cases())
+                           if not torch.equal(readback_triton(*case), readback_reference(*case))]
     print("RESULTS " + json.dumps(results))
     return 0
 
@@ -209,12 +229,29 @@ def _check(res: dict, tol: float = 0.0) -> None:
 
 def test_triton_twin_equals_reference_in_the_interpreter() -> None:
     results = run_interpreted(__file__, timeout=600)
+    assert results.pop("readback") == []  # read-back gathers equal to the torch ops, every case
     assert len(results) == 4
     for res in results.values():
         _check(res)
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_readback_reference_is_the_columns_of_the_buffers() -> None:
+    for scores, gates, mul, add, scale, cols in readback_cases():
+        out = readback_reference(scores, gates, mul, add, scale, cols)
+        G, m = scores.shape[0], cols.shape[0]
+        assert out.shape == (4 * G + 1, m)
+        for j, c in enumerate(cols.tolist()):
+            want = torch.cat([scores[:, c], gates[:, c], mul[:, c], add[:, c], scale[c:c + 1]])
+            assert torch.equal(out[:, j], want)
+
+
+@needs_cuda
+def test_readback_triton_equals_reference_on_cuda() -> None:
+    from dynsteer.kernels.triton_controller import readback_triton
+
+    for case in readback_cases("cuda"):
+        got = readback_triton(*case)
+        assert torch.equal(got.cpu(), readback_reference(*(t.cpu() for t in case)))
 
 
 @needs_cuda

@@ -48,7 +48,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["KIND", "SCOPE", "Layout", "controller_row", "control_reference", "raw_gate", "update_reference"]
+__all__ = ["KIND", "SCOPE", "Layout", "controller_row", "control_reference", "raw_gate", "readback_reference",
+           "update_reference"]
 
 KIND = {"none": 0, "latch": 1, "ema_latch": 2, "pid": 3}
 SCOPE = {"this_token": 0, "next_step": 1, "rest_of_request": 2, "monitor": 3}
@@ -264,3 +265,11 @@ def _step(L: Layout, row: torch.Tensor, kind: int, score: float) -> float:
         integral = row[L.INTEGRAL]
     row[L.INTEGRAL], row[L.PREV_ERR], row[L.HAS_PREV], row[L.PID_SCALE] = integral, e, 1.0, scale
     return scale
+
+
+def readback_reference(scores: torch.Tensor, gates: torch.Tensor, gate_mul: torch.Tensor, gate_add: torch.Tensor,
+                       scale_used: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """What the host reads back after a forward, for the token columns ``cols`` (int32 [m]): float32
+    ``[4G + 1, m]``, rows ``scores[G]``, ``gates[G]``, ``gate_mul[G]``, ``gate_add[G]``, then ``scale_used``."""
+    return torch.cat([scores.index_select(1, cols), gates.index_select(1, cols), gate_mul.index_select(1, cols),
+                      gate_add.index_select(1, cols), scale_used.index_select(0, cols).unsqueeze(0)])

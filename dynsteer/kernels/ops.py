@@ -26,7 +26,7 @@ from dynsteer.kernels.dynamic_reference import steer_site_dyn_reference
 from dynsteer.kernels.reference import stash_residual, steer_site_reference
 
 __all__ = ["DYN_OP_NAME", "FUSED_OP_NAME", "OP_NAME", "ENV_KERNEL", "TRACED_FUSED_OP_NAME", "no_stage",
-           "select_controller_impl", "select_impl", "steer_add_rms_norm", "steer_site", "steer_site_dyn",
+           "select_controller_impl", "select_impl", "select_readback_impl", "steer_add_rms_norm", "steer_site", "steer_site_dyn",
            "use_traced_fused"]
 
 OP_NAME = "dynsteer::steer_site"
@@ -78,6 +78,19 @@ def select_controller_impl(t: torch.Tensor) -> tuple[Callable[..., None], Callab
     from dynsteer.kernels.triton_controller import control_triton, update_triton
 
     return control_triton, update_triton
+
+
+def select_readback_impl(t: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """The dynamic tier's read-back gather for tensors on ``t``'s device (same rule as
+    :func:`select_controller_impl`)."""
+    forced = forced_kernel()
+    if forced == "reference" or (forced != "triton" and not t.is_cuda):
+        from dynsteer.kernels.controller_reference import readback_reference
+
+        return readback_reference
+    from dynsteer.kernels.triton_controller import readback_triton
+
+    return readback_triton
 
 
 def _steer_site_impl(

@@ -156,3 +156,37 @@ def update_triton(idx: torch.Tensor, ctl: torch.Tensor, position: torch.Tensor, 
                          SCALE_NOW=L.SCALE_NOW, LAST_POS=L.LAST_POS, STEPS=L.STEPS, LATCH_ON=L.LATCH_ON, EMA=L.EMA,
                          HAS_EMA=L.HAS_EMA, INTEGRAL=L.INTEGRAL, PREV_ERR=L.PREV_ERR, HAS_PREV=L.HAS_PREV,
                          PID_SCALE=L.PID_SCALE, STEERED=L.STEERED, FIXED=L.FIXED, FIRE=FIRE_GATE)
+
+
+@triton.jit
+def _readback_kernel(scores_ptr, gates_ptr, mul_ptr, add_ptr, scale_ptr, cols_ptr, out_ptr, N, m,
+                     G: tl.constexpr, GB: tl.constexpr):
+    """One program per read-back column j: the column's G values of each gate buffer and its scale, into
+    ``out[:, j]`` (``out``: [4G + 1, m])."""
+    j = tl.program_id(0)
+    col = tl.load(cols_ptr + j).to(tl.int64)
+    g = tl.arange(0, GB)
+    ok = g < G
+    src = g * N + col
+    dst = g * m + j
+    tl.store(out_ptr + dst, tl.load(scores_ptr + src, mask=ok, other=0.0), mask=ok)
+    tl.store(out_ptr + G * m + dst, tl.load(gates_ptr + src, mask=ok, other=0.0), mask=ok)
+    tl.store(out_ptr + 2 * G * m + dst, tl.load(mul_ptr + src, mask=ok, other=0.0), mask=ok)
+    tl.store(out_ptr + 3 * G * m + dst, tl.load(add_ptr + src, mask=ok, other=0.0), mask=ok)
+    tl.store(out_ptr + 4 * G * m + j, tl.load(scale_ptr + col))
+
+
+def readback_triton(scores: torch.Tensor, gates: torch.Tensor, gate_mul: torch.Tensor, gate_add: torch.Tensor,
+                    scale_used: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Triton ``readback`` (see ``readback_reference``): one launch where the torch ops take six."""
+    G, N = scores.shape
+    m = cols.shape[0]
+    for name, t in (("scores", scores), ("gates", gates), ("gate_mul", gate_mul), ("gate_add", gate_add)):
+        if t.shape != (G, N) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"readback_triton: {name} must be a contiguous float32 [{G}, {N}] tensor")
+    if scale_used.shape != (N,) or cols.dtype != torch.int32 or cols.dim() != 1:
+        raise ValueError("readback_triton: scale_used must be [N] and cols int32 [m]")
+    out = torch.empty(4 * G + 1, m, dtype=torch.float32, device=scores.device)
+    if m:
+        _readback_kernel[(m,)](scores, gates, gate_mul, gate_add, scale_used, cols, out, N, m, G=G, GB=_gb(G))
+    return out

@@ -559,7 +559,7 @@ class DynamicDriver:
     def __init__(self, gate_mul: torch.Tensor, gate_add: torch.Tensor, scores: torch.Tensor,
                  gates: torch.Tensor, max_slots: int = 256) -> None:
         from dynsteer.kernels.controller_reference import Layout
-        from dynsteer.kernels.ops import select_controller_impl
+        from dynsteer.kernels.ops import select_controller_impl, select_readback_impl
 
         self.gate_mul, self.gate_add, self.scores, self.gates = gate_mul, gate_add, scores, gates
         self.cuda = gates.is_cuda
@@ -583,6 +583,7 @@ class DynamicDriver:
         self._words = StagingRing(self.words)
         self._replay = StagingRing(self.replay)
         self.control, self.update = select_controller_impl(gates)
+        self.readback = select_readback_impl(gates)
         self._side = torch.cuda.Stream(device=dev) if self.cuda else None
         self._pending: list[_Pending] = []
         self.faults: dict[str, str] = {}  # requests whose custom controller failed: stopped by the runtime
@@ -776,10 +777,8 @@ class DynamicDriver:
             self.update(self.words[UPD], self.words[CTL], self.words[POS], self.scores, self.state, n_upd)
         if not m:
             return
-        cols = self.words[COLS, :m]
-        both = torch.cat([self.scores.index_select(1, cols), self.gates.index_select(1, cols),
-                          self.gate_mul.index_select(1, cols), self.gate_add.index_select(1, cols),
-                          self.scale_used.index_select(0, cols).unsqueeze(0)])
+        both = self.readback(self.scores, self.gates, self.gate_mul, self.gate_add, self.scale_used,
+                             self.words[COLS, :m])
         if self.cuda:
             done = torch.cuda.Event()
             self._side.wait_stream(torch.cuda.current_stream())
