@@ -62,8 +62,10 @@ table. Modes that do not steer record whether their tokens equal ``absent``'s (`
 
 Host time per step: dynsteer engines report their workers' counters (``Steerer.describe``: steps, dynamic-tier
 staging, read-back bookkeeping and waiting) read around every timed call; ``--profile`` also runs vLLM's torch
-profiler over one short call per (engine, mode) and writes each trace plus a summary (top CPU ops by self time and
-top device kernels, per step) under ``<out>/overhead-<device>-<date>-profile/``.
+profiler over one call per (engine, mode) at each ``--profile-batch`` (``--profile-tokens`` long) and writes each
+trace plus a summary (top CPU ops by self time and top device kernels, per step; and ``steady``: the second half of
+the call, pure decode, with every kernel's launches and µs per step, the step's pace and the device's busy and idle
+time per step) under ``<out>/overhead-<device>-<date>-profile/`` and in the report's ``profile``.
 
 GPU memory: each engine gets an explicit KV cache (``kv_cache_memory_bytes``, sized for the largest batch) and a
 small ``gpu_memory_utilization`` (only vLLM's start-up free-memory check reads it then), so engines start in
