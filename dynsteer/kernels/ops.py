@@ -26,8 +26,8 @@ from dynsteer.kernels.dynamic_reference import steer_site_dyn_reference
 from dynsteer.kernels.reference import stash_residual, steer_site_reference
 
 __all__ = ["DYN_OP_NAME", "FUSED_OP_NAME", "OP_NAME", "ENV_KERNEL", "TRACED_FUSED_OP_NAME", "no_stage",
-           "select_controller_impl", "select_impl", "select_readback_impl", "steer_add_rms_norm", "steer_site", "steer_site_dyn",
-           "use_traced_fused"]
+           "select_controller_impl", "select_impl", "select_readback_impl", "steer_add_rms_norm", "steer_site",
+           "steer_site_dyn", "use_traced_fused"]
 
 OP_NAME = "dynsteer::steer_site"
 DYN_OP_NAME = "dynsteer::steer_site_dyn"

@@ -119,9 +119,8 @@ def _steer_add_rms_norm_kernel(
 
 @triton.jit
 def _load_weight(w_ptr, offs, mask):
-    """The norm's weight, loaded with the token's inputs: issued after the variance's reduction it was a second
-    memory round trip per program, which at decode sizes (one program per token, the weight evicted by the GEMMs
-    between norms) is most of the kernel's time."""
+    """The norm's weight, loaded with the token's inputs: issued after the variance's reduction it was a memory
+    round trip of its own per program (at decode sizes the weight is evicted by the GEMMs between norms)."""
     return tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
 
