@@ -162,7 +162,8 @@ def main() -> None:
         "benchmark": "fused_norm_kernel", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bfloat16",
         "layers": args.layers, "hidden": args.hidden, "norms": len(pairs), "replays": args.replays,
-        "rounds": args.rounds, "evict_mb": args.evict_mb, "gemm_mb": args.gemm_mb, "commit": os.environ.get("DYNSTEER_GIT_SHA"),
+        "rounds": args.rounds, "evict_mb": args.evict_mb, "gemm_mb": args.gemm_mb,
+        "commit": os.environ.get("DYNSTEER_GIT_SHA"),
         "tokens": rows,
     }
     path = write_report(report, args.out)
