@@ -13,7 +13,15 @@ add-norms of a 32-layer, 4096-wide model, captured in CUDA graphs and replayed a
   sites see a row with nothing there);
 * ``dynamic``: every token on a row with a monitor gate and a gated vector at both sites.
 
+Back to back, every operand of a norm sits in L2; in a model the GEMMs between norms evict it, and a kernel of one
+program per token then costs its chain of memory round trips. ``--evict-mb 64`` writes a scratch buffer before
+each norm; ``--gemm-mb 64`` puts a GEMM between norms whose output feeds the next one, as a model's projections do
+(H200, 2026-11-24: the engine's profile had dynsteer's norms at +31 µs per forward at batch 1, which the first
+reproduces and the back-to-back chain does not). ``--traced`` adds both chains compiled whole by torch.compile: the
+traced op launched from inductor's code against inductor's own add-norm.
+
     python3 benchmarks/fused_norm_kernel.py --out benchmarks/results
+    python3 benchmarks/fused_norm_kernel.py --tokens 1 64 --gemm-mb 64 --traced --out benchmarks/results
 """
 
 from __future__ import annotations
