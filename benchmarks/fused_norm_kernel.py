@@ -121,12 +121,18 @@ def main() -> None:
         h = torch.randn(T, args.hidden, device="cuda", dtype=dtype, generator=gen)
         r = torch.randn(T, args.hidden, device="cuda", dtype=dtype, generator=gen)
 
-        def native():
-            x, res = h, r
-            for _ in pairs:
-                evict()
-                x, res = compiled(project(x), res, weight, 1e-5)
-            return x
+        def vllm_chain(norm):
+            """vLLM's add-norms in a model's chain, ``norm`` the reference compiled alone or as is (to be compiled
+            with the whole chain)."""
+            def run():
+                x, res = h, r
+                for _ in pairs:
+                    evict()
+                    x, res = norm(project(x), res, weight, 1e-5)
+                return x
+            return run
+
+        native = vllm_chain(compiled)
 
         def ours():
             x, res = h, r
@@ -140,15 +146,8 @@ def main() -> None:
                 "dynamic": ("ours", 2)}
         if args.traced:  # as in a compiled engine: the traced op launched from inductor's generated code, against
             # vLLM's add-norm compiled by inductor in the same graph (both chains compiled whole)
-            def native_plain():
-                x, res = h, r
-                for _ in pairs:
-                    evict()
-                    x, res = add_rms_norm_reference(project(x), res, weight, 1e-5)
-                return x
-
             graphs["traced"] = capture_graph(torch.compile(ours, dynamic=False))
-            graphs["vllm_traced"] = capture_graph(torch.compile(native_plain, dynamic=False))
+            graphs["vllm_traced"] = capture_graph(torch.compile(vllm_chain(add_rms_norm_reference), dynamic=False))
             runs.update({"vllm_traced": ("vllm_traced", 0), "idle_traced": ("traced", 0),
                          "static1_traced": ("traced", 3)})
         us: dict[str, list[float]] = {name: [] for name in runs}
