@@ -42,6 +42,13 @@ def forced_kernel() -> str:
     return os.environ.get(ENV_KERNEL, "").strip().lower()
 
 
+def runs_reference(t: torch.Tensor) -> bool:
+    """The one dispatch rule: the torch reference for tensors off CUDA, Triton on CUDA, unless ``DYNSTEER_KERNEL``
+    forces one."""
+    forced = forced_kernel()
+    return forced == "reference" or (forced != "triton" and not t.is_cuda)
+
+
 def select_impl(h: torch.Tensor, dynamic: bool = False) -> SteerImpl:
     """Return the implementation that should run for ``h`` (the one dispatch decision).
 
@@ -58,7 +65,7 @@ def select_impl(h: torch.Tensor, dynamic: bool = False) -> SteerImpl:
     forced = forced_kernel()
     if forced not in ("", "auto", "reference", "triton"):
         raise ValueError(f"{ENV_KERNEL}={forced!r}: expected 'reference', 'triton' or 'auto'")
-    if forced == "reference" or (forced != "triton" and not h.is_cuda):
+    if runs_reference(h):
         return steer_site_dyn_reference if dynamic else steer_site_reference
     # Imported lazily: triton may be absent on CPU installs, and the jit decorator fixes
     # interpreted-vs-compiled mode at import time.
@@ -70,8 +77,7 @@ def select_impl(h: torch.Tensor, dynamic: bool = False) -> SteerImpl:
 def select_controller_impl(t: torch.Tensor) -> tuple[Callable[..., None], Callable[..., None]]:
     """The device sync tier's ``(control, update)`` kernels for tensors on ``t``'s device (same rule as
     :func:`select_impl`: Triton on CUDA, the torch reference elsewhere, ``DYNSTEER_KERNEL`` forces one)."""
-    forced = forced_kernel()
-    if forced == "reference" or (forced != "triton" and not t.is_cuda):
+    if runs_reference(t):
         from dynsteer.kernels.controller_reference import control_reference, update_reference
 
         return control_reference, update_reference
@@ -83,8 +89,7 @@ def select_controller_impl(t: torch.Tensor) -> tuple[Callable[..., None], Callab
 def select_readback_impl(t: torch.Tensor) -> Callable[..., torch.Tensor]:
     """The dynamic tier's read-back gather for tensors on ``t``'s device (same rule as
     :func:`select_controller_impl`)."""
-    forced = forced_kernel()
-    if forced == "reference" or (forced != "triton" and not t.is_cuda):
+    if runs_reference(t):
         from dynsteer.kernels.controller_reference import readback_reference
 
         return readback_reference
@@ -312,9 +317,7 @@ def _fused_impl(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: flo
                 tabs_a: list[torch.Tensor], tabs_b: list[torch.Tensor], gate_bufs: list[torch.Tensor],
                 stage_a: torch.Tensor, stage_b: torch.Tensor, stage_slot: Optional[torch.Tensor],
                 unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # Same dispatch rule as select_impl: Triton on CUDA tensors, the torch reference elsewhere, the env var forces.
-    forced = forced_kernel()
-    reference = forced == "reference" or (forced != "triton" and not h.is_cuda)
+    reference = runs_reference(h)
     # An eager call (never while a CUDA graph is captured: the graph must hold the full kernel) whose sites are both
     # idle this step and capture nothing: the add-norm alone, the same bits for a cheaper launch (site_summary).
     if (not stage_a.numel() and not stage_b.numel() and site_summary.idle(tabs_a) and site_summary.idle(tabs_b)

@@ -759,13 +759,12 @@ class DynamicDriver:
             words[CTL, tokens.index[k]] = -2 - j
         self._replay.copy_to(len(replays))
 
-    def after_forward(self, lookup: Any = None) -> None:
+    def after_forward(self, lookup: Any) -> None:
         """Advance the device sync tier and start copying this step's dynamic-token values to the host; then feed
-        earlier steps' completed read-backs to their requests (``lookup``: ``req_id -> state``; None: left to the
-        next call), while the device runs the forward just launched."""
+        earlier steps' completed read-backs to their requests (``lookup``: ``req_id -> state``), while the device
+        runs the forward just launched."""
         self._launch_readback()
-        if lookup is not None:
-            self.poll(lookup)
+        self.poll(lookup)
 
     def _launch_readback(self) -> None:
         self.prompt.latch()
