@@ -95,7 +95,12 @@ def main() -> None:
                          "dependencies under torch.compile; exclusive with --evict-mb)")
     ap.add_argument("--traced", action="store_true",
                     help="also time the kernel as torch.compile launches it in an engine (the traced op)")
+    ap.add_argument("--num-warps", type=int, default=0,
+                    help="launch dynsteer's kernel with this many warps (0: its own choice by row width)")
     args = ap.parse_args()
+    if args.num_warps:  # tuning: the launcher reads the choice through this module global
+        import dynsteer.kernels.triton_fused as triton_fused
+        triton_fused._num_warps = lambda block_h: args.num_warps
     from dynsteer.kernels.fused_reference import add_rms_norm_reference  # vLLM's native add-norm, bit for bit
 
     dtype = torch.bfloat16
@@ -169,7 +174,7 @@ def main() -> None:
         "benchmark": "fused_norm_kernel", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bfloat16",
         "layers": args.layers, "hidden": args.hidden, "norms": len(pairs), "replays": args.replays,
-        "rounds": args.rounds, "evict_mb": args.evict_mb, "gemm_mb": args.gemm_mb,
+        "rounds": args.rounds, "evict_mb": args.evict_mb, "gemm_mb": args.gemm_mb, "num_warps": args.num_warps or None,
         "commit": os.environ.get("DYNSTEER_GIT_SHA"),
         "tokens": rows,
     }

@@ -7,12 +7,13 @@ token loads ``h`` and ``r`` once, applies site A and then site B exactly as ``st
 (each site's result rounded to ``h``'s dtype, as the separate op stores it), then computes vLLM's
 ``fused_add_rms_norm`` (fp32 add, residual rounded to the input dtype, fp32 variance, ``normed.to(w.dtype) * w``, or
 with ``unit_offset`` Gemma's ``normed * (1 + w)`` in fp32).
-Every load an idle token needs is issued at the top, with ``h``, ``r`` and the weight: the row index, each site's
-summary (``row_live[0]``) and its row's flags (``row_live[row]``, which only a steered token waits for). At decode
-sizes the kernel is one program per token and its time is the chain of memory round trips (its operands evicted by
-the GEMMs between norms), so an idle token pays one round trip plus the row flags' dependent load it does not wait
-for; at a site no row of the batch steers (summary 0) so does a steered token; at a site where its own row holds
-nothing (``row_live`` 0: a spec steering other layers) it pays the row flags, not the row's vector and strengths.
+Every load an idle token needs is issued at the top, with ``h``, ``r`` and the weight: the row index and each
+site's summary (``row_live[0]``); its row's flags (``row_live[row]``) follow as soon as the row index is in, and
+only where the summary says some row steers here and the token is not on row 0. At decode sizes the kernel is one
+program per token and its time is the chain of memory round trips (its operands evicted by the GEMMs between
+norms), so an idle token pays one round trip, as vLLM's own add-norm does; a steered token two (row index, row
+flags) before its row's vector; at a site where its own row holds nothing (``row_live`` 0: a spec steering other
+layers) it pays the row flags, not the row's vector and strengths.
 Semantics: ``dynsteer.kernels.fused_reference``.
 
 Tables are the per-site tensors of :class:`dynsteer.steering.tables.SteeringTables`, which are standalone
@@ -37,11 +38,14 @@ DYN_TABLES = 14  # + clamp_gate, mon_mask, mon_probe, mon_sharp, mon_thresh, mon
 @triton.jit
 def _site_flags(live_ptr, row):
     """A site's summary ``row_live[0]`` (0: no row of the batch holds anything here this step) and the token's row
-    flags ``row_live[row]`` (the summary itself for row 0, which the caller excludes). Both are loaded at the top of
-    the kernel, with the token's inputs: loaded where they are used, each site's was a memory round trip of its own
-    after the previous site's branch, and at decode sizes (one program per token, tables evicted by the GEMMs between
-    norms) the kernel's time is its chain of round trips. An idle token never waits for the row flags' load."""
-    return tl.load(live_ptr), tl.load(live_ptr + row)
+    flags ``row_live[row]`` (0 for row 0, whose entry is the summary). Both are loaded at the top of the kernel, with
+    the token's inputs: loaded where they are used, each site's was a memory round trip of its own after the previous
+    site's branch, and at decode sizes (one program per token, tables evicted by the GEMMs between norms) the
+    kernel's time is its chain of round trips. The row flags' load depends on the row index's; it is predicated off
+    where the summary is 0 or the token is on row 0, so an idle token has no load in flight when it ends (a program
+    cannot retire before its loads land, used or not: unpredicated, that was a second round trip per idle token)."""
+    on = tl.load(live_ptr)
+    return on, tl.load(live_ptr + row, mask=(on != 0) & (row != 0), other=0)
 
 
 @triton.jit
