@@ -8,7 +8,10 @@ timed with ``perf_counter`` around the driver's own calls (control words' copy, 
 read-back kernel and its copy to the host, feeding read-backs to requests).
 
 Modes: ``prdyn`` (per-request dynamic policy, no trace: nothing staged), ``traced`` (the same with a trace kept:
-read-backs), ``sync`` (an EMA-latch controller: the device sync tier, as ``overhead.py``'s sync mode).
+read-backs), ``sync`` (an EMA-latch controller: the device sync tier, as ``overhead.py``'s sync mode; its two
+controller kernels replayed from CUDA graphs), ``sync_launched`` (the same, the kernels launched by Triton). The host
+waits for the forward two steps back before staging a step (vLLM's asynchronous scheduling keeps it about a step
+ahead; unbounded, it would fill the launch queue and time the queue).
 
     python3 benchmarks/sync_host.py --batch 1 16 64 --out benchmarks/results
 """
@@ -68,10 +71,10 @@ def run(mode: str, batch: int, steps: int, forward_ms: float, device: str) -> di
     G, N = cfg.max_gates, 8192
     dev = torch.device(device)
     bufs = [torch.zeros(G, N, device=dev) for _ in range(4)]
-    drv = DynamicDriver(bufs[0], bufs[1], bufs[2], bufs[3], max_slots=256)
+    drv = DynamicDriver(bufs[0], bufs[1], bufs[2], bufs[3], max_slots=256, graphed=mode != "sync_launched")
     states = {}
     for i in range(batch):
-        st = DynState.for_policy(policy(mode == "sync", i))
+        st = DynState.for_policy(policy(mode.startswith("sync"), i))
         st.keep = mode == "traced"
         drv.place(st)
         states[f"r{i}"] = st
@@ -89,12 +92,17 @@ def run(mode: str, batch: int, steps: int, forward_ms: float, device: str) -> di
     drv.control, drv.update, drv.readback = (phases.wrap("control_kernel", drv.control),
                                              phases.wrap("update_kernel", drv.update),
                                              phases.wrap("readback_kernel", drv.readback))
+    if drv._graphed is not None:  # the graph replays (the kernels themselves were launched at capture only)
+        drv._graphed = (phases.wrap("control_kernel", drv._graphed[0]), phases.wrap("update_kernel", drv._graphed[1]))
     drv._words.copy_to = phases.wrap("words_h2d", drv._words.copy_to)
     drv.poll = phases.wrap("poll", drv.poll)
     a = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
     reps = max(1, int(forward_ms / 0.012))  # ~12 µs per 2048² bf16 GEMM on an H100/H200
     rows: list[dict[str, float]] = []
+    done: list[Any] = []
     for step in range(steps):
+        if len(done) >= 2 and dev.type == "cuda":
+            done.pop(0).synchronize()  # the forward two steps back: the host stays about a step ahead
         tokens = StepTokens(ids, r, r.copy(), np.full(batch, 100 + step, np.int64), slot, sync, record, host, act,
                             sig)
         phases.now = {}
@@ -107,6 +115,9 @@ def run(mode: str, batch: int, steps: int, forward_ms: float, device: str) -> di
         t2 = time.perf_counter()
         drv.after_forward(lookup)
         t3 = time.perf_counter()
+        if dev.type == "cuda":
+            done.append(torch.cuda.Event())
+            done[-1].record()
         row = {"plan": (t1 - t0) * 1e6, "after_forward": (t3 - t2) * 1e6, **phases.now}
         if step >= steps // 4:  # past warm-up
             rows.append(row)
@@ -165,7 +176,7 @@ def launch_cost(calls: int, span: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--modes", nargs="+", default=["prdyn", "traced", "sync"])
+    ap.add_argument("--modes", nargs="+", default=["prdyn", "traced", "sync", "sync_launched"])
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--forward-ms", type=float, default=2.0)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (reference kernels)")

@@ -15,7 +15,8 @@ import torch
 from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec
 from dynsteer.kernels.controller_reference import (Layout, control_reference, controller_row, readback_reference,
                                                    update_reference)
-from dynsteer.steering.dynamic import DynState, policy_slots
+from dynsteer.kernels.graphed import bucket
+from dynsteer.steering.dynamic import DynState, StepTokens, policy_slots
 from tests.conftest import run_interpreted
 
 H, G = 8, 2
@@ -168,9 +169,19 @@ def random_case(seed: int, device: str = "cpu") -> dict:
             "scores": [torch.from_numpy(recorded_scores(seed + k, n).T.copy()).to(device) for k in range(6)]}
 
 
+def padded(case: dict) -> dict:
+    """``case`` as the driver stages it for a graphed update grid: one more control word (-1, the padding column
+    n, past the score buffers), the update list padded to a power of two with entries naming it."""
+    n, m = case["scores"][0].shape[1], case["idx"].shape[0]
+    dev = case["ctl"].device
+    pad = torch.full((bucket(m, n) - m + 2,), n, dtype=torch.int32, device=dev)  # 2 past the bucket: any extra
+    return {**case, "ctl": torch.cat([case["ctl"], torch.full((1,), -1, dtype=torch.int32, device=dev)]),
+            "idx": torch.cat([case["idx"], pad])}
+
+
 def run_case(case: dict, control, update) -> dict:
     state = case["state"].clone()
-    n = case["ctl"].shape[0]
+    n = case["scores"][0].shape[1]
     mul, add = torch.zeros(G, n + 3, device=state.device), torch.zeros(G, n + 3, device=state.device)
     scale = torch.zeros(n + 3, device=state.device)
     outs = []
@@ -214,6 +225,9 @@ def _interp_worker() -> int:
         case = random_case(seed)
         results[str(seed)] = compare(run_case(case, control_triton, update_triton),
                                      run_case(case, control_reference, update_reference))
+        # padding entries of a graphed grid are no-ops: the padded twin equals the unpadded reference
+        results[f"padded{seed}"] = compare(run_case(padded(case), control_triton, update_triton),
+                                           run_case(case, control_reference, update_reference))
     # the read-back gather: bit-equal (a copy); a mismatch reports the case
     results["readback"] = [i for i, case in enumerate(readback_cases())
                            if not torch.equal(readback_triton(*case), readback_reference(*case))]
@@ -230,9 +244,24 @@ def _check(res: dict, tol: float = 0.0) -> None:
 def test_triton_twin_equals_reference_in_the_interpreter() -> None:
     results = run_interpreted(__file__, timeout=600)
     assert results.pop("readback") == []  # read-back gathers equal to the torch ops, every case
-    assert len(results) == 4
+    assert len(results) == 8
     for res in results.values():
         _check(res)
+
+
+def test_padding_entries_are_no_ops_in_the_reference() -> None:
+    for seed in range(3):
+        case = random_case(seed)
+        _check(compare(run_case(padded(case), control_reference, update_reference),
+                       run_case(case, control_reference, update_reference)))
+
+
+def test_bucket_rounds_up_to_a_power_of_two_within_the_limit() -> None:
+    assert [bucket(n, 64) for n in (1, 2, 3, 5, 16, 17, 63, 64)] == [1, 2, 4, 8, 16, 32, 64, 64]
+    assert bucket(33, 40) == 40
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="n must be in"):
+            bucket(bad, 64)
 
 
 def test_readback_reference_is_the_columns_of_the_buffers() -> None:
@@ -293,6 +322,51 @@ def test_kernels_replay_inside_a_cuda_graph() -> None:
     assert torch.allclose(mul.cpu(), m2, atol=1e-6) and torch.allclose(add.cpu(), a2, atol=1e-6)
     assert torch.equal(scale.cpu(), s2)
     assert (state.cpu() - ref).abs().nan_to_num(0.0).max().item() < 1e-6
+
+
+def _drive(graphed: bool, batches: list[int], seed: int = 0) -> list[torch.Tensor]:
+    """A DynamicDriver on CUDA through decode steps of the given batch sizes (requests of every controller kind,
+    scores drawn per step): gate multipliers, scales and controller state after every step, copied."""
+    from dynsteer.steering.dynamic import DynamicDriver
+
+    N = 64
+    bufs = [torch.zeros(G, N, device="cuda") for _ in range(4)]
+    drv = DynamicDriver(bufs[0], bufs[1], bufs[2], bufs[3], max_slots=32, graphed=graphed)
+    assert (drv._graphed is not None) == graphed
+    kinds = [k for k in CONTROLLERS if k != "none"]
+    states = {}
+    for i in range(max(batches)):
+        st = DynState.for_policy(make_policy(kinds[i % len(kinds)], SCOPES[1 + i % 2]))
+        drv.place(st)
+        states[f"r{i}"] = st
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for step, b in enumerate(batches):
+        ids = tuple(states)[:b]
+        sts = [states[i] for i in ids]
+        r = np.arange(b)
+        tokens = StepTokens(ids, r, r.copy(), np.full(b, 10 + step, np.int64),
+                            np.array([st.device_slot for st in sts], np.int64), np.ones(b, bool),
+                            np.array([st.record for st in sts], np.int64), np.zeros(b, bool), np.zeros(b, np.int64),
+                            np.array(["x"] * b, dtype=object))
+        drv.plan(states, states.get, tokens, b)
+        drv.scores[:, :b] = torch.randn(G, b, device="cuda", generator=gen)  # the forward's scores
+        drv.after_forward(states.get)
+        out.append(torch.cat([drv.gate_mul.flatten(), drv.gate_add.flatten(), drv.scale_used,
+                              drv.state.flatten().float()]).cpu())
+    torch.cuda.synchronize()
+    return out
+
+
+@needs_cuda
+def test_graphed_launches_equal_triton_launches_on_cuda() -> None:
+    """The controller kernels replayed from CUDA graphs (grids rounded up, padding words) leave the same multipliers
+    and state, bit for bit, as launched directly, through batch sizes that change the bucket both ways."""
+    batches = [3, 3, 5, 9, 2, 16, 17, 7, 1, 4]
+    direct, graphed = _drive(False, batches), _drive(True, batches)
+    for step, (a, b) in enumerate(zip(direct, graphed)):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), f"step {step}"
+    assert any(not torch.equal(direct[0], d) for d in direct[1:])  # the states did move
 
 
 # ---- in the engine -------------------------------------------------------------------------------------------------------

@@ -64,6 +64,9 @@ def _update_kernel(idx_ptr, ctl_ptr, pos_ptr, sc_ptr, st_ptr, F, N, G: tl.conste
     gm = g < G
     t = tl.load(idx_ptr + tl.program_id(0)).to(tl.int64)
     c = tl.load(ctl_ptr + t)
+    # An entry whose word is not a fresh token's (padding of a graphed grid names a column past the buffers) reads
+    # column 0 and stores nothing: every store below is masked by go.
+    t = tl.where(c >= 0, t, 0)
     s = tl.maximum(c, 0).to(tl.int64)
     base = st_ptr + s * F
     pos = tl.load(pos_ptr + t).to(tl.float64)

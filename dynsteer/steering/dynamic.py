@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from dynsteer.controllers.registry import ControllerFault
+from dynsteer.kernels.graphed import bucket
 from dynsteer.spec import ModelShape, SteeringValidationError, resolve_vector
 from dynsteer.steering.compile import Clamp, MonitorProgram, SiteKey, SiteProgram, max_abs
 from dynsteer.steering.readback import ReadbackStore
@@ -557,9 +558,9 @@ class DynamicDriver:
     """
 
     def __init__(self, gate_mul: torch.Tensor, gate_add: torch.Tensor, scores: torch.Tensor,
-                 gates: torch.Tensor, max_slots: int = 256) -> None:
+                 gates: torch.Tensor, max_slots: int = 256, graphed: bool = True) -> None:
         from dynsteer.kernels.controller_reference import Layout
-        from dynsteer.kernels.ops import select_controller_impl, select_readback_impl
+        from dynsteer.kernels.ops import runs_reference, select_controller_impl, select_readback_impl
 
         self.gate_mul, self.gate_add, self.scores, self.gates = gate_mul, gate_add, scores, gates
         self.cuda = gates.is_cuda
@@ -578,9 +579,13 @@ class DynamicDriver:
         self.sched_pos = np.full(max(max_slots, 1), -1, np.int64)  # by device slot: the last position staged fresh
         self.records = ReadbackStore(self.layout.G * 4 + 1)
         self.scale_used = torch.ones(N, dtype=torch.float32, device=dev)
-        self.words = torch.full((4, N), -1, dtype=torch.int32, device=dev)
+        # Column N is padding: its control word stays -1 (no fresh token), so update entries naming it are no-ops.
+        self.words = torch.full((4, N + 1), -1, dtype=torch.int32, device=dev)
         self.replay = torch.zeros(N, 2 * G + 1, dtype=torch.float32, device=dev)
         self._words = StagingRing(self.words)
+        for view in self._words.views:
+            view[CTL, N] = -1
+        self.max_tokens = N
         self._replay = StagingRing(self.replay)
         self.control, self.update = select_controller_impl(gates)
         self.readback = select_readback_impl(gates)
@@ -595,6 +600,18 @@ class DynamicDriver:
             self.control(self.words[CTL], self.state, self.replay, gate_mul, gate_add, self.scale_used, 1)
             self.update(self.words[UPD], self.words[CTL], self.words[POS], scores, self.state, 1)
             gate_mul.fill_(1.0)
+        # The two controller kernels replayed from CUDA graphs (their buffers never move): ~3 µs of host time per
+        # launch instead of Triton's ~25 (benchmarks/sync_host.py). Grids round up to a power of two; plan makes
+        # the extra programs no-ops (control words -1 up to the grid, update entries naming the padding column).
+        self._graphed: tuple[Any, Any] | None = None
+        if self.cuda and graphed and not runs_reference(gates):
+            from dynsteer.kernels.graphed import GraphedLaunch
+
+            self._graphed = (
+                GraphedLaunch(lambda grid: self.control(self.words[CTL], self.state, self.replay, gate_mul, gate_add,
+                                                        self.scale_used, grid), N, dev),
+                GraphedLaunch(lambda grid: self.update(self.words[UPD], self.words[CTL], self.words[POS], scores,
+                                                       self.state, grid), N, dev))
         self.report_acts = False  # report where dynamic steering acted (the engine core's prefix-cache hashing)
         # per completed read-back: (request ids, upto, first acted position or -1, signature) by request run
         self.acts: list[tuple[list[str], list[int], list[int], list[str]]] = []
@@ -688,8 +705,9 @@ class DynamicDriver:
         m = len(read)
         # Columns up to the last sync step's extent may hold its multipliers: they get words (-1: defaults) too.
         span = max(upto, self._dirty)
+        grid = bucket(span, self.max_tokens) if self._graphed else span
         words = self._words.next()
-        words[CTL, :span] = -1
+        words[CTL, :grid] = -1
         words[COLS, :m] = tokens.index[read]
         slot, position = tokens.slot, tokens.position
         dev = (slot >= 0) & (position > self.sched_pos[np.maximum(slot, 0)])  # fresh device-tier tokens
@@ -698,6 +716,8 @@ class DynamicDriver:
         words[CTL, upd] = slot[d]
         words[POS, upd] = position[d]
         words[UPD, :len(upd)] = upd
+        if self._graphed and len(upd):
+            words[UPD, len(upd):bucket(len(upd), self.max_tokens)] = self.max_tokens  # the padding column
         if len(d):
             sd, pd = slot[d], position[d]
             last = np.ones(len(d), bool)  # each request's last fresh token (its highest position)
@@ -712,8 +732,11 @@ class DynamicDriver:
             self.stats.sync_steps += 1
         self._words.copy_to()
         if n_sync or self._dirty:
-            self.control(self.words[CTL], self.state, self.replay, self.gate_mul, self.gate_add, self.scale_used,
-                         span)
+            if self._graphed:
+                self._graphed[0](span)
+            else:
+                self.control(self.words[CTL], self.state, self.replay, self.gate_mul, self.gate_add,
+                             self.scale_used, span)
             self._dirty = span if n_sync else 0
         self._step = (tokens.subset(read), len(upd), m)
         self.stats.host_ms += (time.perf_counter() - t1) * 1e3
@@ -772,7 +795,9 @@ class DynamicDriver:
         if step is None:
             return
         tokens, n_upd, m = step
-        if n_upd:
+        if n_upd and self._graphed:
+            self._graphed[1](n_upd)
+        elif n_upd:
             self.update(self.words[UPD], self.words[CTL], self.words[POS], self.scores, self.state, n_upd)
         if not m:
             return
