@@ -17,11 +17,17 @@ Back to back, every operand of a norm sits in L2; in a model the GEMMs between n
 program per token then costs its chain of memory round trips. ``--evict-mb 64`` writes a scratch buffer before
 each norm; ``--gemm-mb 64`` puts a GEMM between norms whose output feeds the next one, as a model's projections do
 (H200, 2026-11-24: the engine's profile had dynsteer's norms at +31 µs per forward at batch 1, which the first
-reproduces and the back-to-back chain does not). ``--traced`` adds both chains compiled whole by torch.compile: the
-traced op launched from inductor's code against inductor's own add-norm.
+reproduces and the back-to-back chain does not). ``--llama`` puts a Llama-3-8B layer's projections between norms
+instead (attention side: the ``q`` part of ``qkv_proj``, then ``o_proj``; MLP side: ``gate_up_proj``, SiLU and
+product, ``down_proj``; bf16, one set of weights shared by every layer, each larger than L2), so each norm reads the
+output of the GEMM kind it follows in an engine. ``--traced`` adds both chains compiled whole by torch.compile: the
+traced op launched from inductor's code against inductor's own add-norm. ``--kernel-times`` profiles a few replays
+of each graph and reports its largest kernels' mean duration per call, the add-norms among them (the engine
+profile's measure, which a graph's total time folds into its neighbours').
 
     python3 benchmarks/fused_norm_kernel.py --out benchmarks/results
     python3 benchmarks/fused_norm_kernel.py --tokens 1 64 --gemm-mb 64 --traced --out benchmarks/results
+    python3 benchmarks/fused_norm_kernel.py --tokens 1 64 --llama --traced --kernel-times --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -78,6 +84,24 @@ def fill_rows(tables: SteeringTables, hidden: int, steered_layer: int) -> None:
     mid["row_live"][3] = 1
 
 
+def kernel_times(graph: torch.cuda.CUDAGraph, prepare, replays: int = 5, most: int = 10) -> dict[str, list[float]]:
+    """The ``most`` kernels of ``graph`` with the largest total time: ``[calls per replay, mean µs per call]`` over
+    ``replays`` profiled replays (``prepare`` sets the row index first). Inductor names its add-norm after the ops
+    it fuses (``add``, ``mean``, ``rsqrt``...), dynsteer's is ``_steer_add_rms_norm_kernel``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prepare()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((ev for ev in prof.key_averages() if ev.count and ev.device_time_total > 0),
+                     key=lambda ev: -ev.device_time_total)[:most]
+    return {ev.key[:80]: [round(ev.count / replays, 1), round(ev.device_time_total / ev.count, 3)] for ev in kernels}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")
@@ -95,9 +119,15 @@ def main() -> None:
                          "dependencies under torch.compile; exclusive with --evict-mb)")
     ap.add_argument("--traced", action="store_true",
                     help="also time the kernel as torch.compile launches it in an engine (the traced op)")
+    ap.add_argument("--llama", action="store_true",
+                    help="between add-norms, a Llama-3-8B layer's projections (exclusive with --gemm-mb / --evict-mb)")
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="also report the largest kernels' mean duration per call in each graph (torch.profiler over replays)")
     ap.add_argument("--num-warps", type=int, default=0,
                     help="launch dynsteer's kernel with this many warps (0: its own choice by row width)")
     args = ap.parse_args()
+    if args.llama and (args.gemm_mb or args.evict_mb):
+        ap.error("--llama puts a layer's projections between norms: leave out --gemm-mb and --evict-mb")
     if args.num_warps:  # tuning: the launcher reads the choice through this module global
         import dynsteer.kernels.triton_fused as triton_fused
         triton_fused._num_warps = lambda block_h: args.num_warps
@@ -117,8 +147,20 @@ def main() -> None:
         if args.evict_mb:
             scratch.fill_(1)
 
-    def project(x: torch.Tensor) -> torch.Tensor:
-        """The next norm's input from this one's output, through a GEMM (--gemm-mb) or as is."""
+    if args.llama:  # Llama-3-8B: q 4096, o_proj 4096², gate_up 2 × 14336, down_proj 14336 → 4096
+        def dense(rows: int, cols: int) -> torch.Tensor:
+            return (torch.randn(rows, cols, device="cuda") / rows ** 0.5).to(dtype)
+        w_q, w_o = dense(args.hidden, args.hidden), dense(args.hidden, args.hidden)
+        w_gu, w_down = dense(args.hidden, 2 * 14336), dense(14336, args.hidden)
+
+    def project(x: torch.Tensor, i: int) -> torch.Tensor:
+        """Norm ``i``'s input from the previous norm's output: a layer's projections (--llama: even norms are mid
+        norms, after attention; odd ones input norms, after the MLP), a GEMM (--gemm-mb) or as is."""
+        if args.llama:
+            if i % 2 == 0:
+                return torch.mm(torch.mm(x, w_q), w_o)
+            g, u = torch.mm(x, w_gu).chunk(2, dim=-1)
+            return torch.mm(torch.nn.functional.silu(g) * u, w_down)
         return torch.mm(x, proj)[:, :args.hidden] if args.gemm_mb else x
 
     for T in args.tokens:
@@ -131,9 +173,9 @@ def main() -> None:
             with the whole chain)."""
             def run():
                 x, res = h, r
-                for _ in pairs:
+                for i in range(len(pairs)):
                     evict()
-                    x, res = norm(project(x), res, weight, 1e-5)
+                    x, res = norm(project(x, i), res, weight, 1e-5)
                 return x
             return run
 
@@ -141,9 +183,9 @@ def main() -> None:
 
         def ours():
             x, res = h, r
-            for first, second in pairs:
+            for i, (first, second) in enumerate(pairs):
                 evict()
-                x, res = fused_add_rms_norm(first, second, project(x), res, weight, 1e-5)
+                x, res = fused_add_rms_norm(first, second, project(x, i), res, weight, 1e-5)
             return x
 
         graphs = {"vllm": capture_graph(native), "ours": capture_graph(ours)}
@@ -161,8 +203,12 @@ def main() -> None:
                 graph, row = runs[name]
                 tables.row_index[:T] = row
                 us[name].append(time_replays(graphs[graph], args.replays))
-        tables.row_index.zero_()
         row = {f"{name}_us": round(statistics.median(v), 2) for name, v in us.items()}
+        if args.kernel_times:
+            row["kernel_us_per_call"] = {
+                name: kernel_times(graphs[graph], lambda v=v: tables.row_index[:T].fill_(v))
+                for name, (graph, v) in runs.items()}
+        tables.row_index.zero_()
         for name in [n for n in runs if not n.startswith("vllm")]:
             base = "vllm_traced" if name.endswith("_traced") else "vllm"  # compiled whole against compiled whole
             diffs = [c - b for b, c in zip(us[base], us[name])]
@@ -175,6 +221,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bfloat16",
         "layers": args.layers, "hidden": args.hidden, "norms": len(pairs), "replays": args.replays,
         "rounds": args.rounds, "evict_mb": args.evict_mb, "gemm_mb": args.gemm_mb, "num_warps": args.num_warps or None,
+        "llama": args.llama,
         "commit": os.environ.get("DYNSTEER_GIT_SHA"),
         "tokens": rows,
     }
