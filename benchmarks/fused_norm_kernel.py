@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--llama", action="store_true",
                     help="between add-norms, a Llama-3-8B layer's projections (exclusive with --gemm-mb / --evict-mb)")
     ap.add_argument("--kernel-times", action="store_true",
-                    help="also report the largest kernels' mean duration per call in each graph (torch.profiler over replays)")
+                    help="also report each graph's largest kernels' mean duration per call (profiled replays)")
     ap.add_argument("--num-warps", type=int, default=0,
                     help="launch dynsteer's kernel with this many warps (0: its own choice by row width)")
     args = ap.parse_args()
