@@ -92,8 +92,9 @@ def run(mode: str, batch: int, steps: int, forward_ms: float, device: str) -> di
     drv.control, drv.update, drv.readback = (phases.wrap("control_kernel", drv.control),
                                              phases.wrap("update_kernel", drv.update),
                                              phases.wrap("readback_kernel", drv.readback))
-    if drv._graphed is not None:  # the graph replays (the kernels themselves were launched at capture only)
-        drv._graphed = (phases.wrap("control_kernel", drv._graphed[0]), phases.wrap("update_kernel", drv._graphed[1]))
+    if drv.graphed:  # the graph replays (the kernels themselves were launched at capture only)
+        drv._control_at = phases.wrap("control_kernel", drv._control_at)
+        drv._update_at = phases.wrap("update_kernel", drv._update_at)
     drv._words.copy_to = phases.wrap("words_h2d", drv._words.copy_to)
     drv.poll = phases.wrap("poll", drv.poll)
     a = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)

@@ -332,7 +332,7 @@ def _drive(graphed: bool, batches: list[int], seed: int = 0) -> list[torch.Tenso
     N = 64
     bufs = [torch.zeros(G, N, device="cuda") for _ in range(4)]
     drv = DynamicDriver(bufs[0], bufs[1], bufs[2], bufs[3], max_slots=32, graphed=graphed)
-    assert (drv._graphed is not None) == graphed
+    assert drv.graphed == graphed
     kinds = [k for k in CONTROLLERS if k != "none"]
     states = {}
     for i in range(max(batches)):

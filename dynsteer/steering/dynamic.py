@@ -595,23 +595,27 @@ class DynamicDriver:
         self._step: tuple[StepTokens, int, int] | None = None
         self._dirty = 0  # gate multipliers [:dirty] may hold sync-tier values
         self.prompt = PromptGates(gates, gate_mul, scores, max(max_slots, 256))
+
+        def control_at(grid: int) -> None:  # the control kernel over tokens [0, grid) of the staged words
+            self.control(self.words[CTL], self.state, self.replay, gate_mul, gate_add, self.scale_used, grid)
+
+        def update_at(grid: int) -> None:  # the update kernel over the first `grid` entries of the update list
+            self.update(self.words[UPD], self.words[CTL], self.words[POS], scores, self.state, grid)
+
         if self.cuda:  # compile both kernels now, not at the first sync-tier step (a latency spike mid-serving)
             self.words[UPD, 0] = 0  # token 0's word is -1: nothing is updated
-            self.control(self.words[CTL], self.state, self.replay, gate_mul, gate_add, self.scale_used, 1)
-            self.update(self.words[UPD], self.words[CTL], self.words[POS], scores, self.state, 1)
+            control_at(1)
+            update_at(1)
             gate_mul.fill_(1.0)
-        # The two controller kernels replayed from CUDA graphs (their buffers never move): ~3 µs of host time per
-        # launch instead of Triton's ~25 (benchmarks/sync_host.py). Grids round up to a power of two; plan makes
-        # the extra programs no-ops (control words -1 up to the grid, update entries naming the padding column).
-        self._graphed: tuple[Any, Any] | None = None
-        if self.cuda and graphed and not runs_reference(gates):
+        # On CUDA both replay from CUDA graphs (their buffers never move): ~3 µs of host time per launch instead of
+        # Triton's ~25 (benchmarks/sync_host.py). Grids round up to a power of two; plan makes the extra programs
+        # no-ops (control words -1 up to the grid, update entries naming the padding column).
+        self.graphed = self.cuda and graphed and not runs_reference(gates)
+        if self.graphed:
             from dynsteer.kernels.graphed import GraphedLaunch
 
-            self._graphed = (
-                GraphedLaunch(lambda grid: self.control(self.words[CTL], self.state, self.replay, gate_mul, gate_add,
-                                                        self.scale_used, grid), N, dev),
-                GraphedLaunch(lambda grid: self.update(self.words[UPD], self.words[CTL], self.words[POS], scores,
-                                                       self.state, grid), N, dev))
+            control_at, update_at = GraphedLaunch(control_at, N, dev), GraphedLaunch(update_at, N, dev)
+        self._control_at, self._update_at = control_at, update_at
         self.report_acts = False  # report where dynamic steering acted (the engine core's prefix-cache hashing)
         # per completed read-back: (request ids, upto, first acted position or -1, signature) by request run
         self.acts: list[tuple[list[str], list[int], list[int], list[str]]] = []
@@ -705,7 +709,7 @@ class DynamicDriver:
         m = len(read)
         # Columns up to the last sync step's extent may hold its multipliers: they get words (-1: defaults) too.
         span = max(upto, self._dirty)
-        grid = bucket(span, self.max_tokens) if self._graphed else span
+        grid = bucket(span, self.max_tokens) if self.graphed else span
         words = self._words.next()
         words[CTL, :grid] = -1
         words[COLS, :m] = tokens.index[read]
@@ -716,7 +720,7 @@ class DynamicDriver:
         words[CTL, upd] = slot[d]
         words[POS, upd] = position[d]
         words[UPD, :len(upd)] = upd
-        if self._graphed and len(upd):
+        if self.graphed and len(upd):
             words[UPD, len(upd):bucket(len(upd), self.max_tokens)] = self.max_tokens  # the padding column
         if len(d):
             sd, pd = slot[d], position[d]
@@ -732,11 +736,7 @@ class DynamicDriver:
             self.stats.sync_steps += 1
         self._words.copy_to()
         if n_sync or self._dirty:
-            if self._graphed:
-                self._graphed[0](span)
-            else:
-                self.control(self.words[CTL], self.state, self.replay, self.gate_mul, self.gate_add,
-                             self.scale_used, span)
+            self._control_at(span)
             self._dirty = span if n_sync else 0
         self._step = (tokens.subset(read), len(upd), m)
         self.stats.host_ms += (time.perf_counter() - t1) * 1e3
@@ -795,10 +795,8 @@ class DynamicDriver:
         if step is None:
             return
         tokens, n_upd, m = step
-        if n_upd and self._graphed:
-            self._graphed[1](n_upd)
-        elif n_upd:
-            self.update(self.words[UPD], self.words[CTL], self.words[POS], self.scores, self.state, n_upd)
+        if n_upd:
+            self._update_at(n_upd)
         if not m:
             return
         both = self.readback(self.scores, self.gates, self.gate_mul, self.gate_add, self.scale_used,
