@@ -8,8 +8,9 @@ timed with ``perf_counter`` around the driver's own calls (control words' copy, 
 read-back kernel and its copy to the host, feeding read-backs to requests).
 
 Modes: ``prdyn`` (per-request dynamic policy, no trace: nothing staged), ``traced`` (the same with a trace kept:
-read-backs), ``sync`` (an EMA-latch controller: the device sync tier, as ``overhead.py``'s sync mode; its two
-controller kernels replayed from CUDA graphs), ``sync_launched`` (the same, the kernels launched by Triton). The host
+read-backs), ``sync`` (an EMA-latch controller: the device sync tier, as ``overhead.py``'s sync mode). The driver's
+kernels replay from CUDA graphs; with the suffix ``_launched`` (``traced_launched``, ``sync_launched``) Triton
+launches them. The host
 waits for the forward two steps back before staging a step (vLLM's asynchronous scheduling keeps it about a step
 ahead; unbounded, it would fill the launch queue and time the queue).
 
@@ -71,11 +72,11 @@ def run(mode: str, batch: int, steps: int, forward_ms: float, device: str) -> di
     G, N = cfg.max_gates, 8192
     dev = torch.device(device)
     bufs = [torch.zeros(G, N, device=dev) for _ in range(4)]
-    drv = DynamicDriver(bufs[0], bufs[1], bufs[2], bufs[3], max_slots=256, graphed=mode != "sync_launched")
+    drv = DynamicDriver(bufs[0], bufs[1], bufs[2], bufs[3], max_slots=256, graphed=not mode.endswith("_launched"))
     states = {}
     for i in range(batch):
         st = DynState.for_policy(policy(mode.startswith("sync"), i))
-        st.keep = mode == "traced"
+        st.keep = mode.startswith("traced")
         drv.place(st)
         states[f"r{i}"] = st
     ids = tuple(states)
@@ -95,6 +96,7 @@ def run(mode: str, batch: int, steps: int, forward_ms: float, device: str) -> di
     if drv.graphed:  # the graph replays (the kernels themselves were launched at capture only)
         drv._control_at = phases.wrap("control_kernel", drv._control_at)
         drv._update_at = phases.wrap("update_kernel", drv._update_at)
+        drv._readback_at = phases.wrap("readback_kernel", drv._readback_at)
     drv._words.copy_to = phases.wrap("words_h2d", drv._words.copy_to)
     drv.poll = phases.wrap("poll", drv.poll)
     a = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
@@ -177,7 +179,7 @@ def launch_cost(calls: int, span: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--modes", nargs="+", default=["prdyn", "traced", "sync", "sync_launched"])
+    ap.add_argument("--modes", nargs="+", default=["prdyn", "traced", "traced_launched", "sync", "sync_launched"])
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--forward-ms", type=float, default=2.0)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (reference kernels)")

@@ -231,6 +231,10 @@ def _interp_worker() -> int:
     # the read-back gather: bit-equal (a copy); a mismatch reports the case
     results["readback"] = [i for i, case in enumerate(readback_cases())
                            if not torch.equal(readback_triton(*case), readback_reference(*case))]
+    # into a caller's buffer (the graphed launch's), larger than needed: its head holds the same values
+    results["readback_out"] = [i for i, case in enumerate(readback_cases())
+                               if not torch.equal(readback_triton(*case, out=torch.full((3000,), 7.0)),
+                                                  readback_reference(*case))]
     print("RESULTS " + json.dumps(results))
     return 0
 
@@ -244,6 +248,7 @@ def _check(res: dict, tol: float = 0.0) -> None:
 def test_triton_twin_equals_reference_in_the_interpreter() -> None:
     results = run_interpreted(__file__, timeout=600)
     assert results.pop("readback") == []  # read-back gathers equal to the torch ops, every case
+    assert results.pop("readback_out") == []
     assert len(results) == 8
     for res in results.values():
         _check(res)
@@ -262,6 +267,25 @@ def test_bucket_rounds_up_to_a_power_of_two_within_the_limit() -> None:
     for bad in (0, 65):
         with pytest.raises(ValueError, match="n must be in"):
             bucket(bad, 64)
+
+
+def test_readback_rejects_an_output_buffer_it_cannot_fill() -> None:
+    from dynsteer.kernels.triton_controller import readback_triton
+
+    scores, gates, mul, add, scale, cols = readback_cases()[2]  # G 8, m 64: 33 × 64 values
+    for impl in (readback_triton, readback_reference):
+        for bad in (torch.empty(33 * 64 - 1), torch.empty(33 * 64, dtype=torch.float64), torch.empty(66, 64).t()):
+            with pytest.raises(ValueError, match="out must be a contiguous float32 buffer of at least 2112"):
+                impl(scores, gates, mul, add, scale, cols, out=bad)
+
+
+def test_readback_reference_fills_the_head_of_an_output_buffer() -> None:
+    for case in readback_cases():
+        buf = torch.full((5000,), 7.0)
+        head = readback_reference(*case, out=buf)
+        assert torch.equal(head, readback_reference(*case))
+        assert head.numel() == 0 or head.data_ptr() == buf.data_ptr()  # an empty view has no address
+        assert (buf[head.numel():] == 7.0).all()  # nothing past the head is written
 
 
 def test_readback_reference_is_the_columns_of_the_buffers() -> None:
@@ -354,14 +378,18 @@ def _drive(graphed: bool, batches: list[int], seed: int = 0) -> list[torch.Tenso
         drv.after_forward(states.get)
         out.append(torch.cat([drv.gate_mul.flatten(), drv.gate_add.flatten(), drv.scale_used,
                               drv.state.flatten().float()]).cpu())
-    torch.cuda.synchronize()
+    drv.poll(states.get, block=True)
+    for st in states.values():  # every request's read-back record: scores, gates, multipliers, scale per position
+        positions, values = drv.records.record(st.record)
+        out.append(torch.cat([torch.from_numpy(positions).float(), torch.from_numpy(values).flatten()]))
     return out
 
 
 @needs_cuda
 def test_graphed_launches_equal_triton_launches_on_cuda() -> None:
-    """The controller kernels replayed from CUDA graphs (grids rounded up, padding words) leave the same multipliers
-    and state, bit for bit, as launched directly, through batch sizes that change the bucket both ways."""
+    """The controller and read-back kernels replayed from CUDA graphs (grids rounded up, padding words) leave the
+    same multipliers, state and read-back records, bit for bit, as launched directly, through batch sizes that change
+    the bucket both ways."""
     batches = [3, 3, 5, 9, 2, 16, 17, 7, 1, 4]
     direct, graphed = _drive(False, batches), _drive(True, batches)
     for step, (a, b) in enumerate(zip(direct, graphed)):

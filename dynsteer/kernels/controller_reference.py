@@ -268,8 +268,17 @@ def _step(L: Layout, row: torch.Tensor, kind: int, score: float) -> float:
 
 
 def readback_reference(scores: torch.Tensor, gates: torch.Tensor, gate_mul: torch.Tensor, gate_add: torch.Tensor,
-                       scale_used: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+                       scale_used: torch.Tensor, cols: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """What the host reads back after a forward, for the token columns ``cols`` (int32 [m]): float32
-    ``[4G + 1, m]``, rows ``scores[G]``, ``gates[G]``, ``gate_mul[G]``, ``gate_add[G]``, then ``scale_used``."""
-    return torch.cat([scores.index_select(1, cols), gates.index_select(1, cols), gate_mul.index_select(1, cols),
+    ``[4G + 1, m]``, rows ``scores[G]``, ``gates[G]``, ``gate_mul[G]``, ``gate_add[G]``, then ``scale_used``.
+    ``out``: a contiguous float32 buffer of at least ``(4G + 1)·m`` values whose head receives them (returned)."""
+    both = torch.cat([scores.index_select(1, cols), gates.index_select(1, cols), gate_mul.index_select(1, cols),
                       gate_add.index_select(1, cols), scale_used.index_select(0, cols).unsqueeze(0)])
+    if out is None:
+        return both
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < both.numel():
+        raise ValueError(f"readback_reference: out must be a contiguous float32 buffer of at least {both.numel()} "
+                         f"values, got {out.dtype} with {out.numel()}")
+    head = out.view(-1)[:both.numel()].view(both.shape)
+    head.copy_(both)
+    return head

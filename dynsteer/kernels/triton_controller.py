@@ -161,7 +161,7 @@ def update_triton(idx: torch.Tensor, ctl: torch.Tensor, position: torch.Tensor, 
                          PID_SCALE=L.PID_SCALE, STEERED=L.STEERED, FIXED=L.FIXED, FIRE=FIRE_GATE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m"])  # one binary for every m: a graph-captured launch must not compile
 def _readback_kernel(scores_ptr, gates_ptr, mul_ptr, add_ptr, scale_ptr, cols_ptr, out_ptr, N, m,
                      G: tl.constexpr, GB: tl.constexpr):
     """One program per read-back column j: the column's G values of each gate buffer and its scale, into
@@ -180,8 +180,10 @@ def _readback_kernel(scores_ptr, gates_ptr, mul_ptr, add_ptr, scale_ptr, cols_pt
 
 
 def readback_triton(scores: torch.Tensor, gates: torch.Tensor, gate_mul: torch.Tensor, gate_add: torch.Tensor,
-                    scale_used: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Triton ``readback`` (see ``readback_reference``): one launch where the torch ops take six."""
+                    scale_used: torch.Tensor, cols: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``readback`` (see ``readback_reference``): one launch where the torch ops take six. ``out``: a
+    contiguous float32 buffer of at least ``(4G + 1)·m`` values to write into (its head, as ``[4G + 1, m]``, is
+    returned) instead of a new tensor: a graph-captured launch needs a buffer that stays."""
     G, N = scores.shape
     m = cols.shape[0]
     for name, t in (("scores", scores), ("gates", gates), ("gate_mul", gate_mul), ("gate_add", gate_add)):
@@ -189,7 +191,13 @@ def readback_triton(scores: torch.Tensor, gates: torch.Tensor, gate_mul: torch.T
             raise ValueError(f"readback_triton: {name} must be a contiguous float32 [{G}, {N}] tensor")
     if scale_used.shape != (N,) or cols.dtype != torch.int32 or cols.dim() != 1:
         raise ValueError("readback_triton: scale_used must be [N] and cols int32 [m]")
-    out = torch.empty(4 * G + 1, m, dtype=torch.float32, device=scores.device)
+    if out is None:
+        out = torch.empty(4 * G + 1, m, dtype=torch.float32, device=scores.device)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < (4 * G + 1) * m:
+        raise ValueError(f"readback_triton: out must be a contiguous float32 buffer of at least {(4 * G + 1) * m} "
+                         f"values, got {out.dtype} with {out.numel()}")
+    else:
+        out = out.view(-1)[:(4 * G + 1) * m].view(4 * G + 1, m)
     if m:
         _readback_kernel[(m,)](scores, gates, gate_mul, gate_add, scale_used, cols, out, N, m, G=G, GB=_gb(G))
     return out

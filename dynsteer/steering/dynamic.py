@@ -602,20 +602,34 @@ class DynamicDriver:
         def update_at(grid: int) -> None:  # the update kernel over the first `grid` entries of the update list
             self.update(self.words[UPD], self.words[CTL], self.words[POS], scores, self.state, grid)
 
-        if self.cuda:  # compile both kernels now, not at the first sync-tier step (a latency spike mid-serving)
+        # The read-back writes a buffer of its own (a graph needs one that stays), reused once the previous step's
+        # copy out of it has run (``_rb_copied``).
+        self._rb_out = torch.empty((4 * G + 1) * N, dtype=torch.float32, device=dev)
+        self._rb_copied: torch.cuda.Event | None = None
+
+        def readback_at(grid: int) -> int:  # the read-back of staged columns [0, grid) into _rb_out
+            self.readback(scores, gates, gate_mul, gate_add, self.scale_used, self.words[COLS, :grid],
+                          out=self._rb_out)
+            return grid
+
+        if self.cuda:  # compile the kernels now, not at the first sync-tier step (a latency spike mid-serving)
             self.words[UPD, 0] = 0  # token 0's word is -1: nothing is updated
+            self.words[COLS, 0] = 0
             control_at(1)
             update_at(1)
+            readback_at(1)
             gate_mul.fill_(1.0)
-        # On CUDA both replay from CUDA graphs (their buffers never move): ~3 µs of host time per launch instead of
-        # Triton's ~25 (benchmarks/sync_host.py). Grids round up to a power of two; plan makes the extra programs
-        # no-ops (control words -1 up to the grid, update entries naming the padding column).
+        # On CUDA the three replay from CUDA graphs (their buffers never move): ~3 µs of host time per launch instead
+        # of Triton's ~25 (benchmarks/sync_host.py). Grids round up to a power of two; plan makes the extra programs
+        # harmless (control words -1 up to the grid, update entries naming the padding column, read-back columns 0
+        # whose values are not taken).
         self.graphed = self.cuda and graphed and not runs_reference(gates)
         if self.graphed:
             from dynsteer.kernels.graphed import GraphedLaunch
 
-            control_at, update_at = GraphedLaunch(control_at, N, dev), GraphedLaunch(update_at, N, dev)
-        self._control_at, self._update_at = control_at, update_at
+            control_at, update_at, readback_at = (GraphedLaunch(control_at, N, dev), GraphedLaunch(update_at, N, dev),
+                                                  GraphedLaunch(readback_at, N, dev))
+        self._control_at, self._update_at, self._readback_at = control_at, update_at, readback_at
         self.report_acts = False  # report where dynamic steering acted (the engine core's prefix-cache hashing)
         # per completed read-back: (request ids, upto, first acted position or -1, signature) by request run
         self.acts: list[tuple[list[str], list[int], list[int], list[str]]] = []
@@ -713,6 +727,8 @@ class DynamicDriver:
         words = self._words.next()
         words[CTL, :grid] = -1
         words[COLS, :m] = tokens.index[read]
+        if self.graphed and m:
+            words[COLS, m:bucket(m, self.max_tokens)] = 0  # the graphed read-back's extra columns: read, not taken
         slot, position = tokens.slot, tokens.position
         dev = (slot >= 0) & (position > self.sched_pos[np.maximum(slot, 0)])  # fresh device-tier tokens
         d = np.flatnonzero(dev)
@@ -799,17 +815,18 @@ class DynamicDriver:
             self._update_at(n_upd)
         if not m:
             return
-        both = self.readback(self.scores, self.gates, self.gate_mul, self.gate_add, self.scale_used,
-                             self.words[COLS, :m])
+        if self._rb_copied is not None:  # the buffer is free once the last copy out of it has run
+            torch.cuda.current_stream().wait_event(self._rb_copied)
+        grid = self._readback_at(m)
+        both = self._rb_out[:(4 * self.layout.G + 1) * grid].view(-1, grid)
         if self.cuda:
-            done = torch.cuda.Event()
+            done = self._rb_copied = torch.cuda.Event()
             self._side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._side):
                 host = torch.empty(both.shape, dtype=both.dtype, device="cpu", pin_memory=True)
                 host.copy_(both, non_blocking=True)
-                both.record_stream(self._side)
                 done.record(self._side)
-            self._pending.append(_Pending(done, host, tokens))
+            self._pending.append(_Pending(done, host[:, :m], tokens))
         else:
             self._pending.append(_Pending(None, both.clone(), tokens))
         self.enqueued += 1
