@@ -11,7 +11,10 @@ add-norms of a 32-layer, 4096-wide model, captured in CUDA graphs and replayed a
 * ``static``: every token on a row adding a vector at both sites of every norm;
 * ``static1``: every token on a row adding a vector at one site of the model (a global 1-layer spec: the other 95
   sites see a row with nothing there);
-* ``dynamic``: every token on a row with a monitor gate and a gated vector at both sites.
+* ``dynamic``: every token on a row with a monitor gate and a gated vector at both sites;
+* with ``--launch-probe``, ``plain`` (the add-norm kernel alone, 9 launch arguments) and ``bare`` (dynsteer's
+  kernel with no site: 50 arguments, no site code): the same math launched leaner, to tell an idle norm's cost
+  over vLLM's apart into arguments, code and math.
 
 Back to back, every operand of a norm sits in L2; in a model the GEMMs between norms evict it, and a kernel of one
 program per token then costs its chain of memory round trips. ``--evict-mb 64`` writes a scratch buffer before
@@ -49,6 +52,7 @@ from static_overhead import print_table_head, write_report  # noqa: E402
 from dynsteer import DynsteerConfig, SITES  # noqa: E402
 from dynsteer.steering.site import SiteHook, fused_add_rms_norm  # noqa: E402
 from dynsteer.steering.tables import SteeringTables  # noqa: E402
+from dynsteer.kernels.triton_fused import add_rms_norm_triton, steer_add_rms_norm_triton  # noqa: E402
 
 
 def build(layers: int, hidden: int, max_tokens: int) -> tuple[SteeringTables, list[tuple[SiteHook, SiteHook]]]:
@@ -123,6 +127,10 @@ def main() -> None:
                     help="between add-norms, a Llama-3-8B layer's projections (exclusive with --gemm-mb / --evict-mb)")
     ap.add_argument("--kernel-times", action="store_true",
                     help="also report each graph's largest kernels' mean duration per call (profiled replays)")
+    ap.add_argument("--launch-probe", action="store_true",
+                    help="also time the same math launched leaner: 'plain', the add-norm kernel alone (9 arguments, "
+                         "no site code); 'bare', dynsteer's kernel with no site (its 50 arguments, the site code "
+                         "compiled away): where an idle norm's cost over vLLM's comes from (arguments, code, math)")
     ap.add_argument("--num-warps", type=int, default=0,
                     help="launch dynsteer's kernel with this many warps (0: its own choice by row width)")
     args = ap.parse_args()
@@ -191,6 +199,11 @@ def main() -> None:
         graphs = {"vllm": capture_graph(native), "ours": capture_graph(ours)}
         runs = {"vllm": ("vllm", 0), "idle": ("ours", 0), "static": ("ours", 1), "static1": ("ours", 3),
                 "dynamic": ("ours", 2)}
+        if args.launch_probe:
+            graphs["plain"] = capture_graph(vllm_chain(add_rms_norm_triton))
+            graphs["bare"] = capture_graph(vllm_chain(
+                lambda x, res, w, eps: steer_add_rms_norm_triton(x, res, w, eps, tables.row_index, [], [], [])))
+            runs.update({"plain": ("plain", 0), "bare": ("bare", 0)})
         if args.traced:  # as in a compiled engine: the traced op launched from inductor's generated code, against
             # vLLM's add-norm compiled by inductor in the same graph (both chains compiled whole)
             graphs["traced"] = capture_graph(torch.compile(ours, dynamic=False))
@@ -229,6 +242,8 @@ def main() -> None:
     print_table_head("tokens per forward", args.tokens)
     for key, label in [("vllm_us", f"{len(pairs)} compiled vLLM add-norms (µs)"),
                        ("idle_delta_us", "dynsteer's kernel, idle: difference (µs)"),
+                       ("plain_delta_us", "the add-norm kernel alone (9 arguments): difference (µs)"),
+                       ("bare_delta_us", "dynsteer's kernel without sites (50 arguments): difference (µs)"),
                        ("static_delta_us", "every token steered (static): difference (µs)"),
                        ("static1_delta_us", "every token steered at one site of 96: difference (µs)"),
                        ("dynamic_delta_us", "every token gated (monitor + gated vector): difference (µs)"),
