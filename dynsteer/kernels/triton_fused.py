@@ -13,7 +13,8 @@ only where the summary says some row steers here and the token is not on row 0. 
 program per token and its time is the chain of memory round trips (its operands evicted by the GEMMs between
 norms), so an idle token pays one round trip, as vLLM's own add-norm does; a steered token two (row index, row
 flags) before its row's vector; at a site where its own row holds nothing (``row_live`` 0: a spec steering other
-layers) it pays the row flags, not the row's vector and strengths.
+layers) it pays the row flags, not the row's vector and strengths. An idle token's add-norm is the code right after
+the flags' branch (steered tokens jump to a copy of it after the sites): the instruction stream it runs is straight.
 Semantics: ``dynsteer.kernels.fused_reference``.
 
 Tables are the per-site tensors of :class:`dynsteer.steering.tables.SteeringTables`, which are standalone
