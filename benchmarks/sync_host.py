@@ -10,11 +10,13 @@ read-back kernel and its copy to the host, feeding read-backs to requests).
 Modes: ``prdyn`` (per-request dynamic policy, no trace: nothing staged), ``traced`` (the same with a trace kept:
 read-backs), ``sync`` (an EMA-latch controller: the device sync tier, as ``overhead.py``'s sync mode). The driver's
 kernels replay from CUDA graphs; with the suffix ``_launched`` (``traced_launched``, ``sync_launched``) Triton
-launches them. The host
-waits for the forward two steps back before staging a step (vLLM's asynchronous scheduling keeps it about a step
-ahead; unbounded, it would fill the launch queue and time the queue).
+launches them. The host waits for the forward two steps back before staging a step (vLLM's asynchronous scheduling
+keeps it about a step ahead; unbounded, it would fill the launch queue and time the queue). ``--profile MODE:BATCH``
+runs a case again under torch.profiler and lists its host ops (aten ops, CUDA runtime calls) per step: inside a
+phase, what the time goes to (the read-back's ~0.13 ms per step in an engine, of which its launch is ~20 µs).
 
     python3 benchmarks/sync_host.py --batch 1 16 64 --out benchmarks/results
+    python3 benchmarks/sync_host.py --batch 64 --modes traced --profile traced:64 --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -130,6 +132,23 @@ def run(mode: str, batch: int, steps: int, forward_ms: float, device: str) -> di
     return {k: round(statistics.median(row.get(k, 0.0) for row in rows), 2) for k in keys}
 
 
+def profile_case(case: str, steps: int, device: str, top: int = 25) -> dict[str, float]:
+    """``run`` of ``case`` (``MODE:BATCH``) under torch.profiler (CPU activity): the ``top`` host ops by self CPU
+    time, in µs per step (printed as a table and returned). The forward is one GEMM here (``forward_ms`` 0), so
+    the table holds the driver's ops, not the stand-in forward's launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    mode, _, b = case.partition(":")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run(mode, int(b), steps, 0.0, device)
+    events = sorted(prof.key_averages(), key=lambda ev: -ev.self_cpu_time_total)[:top]
+    out = {ev.key: round(ev.self_cpu_time_total / steps, 2) for ev in events}
+    print(f"profile {case}, host µs per step by self CPU time (calls per step):")
+    for ev in events:
+        print(f"  {ev.key[:60]:60s} {ev.self_cpu_time_total / steps:9.2f}  ({ev.count / steps:.1f})")
+    return out
+
+
 def launch_cost(calls: int, span: int) -> dict[str, float]:
     """Host µs per launch of the control kernel three ways: Triton's JIT launcher (as the driver launches it), the
     compiled kernel's own launcher (binding and cache lookup skipped), a CUDA graph replay."""
@@ -185,7 +204,16 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (reference kernels)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--launch-calls", type=int, default=2000, help="launch-cost section (CUDA; 0: skip)")
+    ap.add_argument("--profile", nargs="*", default=[], metavar="MODE:BATCH",
+                    help="also run these cases under torch.profiler and print their host ops (aten ops, CUDA runtime "
+                         "calls) by self CPU time per step: where a phase's time goes")
     args = ap.parse_args()
+    for case in args.profile:
+        mode, _, b = case.partition(":")
+        if mode not in args.modes and mode not in ("prdyn", "traced", "traced_launched", "sync", "sync_launched"):
+            ap.error(f"--profile: unknown mode {mode!r} in {case!r}")
+        if not b.isdigit() or int(b) < 1:
+            ap.error(f"--profile: {case!r} must be MODE:BATCH with a batch of at least 1")
     launch = launch_cost(args.launch_calls, max(args.batch)) if args.launch_calls and args.device == "cuda" else {}
     print(f"control kernel, host µs per launch: {json.dumps(launch)}", flush=True)
     results: dict[str, dict[str, dict[str, float]]] = {}
@@ -194,11 +222,12 @@ def main() -> None:
             res = run(mode, b, args.steps, args.forward_ms, args.device)
             results.setdefault(mode, {})[str(b)] = res
             print(f"{mode} b{b}: {json.dumps(res)}", flush=True)
+    profiles = {case: profile_case(case, args.steps, args.device) for case in args.profile}
     report = {"benchmark": "sync_host", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "commit": os.environ.get("DYNSTEER_GIT_SHA"), "steps": args.steps, "forward_ms": args.forward_ms,
               "unit": "host µs per step, median", "results": results,
-              "control_launch_host_us": launch}
+              "control_launch_host_us": launch, "profiles": profiles}
     print(f"report: {write_report(report, args.out)}")
 
 
