@@ -50,9 +50,9 @@ from capture_kernel import capture_graph, time_replays  # noqa: E402
 from static_overhead import print_table_head, write_report  # noqa: E402
 
 from dynsteer import DynsteerConfig, SITES  # noqa: E402
+from dynsteer.kernels.triton_fused import add_rms_norm_triton, steer_add_rms_norm_triton  # noqa: E402
 from dynsteer.steering.site import SiteHook, fused_add_rms_norm  # noqa: E402
 from dynsteer.steering.tables import SteeringTables  # noqa: E402
-from dynsteer.kernels.triton_fused import add_rms_norm_triton, steer_add_rms_norm_triton  # noqa: E402
 
 
 def build(layers: int, hidden: int, max_tokens: int) -> tuple[SteeringTables, list[tuple[SiteHook, SiteHook]]]:

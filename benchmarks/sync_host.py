@@ -132,6 +132,9 @@ def run(mode: str, batch: int, steps: int, forward_ms: float, device: str) -> di
     return {k: round(statistics.median(row.get(k, 0.0) for row in rows), 2) for k in keys}
 
 
+MODES = ("prdyn", "traced", "traced_launched", "sync", "sync_launched")
+
+
 def profile_case(case: str, steps: int, device: str, top: int = 25) -> dict[str, float]:
     """``run`` of ``case`` (``MODE:BATCH``) under torch.profiler (CPU activity): the ``top`` host ops by self CPU
     time, in µs per step (printed as a table and returned). The forward is one GEMM here (``forward_ms`` 0), so
@@ -198,7 +201,7 @@ def launch_cost(calls: int, span: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--modes", nargs="+", default=["prdyn", "traced", "traced_launched", "sync", "sync_launched"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES))
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--forward-ms", type=float, default=2.0)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (reference kernels)")
@@ -210,7 +213,7 @@ def main() -> None:
     args = ap.parse_args()
     for case in args.profile:
         mode, _, b = case.partition(":")
-        if mode not in args.modes and mode not in ("prdyn", "traced", "traced_launched", "sync", "sync_launched"):
+        if mode not in MODES:
             ap.error(f"--profile: unknown mode {mode!r} in {case!r}")
         if not b.isdigit() or int(b) < 1:
             ap.error(f"--profile: {case!r} must be MODE:BATCH with a batch of at least 1")

@@ -48,8 +48,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["KIND", "SCOPE", "Layout", "controller_row", "control_reference", "raw_gate", "readback_reference",
-           "update_reference"]
+__all__ = ["KIND", "SCOPE", "Layout", "controller_row", "control_reference", "raw_gate", "readback_head",
+           "readback_reference", "update_reference"]
 
 KIND = {"none": 0, "latch": 1, "ema_latch": 2, "pid": 3}
 SCOPE = {"this_token": 0, "next_step": 1, "rest_of_request": 2, "monitor": 3}
@@ -267,6 +267,15 @@ def _step(L: Layout, row: torch.Tensor, kind: int, score: float) -> float:
     return scale
 
 
+def readback_head(out: torch.Tensor, rows: int, m: int, who: str) -> torch.Tensor:
+    """The head of a caller's read-back buffer ``out`` as ``[rows, m]`` (what both read-back impls write into), or a
+    ValueError naming ``who`` where ``out`` is not a contiguous float32 buffer of at least ``rows·m`` values."""
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < rows * m:
+        raise ValueError(f"{who}: out must be a contiguous float32 buffer of at least {rows * m} values, got "
+                         f"{out.dtype} with {out.numel()}")
+    return out.view(-1)[:rows * m].view(rows, m)
+
+
 def readback_reference(scores: torch.Tensor, gates: torch.Tensor, gate_mul: torch.Tensor, gate_add: torch.Tensor,
                        scale_used: torch.Tensor, cols: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """What the host reads back after a forward, for the token columns ``cols`` (int32 [m]): float32
@@ -276,9 +285,4 @@ def readback_reference(scores: torch.Tensor, gates: torch.Tensor, gate_mul: torc
                       gate_add.index_select(1, cols), scale_used.index_select(0, cols).unsqueeze(0)])
     if out is None:
         return both
-    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < both.numel():
-        raise ValueError(f"readback_reference: out must be a contiguous float32 buffer of at least {both.numel()} "
-                         f"values, got {out.dtype} with {out.numel()}")
-    head = out.view(-1)[:both.numel()].view(both.shape)
-    head.copy_(both)
-    return head
+    return readback_head(out, *both.shape, "readback_reference").copy_(both)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dynsteer.kernels.controller_reference import FIRE_GATE, Layout
+from dynsteer.kernels.controller_reference import FIRE_GATE, Layout, readback_head
 
 __all__ = ["control_triton", "update_triton"]
 
@@ -193,11 +193,8 @@ def readback_triton(scores: torch.Tensor, gates: torch.Tensor, gate_mul: torch.T
         raise ValueError("readback_triton: scale_used must be [N] and cols int32 [m]")
     if out is None:
         out = torch.empty(4 * G + 1, m, dtype=torch.float32, device=scores.device)
-    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < (4 * G + 1) * m:
-        raise ValueError(f"readback_triton: out must be a contiguous float32 buffer of at least {(4 * G + 1) * m} "
-                         f"values, got {out.dtype} with {out.numel()}")
     else:
-        out = out.view(-1)[:(4 * G + 1) * m].view(4 * G + 1, m)
+        out = readback_head(out, 4 * G + 1, m, "readback_triton")
     if m:
         _readback_kernel[(m,)](scores, gates, gate_mul, gate_add, scale_used, cols, out, N, m, G=G, GB=_gb(G))
     return out
