@@ -8,7 +8,8 @@ timed with ``perf_counter`` around the driver's own calls (control words' copy, 
 read-back kernel and its copy to the host, feeding read-backs to requests).
 
 Modes: ``prdyn`` (per-request dynamic policy, no trace: nothing staged), ``traced`` (the same with a trace kept:
-read-backs), ``sync`` (an EMA-latch controller: the device sync tier, as ``overhead.py``'s sync mode). The driver's
+read-backs), ``acts`` (no trace, prefix caching on: every step's gates read back to report where steering acted, as
+``overhead.py``'s gate and dynamic modes run), ``sync`` (an EMA-latch controller: the device sync tier, as ``overhead.py``'s sync mode). The driver's
 kernels replay from CUDA graphs; with the suffix ``_launched`` (``traced_launched``, ``sync_launched``) Triton
 launches them. The host waits for the forward two steps back before staging a step (vLLM's asynchronous scheduling
 keeps it about a step ahead; unbounded, it would fill the launch queue and time the queue). ``--profile MODE:BATCH``
@@ -81,6 +82,7 @@ def run(mode: str, batch: int, steps: int, forward_ms: float, device: str) -> di
         st.keep = mode.startswith("traced")
         drv.place(st)
         states[f"r{i}"] = st
+    drv.report_acts = mode == "acts"
     ids = tuple(states)
     lookup = states.get
     sts = [states[i] for i in ids]
@@ -132,7 +134,7 @@ def run(mode: str, batch: int, steps: int, forward_ms: float, device: str) -> di
     return {k: round(statistics.median(row.get(k, 0.0) for row in rows), 2) for k in keys}
 
 
-MODES = ("prdyn", "traced", "traced_launched", "sync", "sync_launched")
+MODES = ("prdyn", "traced", "traced_launched", "acts", "sync", "sync_launched")
 
 
 def profile_case(case: str, steps: int, device: str, top: int = 25) -> dict[str, float]:

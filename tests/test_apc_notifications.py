@@ -9,6 +9,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 import dynsteer
 from dynsteer import DynsteerConfig
@@ -53,6 +55,38 @@ def test_acted_report_finds_each_requests_first_steering_position():
     host[G + 1, 1] = 0.3  # request a: slot 1 applied at position 8
     host[G + 1, 3] = 0.9  # request c: slot 1 is a monitor without actions: not steering
     assert acted_report(tok, host, G) == (["a", "c"], [10, 21], [8, -1], ["sa", "sc"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(hst.data())
+def test_acted_report_equals_a_per_token_reading(data):
+    """Random steps (one token per request, or runs of several: resumed requests) against a plain per-token reading
+    of the read-back: a request's upto is its last position + 1, its first acted position the lowest one where a gate
+    of a steering slot (a bit of its act mask) is non-zero."""
+    G = data.draw(hst.integers(1, 6))
+    runs = data.draw(hst.lists(hst.integers(1, 3), min_size=1, max_size=8))
+    if data.draw(hst.booleans()):
+        runs = [1] * len(runs)  # a decode step
+    req = np.repeat(np.arange(len(runs)), runs)
+    n = len(req)
+    start = np.array(data.draw(hst.lists(hst.integers(0, 50), min_size=len(runs), max_size=len(runs))))
+    pos = start[req] + np.concatenate([np.arange(r) for r in runs])
+    act = np.array(data.draw(hst.lists(hst.integers(0, 2 ** G - 1), min_size=len(runs), max_size=len(runs))))[req]
+    host = np.zeros((4 * G + 1, n), np.float32)
+    host[G:2 * G] = np.array(data.draw(hst.lists(hst.sampled_from([0.0, 0.0, 0.5, -1.0]), min_size=G * n,
+                                                max_size=G * n)), np.float32).reshape(G, n)
+    ids = tuple(f"r{i}" for i in range(len(runs)))
+    tok = StepTokens(ids, req, np.arange(n), pos, np.full(n, -1), np.zeros(n, bool), np.full(n, -1),
+                     np.zeros(n, bool), act, np.array([f"s{i}" for i in req], object))
+    want_ids, want_upto, want_first, want_sig = [], [], [], []
+    for r in range(len(runs)):
+        ks = [k for k in range(n) if req[k] == r]
+        hit = [int(pos[k]) for k in ks if any(host[G + g, k] != 0 and act[k] >> g & 1 for g in range(G))]
+        want_ids.append(ids[r])
+        want_upto.append(int(pos[ks[-1]]) + 1)
+        want_first.append(min(hit) if hit else -1)
+        want_sig.append(f"s{r}")
+    assert acted_report(tok, host, G) == (want_ids, want_upto, want_first, want_sig)
 
 
 # ---- multi-turn through a real engine ------------------------------------------------------------------------------

@@ -313,16 +313,23 @@ def acted_report(tok: StepTokens, host: np.ndarray, G: int) -> tuple[list[str], 
     """Per request of one read-back: ``(ids, upto, acted_at, signature)``: every position ``< upto`` is reported;
     ``acted_at`` is the first position at which a steering gate was applied non-zero (``-1``: none). Vectorised
     over the step's tokens (a request's tokens are contiguous)."""
-    bits = ((host[G:2 * G] != 0) * (1 << np.arange(G, dtype=np.int64))[:, None]).sum(0)
-    acted = (bits & tok.act) != 0
-    req = tok.req
+    acted = ((host[G:2 * G] != 0) & _gate_bits(tok.act, G)).any(axis=0)
+    req, position = tok.req, tok.position
+    if len(req) < 2 or (req[1:] != req[:-1]).all():  # one token per request (a decode step): no grouping
+        ids = [tok.req_ids[i] for i in req.tolist()]
+        return ids, (position + 1).tolist(), np.where(acted, position, -1).tolist(), tok.signature.tolist()
     starts = np.flatnonzero(np.r_[True, req[1:] != req[:-1]])
-    upto = np.maximum.reduceat(tok.position, starts) + 1
+    upto = np.maximum.reduceat(position, starts) + 1
     never = np.iinfo(np.int64).max
-    first = np.minimum.reduceat(np.where(acted, tok.position, never), starts)
+    first = np.minimum.reduceat(np.where(acted, position, never), starts)
     first[first == never] = -1
     ids = [tok.req_ids[i] for i in req[starts].tolist()]
     return ids, upto.tolist(), first.tolist(), tok.signature[starts].tolist()
+
+
+def _gate_bits(act: np.ndarray, G: int) -> np.ndarray:
+    """``[G, n]`` bool: gate slot ``g`` of token ``k`` steers (bit ``g`` of ``act[k]``)."""
+    return (act[None, :] >> np.arange(G, dtype=np.int64)[:, None]) & 1 != 0
 
 
 def _has_custom(spec: Any) -> bool:
@@ -718,9 +725,14 @@ class DynamicDriver:
         # the prefix cache (where steering acted). Untraced plain gates without prefix caching cost no host work.
         read = (np.arange(len(tokens)) if self.report_acts
                 else np.flatnonzero((tokens.record >= 0) | tokens.host))
-        if not len(read) and not self._dirty and not tokens.sync.any():
+        any_sync = bool(tokens.sync.any())
+        if not len(read) and not self._dirty and not any_sync:
             return
         m = len(read)
+        if not any_sync and not self._dirty:  # gates only (no control kernel): the read-back's columns suffice
+            self._stage_reads(tokens, read)
+            self.stats.host_ms += (time.perf_counter() - t1) * 1e3
+            return
         # Columns up to the last sync step's extent may hold its multipliers: they get words (-1: defaults) too.
         span = max(upto, self._dirty)
         grid = bucket(span, self.max_tokens) if self.graphed else span
@@ -754,8 +766,19 @@ class DynamicDriver:
         if n_sync or self._dirty:
             self._control_at(span)
             self._dirty = span if n_sync else 0
-        self._step = (tokens.subset(read), len(upd), m)
+        self._step = (tokens if m == len(tokens) else tokens.subset(read), len(upd), m)
         self.stats.host_ms += (time.perf_counter() - t1) * 1e3
+
+    def _stage_reads(self, tokens: StepTokens, read: np.ndarray) -> None:
+        """A step of plain gates read back (traces, prefix caching): only the read-back's column list goes to the
+        device (its row of the control words, up to the read-back's grid), not the whole (4, N+1) buffer."""
+        m = len(read)
+        words = self._words.next()
+        words[COLS, :m] = tokens.index[read]
+        grid = bucket(m, self.max_tokens) if self.graphed else m
+        words[COLS, m:grid] = 0  # the graphed read-back's extra columns: read, not taken
+        self._words.copy_to(grid, row=COLS)
+        self._step = (tokens if m == len(tokens) else tokens.subset(read), 0, m)
 
     def stage_prompt(self, states: list[DynState | None], decode: np.ndarray, d_req: np.ndarray, prompt: np.ndarray,
                      p_req: np.ndarray, p_pos: np.ndarray, p_len: np.ndarray, upto: int) -> None:

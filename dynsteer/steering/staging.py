@@ -28,13 +28,16 @@ class StagingRing:
             self.events[self.i].synchronize()
         return self.views[self.i]
 
-    def copy_to(self, upto: int | None = None) -> None:
+    def copy_to(self, upto: int | None = None, row: int | None = None) -> None:
         """Send the current slot's first ``upto`` entries (``None``: all of it) to the device buffer (non-blocking
-        from pinned memory)."""
+        from pinned memory); with ``row``, the first ``upto`` entries of that row of a 2-D buffer (contiguous)."""
+        src, dst = self.slots[self.i], self.target
+        if row is not None:
+            src, dst = src[row], dst[row]
         if upto is None:
-            self.target.copy_(self.slots[self.i], non_blocking=self.cuda)
+            dst.copy_(src, non_blocking=self.cuda)
         else:
-            self.target[:upto].copy_(self.slots[self.i][:upto], non_blocking=self.cuda)
+            dst[:upto].copy_(src[:upto], non_blocking=self.cuda)
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record()
