@@ -7,6 +7,8 @@ own process below it, as vLLM runs by default):
 * ``absent`` and ``absent2``: vLLM with dynsteer disabled (``DYNSTEER_DISABLE=1``). ``absent`` is the baseline of
   every figure; ``absent2`` is the A/A control: two identical engines, whose paired-median difference is the noise
   floor every other figure must be read against (aim: ≤ 0.3 %).
+* ``absent3`` (mode ``aa3``, not in ``--reduced``): a third such engine, compared with both: three A/A pairs in
+  one run. ``--pin-cores FRONT:CORE`` pins every engine's processes, after start-up, to the same cores.
 * ``dynsteer``: the default ``DynsteerConfig`` (3 sites × every layer, dynamic tier ``max_gates=2``, device sync tier)
   with one change: ``max_rows = max(64, largest batch + 2) + 32``. The default 64 rows hold 63 distinct live
   configurations, the 64-config mode needs 64 at once, and one engine serves every mode's configurations in turn
@@ -157,6 +159,8 @@ class Mode:
 MODES = [
     Mode("absent", "absent (baseline)", "absent", False, vs=None),
     Mode("aa", "absent2 (A/A control)", "absent2", False, AA_TARGET_PCT),
+    # a third identical engine: three A/A pairs per run (the spread between engine processes, not one draw of it)
+    Mode("aa3", "absent3 (second A/A control)", "absent3", False, AA_TARGET_PCT),
     Mode("idle", "idle (dynsteer loaded, nothing set)", "dynsteer", False, 0.3),
     Mode("static1", "static global, 1 layer", "dynsteer", True, 0.5),
     Mode("static8", "static global, 8 layers", "dynsteer", True, 1.5),
@@ -191,14 +195,16 @@ BY_KEY = {m.key: m for m in MODES}
 # Informative pairs besides "vs absent" and each mode's own target (no target of their own). Steering modes against
 # the same engine's idle mode: an engine process can sit a point or two off another for a whole run (same code, same
 # GPU), which every "vs absent" figure carries and a comparison within one engine does not.
-EXTRA_PAIRS = [("hwsteered", "hwidle"), ("hook", "eager"), ("capture", "capidle"), ("stream", "capidle"),
+EXTRA_PAIRS = [("aa3", "aa"), ("hwsteered", "hwidle"), ("hook", "eager"), ("capture", "capidle"), ("stream", "capidle"),
                *((k, "idle") for k in ("static1", "static8", "pr1", "pr16", "pr64", "pr64n", "gate", "prdyn",
                                        "hwload")),
                *((k, "i_idle") for k in ("i_static1", "i_pr64", "i_prdyn")), ("l_static1", "l_idle"),
                ("l_idle", "b_idle"), ("idle", "b_idle")]
 ENGINES = ["absent", "absent2", "dynsteer", "hotwire", "hook", "dynsteer-capture",
-           "dynsteer-inline", "dynsteer-bare", "dynsteer-1layer"]  # start / keep priority
-ENGINE_KIND = {"absent": "absent", "absent2": "absent", "dynsteer": "dynsteer", "dynsteer-capture": "dynsteer",
+           "dynsteer-inline", "dynsteer-bare", "dynsteer-1layer", "absent3"]  # start / keep priority
+CLONES = ("absent2", "absent3")  # started once ``absent`` is up: they read its compile cache
+ENGINE_KIND = {"absent": "absent", "absent2": "absent", "absent3": "absent", "dynsteer": "dynsteer",
+               "dynsteer-capture": "dynsteer",
                "dynsteer-inline": "dynsteer", "dynsteer-bare": "dynsteer", "dynsteer-1layer": "dynsteer",
                "hotwire": "hotwire", "hook": "hook"}
 REDUCED_MODES = ["absent", "aa", "idle", "static1", "static8", "pr64", "gate", "prdyn", "sync", "hwload", "hwidle",
@@ -779,7 +785,7 @@ def print_comparisons(title: str, comps: dict, batches: list, verification: dict
     if first_row:
         print(first_row)
     for label, comp in comps.items():
-        a, target, is_aa = comp["a"], comp["target_pct"], comp["a"] == "aa"
+        a, target, is_aa = comp["a"], comp["target_pct"], comp["a"] in ("aa", "aa3")
         cells = []
         for b in batches:
             c = comp["per_batch"].get(str(b))
@@ -1042,6 +1048,10 @@ def parse_args() -> argparse.Namespace:
                     help="every engine keeps vLLM's request stats on; each timed call is split into ramp (until "
                          "every first token), decode step and tail, each compared with absent's")
     ap.add_argument("--serial-start", action="store_true", help="start engines one after another")
+    ap.add_argument("--pin-cores", type=pin_spec, metavar="FRONT:CORE",
+                    help="once every engine is up, pin each engine's worker process (vLLM's frontend) to the cpu "
+                         "list FRONT and its engine core process(es) to CORE, every thread (e.g. 2-3:4-7); all "
+                         "engines share the same cores (one runs at a time), so none sits on faster or busier ones")
     ap.add_argument("--start-timeout", type=float, help="seconds for all engines to come up (default 900; "
                     "--reduced 360); one that is not up by then is skipped")
     ap.add_argument("--run-timeout", type=float, default=600)
@@ -1061,6 +1071,48 @@ def parse_args() -> argparse.Namespace:
             setattr(args, k, v)
     args.modes = ["absent", "aa"] + [k for k in args.modes if k not in ("absent", "aa")]
     return args
+
+
+def cpu_list(text: str) -> set[int]:
+    """``"2-3,6"`` -> ``{2, 3, 6}``."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def pin_spec(text: str) -> tuple[list[int], list[int]]:
+    """``--pin-cores FRONT:CORE`` (or one list for both), checked against the cpus this process may use."""
+    front, _, core = text.partition(":")
+    try:
+        sets = cpu_list(front), cpu_list(core or front)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--pin-cores: {text!r} is not FRONT:CORE cpu lists (e.g. 2-3:4-7)")
+    allowed = os.sched_getaffinity(0)
+    for cpus in sets:
+        if not cpus or not cpus <= allowed:
+            raise argparse.ArgumentTypeError(f"--pin-cores: {sorted(cpus)} is not within the usable cpus "
+                                             f"{sorted(allowed)}")
+    return sorted(sets[0]), sorted(sets[1])
+
+
+def pin_engine(pid: int, front: list[int], core: list[int]) -> dict:
+    """Pin every thread of worker ``pid`` to ``front`` and every thread of its descendants (the engine core) to
+    ``core`` (threads started later inherit their creator's mask). Returns what was pinned."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    done = {"front": front, "core": core, "threads": 0, "processes": 0}
+    for p, cpus in [(proc, front)] + [(c, core) for c in proc.children(recursive=True)]:
+        try:
+            for t in p.threads():
+                os.sched_setaffinity(t.id, cpus)
+                done["threads"] += 1
+            done["processes"] += 1
+        except (psutil.NoSuchProcess, ProcessLookupError):  # a helper process that exited meanwhile
+            continue
+    return done
 
 
 def find_wheel(arg: str | None) -> Path | None:
@@ -1117,6 +1169,7 @@ class Bench:
         self.errors: dict[str, str] = {}
         self.verification: dict[str, dict] = {}
         self.profiles: dict = {}
+        self.affinity: dict = {}
         self.repeats_done, self.stopped_early = 0, False
         self.date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         self.json_path = self.out_dir / "overhead.json"  # named once the device is known
@@ -1248,13 +1301,17 @@ class Bench:
             if e == "hotwire" and not info.get("hotwire_loaded"):
                 print("hotwire: warning: the plugin module is not loaded in the frontend process", flush=True)
 
-        first = [e for e in self.engines if e != "absent2"]
+        first = [e for e in self.engines if e not in CLONES]
         for e in first:
             start(e)
             if args.serial_start or e == "absent":
                 ready(e)
         if "absent" in self.live:
-            start("absent2")
+            for e in CLONES:
+                if e in self.engines:
+                    start(e)
+                    if args.serial_start:
+                        ready(e)
         for e in [e for e in self.engines if e in self.live and not self.live[e].info]:
             ready(e)
         for e, why in failed.items():
@@ -1264,6 +1321,9 @@ class Bench:
             sys.exit("the absent engines did not start")
         self.modes = [k for k in self.modes if BY_KEY[k].engine in self.live]
         self.seconds = {k: {str(b): [] for b in args.batches} for k in self.modes}
+        if args.pin_cores:
+            self.affinity = {e: pin_engine(eng.proc.pid, *args.pin_cores) for e, eng in self.live.items()}
+            print(f"engines pinned (frontend / engine core cores): {self.affinity}", flush=True)
         self.startup_s = self.elapsed()
         self.info0 = self.live["absent"].info
         self.device = self.info0["device"]
@@ -1416,7 +1476,7 @@ class Bench:
                             "startup_s": self.live[e].info.get("startup_s") if e in self.live else None,
                             "table_bytes": self.live[e].info.get("table_bytes") if e in self.live else None}
                         for e in self.cfgs},
-            "skipped": self.skipped, "errors": self.errors,
+            "skipped": self.skipped, "errors": self.errors, "affinity": self.affinity or None,
             "modes": {k: {"label": BY_KEY[k].label, "engine": BY_KEY[k].engine, "steers": BY_KEY[k].steers,
                           "target_pct": BY_KEY[k].target, "vs": BY_KEY[k].vs} for k in self.modes},
             "layers": {"steered": steer_layer(self.num_layers), "static_8": spread_layers(8, self.num_layers),

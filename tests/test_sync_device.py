@@ -348,9 +348,12 @@ def test_kernels_replay_inside_a_cuda_graph() -> None:
     assert (state.cpu() - ref).abs().nan_to_num(0.0).max().item() < 1e-6
 
 
-def _drive(graphed: bool, batches: list[int], seed: int = 0) -> list[torch.Tensor]:
+def _drive(graphed: bool, batches: list[int], seed: int = 0,
+           plain_at: frozenset[int] = frozenset()) -> list[torch.Tensor]:
     """A DynamicDriver on CUDA through decode steps of the given batch sizes (requests of every controller kind,
-    scores drawn per step): gate multipliers, scales and controller state after every step, copied."""
+    scores drawn per step): gate multipliers, scales and controller state after every step, copied. Steps in
+    ``plain_at`` run traced plain-gate requests only (no sync token: read-back columns staged alone, unless an
+    earlier sync step's multipliers are still to be reset)."""
     from dynsteer.steering.dynamic import DynamicDriver
 
     N = 64
@@ -358,28 +361,35 @@ def _drive(graphed: bool, batches: list[int], seed: int = 0) -> list[torch.Tenso
     drv = DynamicDriver(bufs[0], bufs[1], bufs[2], bufs[3], max_slots=32, graphed=graphed)
     assert drv.graphed == graphed
     kinds = [k for k in CONTROLLERS if k != "none"]
-    states = {}
+    states, plain = {}, {}
     for i in range(max(batches)):
         st = DynState.for_policy(make_policy(kinds[i % len(kinds)], SCOPES[1 + i % 2]))
         drv.place(st)
         states[f"r{i}"] = st
+        st = DynState.for_policy(make_policy("none", "this_token", "this_token"))
+        st.keep = True
+        drv.place(st)
+        assert st.tier == "plain" and not st.sync
+        plain[f"p{i}"] = st
+    everyone = {**states, **plain}
     gen = torch.Generator(device="cuda").manual_seed(seed)
     out = []
     for step, b in enumerate(batches):
-        ids = tuple(states)[:b]
-        sts = [states[i] for i in ids]
+        ids = tuple(plain if step in plain_at else states)[:b]
+        sts = [everyone[i] for i in ids]
         r = np.arange(b)
         tokens = StepTokens(ids, r, r.copy(), np.full(b, 10 + step, np.int64),
-                            np.array([st.device_slot for st in sts], np.int64), np.ones(b, bool),
-                            np.array([st.record for st in sts], np.int64), np.zeros(b, bool), np.zeros(b, np.int64),
-                            np.array(["x"] * b, dtype=object))
-        drv.plan(states, states.get, tokens, b)
+                            np.array([-1 if st.device_slot is None else st.device_slot for st in sts], np.int64),
+                            np.array([st.sync for st in sts]), np.array([st.record for st in sts], np.int64),
+                            np.zeros(b, bool), np.zeros(b, np.int64), np.array(["x"] * b, dtype=object))
+        drv.plan(everyone, everyone.get, tokens, b)
         drv.scores[:, :b] = torch.randn(G, b, device="cuda", generator=gen)  # the forward's scores
-        drv.after_forward(states.get)
+        drv.gates[:, :b] = torch.rand(G, b, device="cuda", generator=gen)  # and gates
+        drv.after_forward(everyone.get)
         out.append(torch.cat([drv.gate_mul.flatten(), drv.gate_add.flatten(), drv.scale_used,
                               drv.state.flatten().float()]).cpu())
-    drv.poll(states.get, block=True)
-    for st in states.values():  # every request's read-back record: scores, gates, multipliers, scale per position
+    drv.poll(everyone.get, block=True)
+    for st in everyone.values():  # every request's read-back record: scores, gates, multipliers, scale per position
         positions, values = drv.records.record(st.record)
         out.append(torch.cat([torch.from_numpy(positions).float(), torch.from_numpy(values).flatten()]))
     return out
@@ -389,12 +399,15 @@ def _drive(graphed: bool, batches: list[int], seed: int = 0) -> list[torch.Tenso
 def test_graphed_launches_equal_triton_launches_on_cuda() -> None:
     """The controller and read-back kernels replayed from CUDA graphs (grids rounded up, padding words) leave the
     same multipliers, state and read-back records, bit for bit, as launched directly, through batch sizes that change
-    the bucket both ways."""
-    batches = [3, 3, 5, 9, 2, 16, 17, 7, 1, 4]
-    direct, graphed = _drive(False, batches), _drive(True, batches)
+    the bucket both ways, and through steps of traced plain gates only (read-back columns staged alone)."""
+    batches = [3, 3, 5, 9, 2, 16, 17, 7, 1, 4, 6, 2]
+    plain_at = frozenset({2, 3, 6, 9, 10})  # 2, 6, 9: after a sync step (multipliers reset); 3, 10: columns alone
+    direct, graphed = _drive(False, batches, plain_at=plain_at), _drive(True, batches, plain_at=plain_at)
     for step, (a, b) in enumerate(zip(direct, graphed)):
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), f"step {step}"
     assert any(not torch.equal(direct[0], d) for d in direct[1:])  # the states did move
+    plain_records = direct[len(batches) + max(batches):]
+    assert all(len(r) for r in plain_records[:2])  # traced plain requests were read back
 
 
 # ---- in the engine -------------------------------------------------------------------------------------------------------
