@@ -51,6 +51,29 @@ def make_llm(model: str, **kwargs: Any) -> Iterator[Any]:
         _release_memory()
 
 
+def with_inprocess_engine_core(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with vLLM's engine core in the calling process (a test that steps the engine or reads its
+    scheduler). On GPU it runs in a spawned process of its own: a second in-process CUDA-graph engine after the first
+    was torn down trips the caching allocator (the graph memory pool vLLM keeps per process: "use_count > 0 INTERNAL
+    ASSERT" at the next capture). TP workers are that process's children. ``fn`` must be a module-level function;
+    its assertion errors come back as raised there."""
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # inherited by the child spawned at submit
+    try:
+        if not ON_GPU:
+            return fn(*args)
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(fn, *args).result()
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+
+
 def _release_memory() -> None:
     gc.collect()
 

@@ -16,7 +16,7 @@ import dynsteer
 from dynsteer import DynsteerConfig
 from dynsteer.engine.apc import ActedState, fold
 from dynsteer.steering.dynamic import StepTokens, acted_report
-from tests.conftest import ON_GPU, make_llm, token_ids
+from tests.conftest import ON_GPU, make_llm, token_ids, with_inprocess_engine_core
 from tests.test_dynamic import ALWAYS, NEVER, policy
 
 BLOCK = 16
@@ -209,16 +209,19 @@ def test_blocks_after_the_first_firing_are_never_served(multi_turn):
 # ---- the global steering changed while a request is in flight ------------------------------------------------------
 
 @pytest.mark.parametrize("change", ["policy", "decode_vector"])
-def test_a_global_change_mid_flight_forks_the_live_requests_hashes(tiny_llama_path, monkeypatch, change):
+def test_a_global_change_mid_flight_forks_the_live_requests_hashes(tiny_llama_path, change):
     """The workers recompile a live request's rows when the global spec or policy changes; blocks it computes from
     then on must not be served as if computed under what it was admitted with (here: an unsteered follow-up whose
     prompt is the conversation so far equals an uncached run), while blocks from before the change stay shareable."""
+    with_inprocess_engine_core(_global_change_mid_flight, tiny_llama_path, change)  # the loop watches the scheduler
+
+
+def _global_change_mid_flight(tiny_llama_path, change: str) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from tests.test_dynamic import vec
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the loop below watches the scheduler
     with make_llm(tiny_llama_path, enable_prefix_caching=True, block_size=BLOCK,
                   **DynsteerConfig(max_gates=2).engine_kwargs()) as llm:
         st = dynsteer.attach(llm)

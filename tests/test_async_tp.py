@@ -15,7 +15,7 @@ from dynsteer.commands import SteerCommand, ThresholdCommand
 from dynsteer.config import MonitorConfig
 from dynsteer.monitor.client import CommandClient
 from dynsteer.spec import AddVector, SteeringSpec
-from tests.conftest import ON_GPU, gpu_count, make_llm
+from tests.conftest import ON_GPU, gpu_count, make_llm, with_inprocess_engine_core
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(gpu_count() < 2 if ON_GPU else (os.cpu_count() or 1) < 2,
@@ -40,32 +40,11 @@ def _run(path, tp: int, command_at: int = 6):
     if tp == 2 and not ON_GPU:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per CPU worker (one NUMA node here)
     try:
-        if ON_GPU:
-            return _in_fresh_process(_generate, path, tp, command_at, cfg, params)
-        return _generate(path, tp, command_at, cfg, params)
+        return with_inprocess_engine_core(_generate, path, tp, command_at, cfg, params)
     finally:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         if bind is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-
-
-def _in_fresh_process(fn, *args):
-    """Run ``fn`` in a spawned process whose engine core is in-process (the test steps it and reads its scheduler);
-    one CUDA-graph engine per process, as the GPU suite runs every engine. TP=2 workers are that process's children
-    (a pool's daemonic workers could not start them)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # inherited by the child spawned at submit
-    try:
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(fn, *args).result()
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
 
 
 def _generate(path, tp, command_at, cfg, params):

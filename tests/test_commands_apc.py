@@ -13,18 +13,19 @@ from dynsteer.commands import SteerCommand
 from dynsteer.config import DynsteerConfig, MonitorConfig
 from dynsteer.monitor.client import CommandClient
 from dynsteer.spec import AddVector, SteeringSpec
-from tests.conftest import make_llm
+from tests.conftest import make_llm, with_inprocess_engine_core
 
 PROMPT = "the quick brown fox jumps over the lazy dog and then"
 
 
-def test_commanded_blocks_are_never_served_to_a_request_that_would_compute_them_differently(tiny_llama_path,
-                                                                                            monkeypatch):
+def test_commanded_blocks_are_never_served_to_a_request_that_would_compute_them_differently(tiny_llama_path):
+    # the monitor thread watches the scheduler, so the engine core runs in the test's process (on GPU, a fresh one)
+    with_inprocess_engine_core(_commanded_blocks, tiny_llama_path)
+
+
+def _commanded_blocks(tiny_llama_path) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-
-    # the monitor thread below watches the scheduler, so the engine core runs in this process (on GPU too)
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     cfg = DynsteerConfig(monitor=MonitorConfig.private())
     with make_llm(tiny_llama_path, enable_prefix_caching=True, block_size=16, **cfg.engine_kwargs()) as llm:
@@ -60,18 +61,20 @@ def test_commanded_blocks_are_never_served_to_a_request_that_would_compute_them_
     assert len(first.prompt_token_ids) <= hit < len(conversation) - 16
 
 
-def test_a_global_command_steers_live_and_later_requests_and_the_cache_never_mixes_epochs(tiny_llama_path,
-                                                                                           monkeypatch):
+def test_a_global_command_steers_live_and_later_requests_and_the_cache_never_mixes_epochs(tiny_llama_path):
     """A monitor replaces the global steering mid-generation: live requests change after the acked step, requests
     admitted later run exactly as under the same global set through the API (their prompt blocks are not served from
     the unsteered cache), and clearing it restores unsteered outputs and their cache hits. A bad one is rejected
     naming the field."""
+    with_inprocess_engine_core(_global_command, tiny_llama_path)
+
+
+def _global_command(tiny_llama_path) -> None:
     from vllm import SamplingParams
 
     import dynsteer
     from dynsteer.commands import GlobalCommand
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     cfg = DynsteerConfig(monitor=MonitorConfig.private())
     prompts = [PROMPT, "once upon a time there was a", "in the beginning the"]
     vec = np.random.default_rng(2).standard_normal(128).astype(np.float32) * 8
