@@ -743,6 +743,31 @@ def comparisons(seconds: dict, modes: list[str], batches: list[int]) -> dict:
     return out
 
 
+ABSENT_MODES = ("absent", "aa", "aa3")
+
+
+def pooled(seconds: dict, modes: list[str], batches: list[int]) -> dict | None:
+    """With three absent engines (``aa3`` run): every mode with a target against ``absent`` compared with the mean
+    of the three absent engines, repeat by repeat. One engine process can sit a point off another for a whole run;
+    the mean of three draws of that offset is a steadier reference than any one. ``None`` without ``aa3``."""
+    if not all(k in seconds for k in ABSENT_MODES):
+        return None
+    out = {}
+    for k in modes:
+        m = BY_KEY[k]
+        if k in ABSENT_MODES or m.vs != "absent" or m.target is None:
+            continue
+        per = {}
+        for b in map(str, batches):
+            runs = [seconds[a].get(b, []) for a in ABSENT_MODES]
+            n = min(map(len, runs))
+            per[b] = paired(seconds[k].get(b, []), [statistics.mean(r[i] for r in runs) for i in range(n)])
+        if any(per.values()):
+            out[f"{m.label} vs the mean of the three absent engines"] = {"a": k, "b": "absent_pool",
+                                                                        "target_pct": m.target, "per_batch": per}
+    return out
+
+
 def step_lists(splits: dict) -> dict:
     """The mean decode step (ms) of every repeat, per mode and batch, shaped like ``seconds``."""
     return {k: {b: [x["step_ms"] for x in xs] for b, xs in per.items()} for k, per in splits.items()}
@@ -810,6 +835,9 @@ def print_tables(report: dict) -> None:
     if report.get("step_overhead_pct"):
         print_comparisons("comparison (overhead % of the mean decode step, median of paired ratios)",
                           report["step_overhead_pct"], batches, verification)
+    if report.get("pooled_step_overhead_pct"):
+        print_comparisons("comparison (overhead % of the mean decode step against the mean of three absent engines)",
+                          report["pooled_step_overhead_pct"], batches, verification)
     skipped = report.get("skipped") or {}
     for name, why in skipped.items():
         print(f"| ({name}: not run: {why}) |" + " |" * (len(batches) + 2))
@@ -1496,6 +1524,8 @@ class Bench:
             # the same comparisons on the decode step alone (steady state, request intake and tail left out)
             "step_overhead_pct": comparisons(step_lists(self.splits), self.modes, args.batches) if self.splits
             else None,
+            "pooled_step_overhead_pct": pooled(step_lists(self.splits), self.modes, args.batches) if self.splits
+            else None,
             "profile": self.profiles or None,
             "seconds": secs,
             "seconds_by_engine": {e: {k: secs[k] for k in secs if BY_KEY[k].engine == e} for e in self.cfgs},
@@ -1529,6 +1559,8 @@ def main() -> None:
         if report.get("timing_split_repeats"):
             report["step_overhead_pct"] = comparisons(step_lists(report["timing_split_repeats"]), report["modes"],
                                                       report["args"]["batches"])
+            report["pooled_step_overhead_pct"] = pooled(step_lists(report["timing_split_repeats"]), report["modes"],
+                                                        report["args"]["batches"])
         print_tables(report)
         print(f"plot: {plot(report, Path(args.from_json).with_suffix('.png'))}")
         return
