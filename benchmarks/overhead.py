@@ -8,7 +8,10 @@ own process below it, as vLLM runs by default):
   every figure; ``absent2`` is the A/A control: two identical engines, whose paired-median difference is the noise
   floor every other figure must be read against (aim: ≤ 0.3 %).
 * ``absent3`` (mode ``aa3``, not in ``--reduced``): a third such engine, compared with both: three A/A pairs in
-  one run. ``--pin-cores FRONT:CORE`` pins every engine's processes, after start-up, to the same cores.
+  one run, and every targeted mode also against the three engines' per-repeat mean (``pooled_step_overhead_pct``;
+  one engine process can sit a point or two from another for a whole run, the mean of three is steadier).
+  ``--pin-cores FRONT:CORE`` pins every engine's processes, after start-up, to the same cores (on the H200 that did
+  not remove the offsets: 2026-11-25, b311b42).
 * ``dynsteer``: the default ``DynsteerConfig`` (3 sites × every layer, dynamic tier ``max_gates=2``, device sync tier)
   with one change: ``max_rows = max(64, largest batch + 2) + 32``. The default 64 rows hold 63 distinct live
   configurations, the 64-config mode needs 64 at once, and one engine serves every mode's configurations in turn
