@@ -1,6 +1,9 @@
-"""Dynamic steering under tensor parallelism (two GPUs): every rank takes the same decisions, outputs equal TP=1."""
+"""Dynamic steering under tensor parallelism (two GPUs, or two CPU workers): every rank takes the same decisions and
+keeps bit-identical controller state, outputs equal TP=1."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -10,7 +13,9 @@ from dynsteer import Action, DynamicSteeringPolicy, DynsteerConfig, Monitor, Rul
 from tests.conftest import ON_GPU, gpu_count, make_llm, token_ids
 
 
-pytestmark = pytest.mark.skipif(not ON_GPU or gpu_count() < 2, reason="needs two GPUs (DYNSTEER_TEST_DEVICE=cuda)")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(gpu_count() < 2 if ON_GPU else (os.cpu_count() or 1) < 2,
+                                 reason="two CPU workers, or two GPUs with DYNSTEER_TEST_DEVICE=cuda")]
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning", "she opened the door and"]
 
 
@@ -33,6 +38,23 @@ def run(path, tp: int):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_WORKER_MULTIPROC_METHOD")}
+    if tp == 2 and not ON_GPU:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per CPU worker (one NUMA node here)
+        # spawned, as the GPU suite starts workers (a forked rank would share this process's string-hash seed and
+        # state; the slot order's independence of set order is unit-tested in test_sync_device)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    try:
+        return _generate(path, tp, params)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _generate(path, tp: int, params):
     # float32: TP=1 and TP=2 must agree token for token, which bf16 rounding of partial sums would not guarantee
     with make_llm(path, tensor_parallel_size=tp, dtype="float32", **DynsteerConfig(max_gates=2).engine_kwargs()) as llm:
         st = dynsteer.attach(llm)
