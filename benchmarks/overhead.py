@@ -1079,6 +1079,9 @@ def parse_args() -> argparse.Namespace:
                     help="every engine keeps vLLM's request stats on; each timed call is split into ramp (until "
                          "every first token), decode step and tail, each compared with absent's")
     ap.add_argument("--serial-start", action="store_true", help="start engines one after another")
+    ap.add_argument("--burn-in", type=int, default=0, metavar="N",
+                    help="N untimed repeats after warm-up (their decode steps reported apart, in no comparison): "
+                         "whether the dynamic modes' slow first repeats at batch 64 are a warm-up")
     ap.add_argument("--pin-cores", type=pin_spec, metavar="FRONT:CORE",
                     help="once every engine is up, pin each engine's worker process (vLLM's frontend) to the cpu "
                          "list FRONT and its engine core process(es) to CORE, every thread (e.g. 2-3:4-7); all "
@@ -1201,6 +1204,7 @@ class Bench:
         self.verification: dict[str, dict] = {}
         self.profiles: dict = {}
         self.affinity: dict = {}
+        self.burn_in_steps: dict[str, dict[str, list[dict]]] = {}
         self.repeats_done, self.stopped_early = 0, False
         self.date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         self.json_path = self.out_dir / "overhead.json"  # named once the device is known
@@ -1418,6 +1422,21 @@ class Bench:
                 v["tokens_equal_absent"] = all(e["changed_timed"] == 0 for e in per)
         print(f"warm-up and verification done after {self.elapsed():.0f} s", flush=True)
 
+    def burn_in(self) -> None:
+        """``--burn-in`` untimed repeats before the timed ones (every mode and batch, rotated the same way, prompts
+        of their own): their calls' seconds and decode steps are kept in the report (``burn_in_steps_ms``), out of
+        every comparison."""
+        for i in range(self.args.burn_in):
+            t0 = time.perf_counter()
+            plan = [k for k in self.modes if k not in self.errors]
+            for batch in self.args.batches:
+                for k in plan[i % len(plan):] + plan[:i % len(plan)]:
+                    res = self.run(k, batch, repeat=10_000 + i)
+                    if res is not None:
+                        self.burn_in_steps.setdefault(k, {}).setdefault(str(batch), []).append(
+                            {"s": res["s"], "step_ms": res["split"]["step_ms"] if res.get("split") else None})
+            print(f"burn-in repeat {i + 1}/{self.args.burn_in} done in {time.perf_counter() - t0:.0f} s", flush=True)
+
     def measure(self) -> None:
         """Timed repeats: every (engine, mode) once per batch size, in an order rotated by one each repeat; no
         repeat starts that would end past the budget (one always runs); the JSON is rewritten after each."""
@@ -1508,6 +1527,7 @@ class Bench:
                             "table_bytes": self.live[e].info.get("table_bytes") if e in self.live else None}
                         for e in self.cfgs},
             "skipped": self.skipped, "errors": self.errors, "affinity": self.affinity or None,
+            "burn_in_steps_ms": self.burn_in_steps or None,
             "modes": {k: {"label": BY_KEY[k].label, "engine": BY_KEY[k].engine, "steers": BY_KEY[k].steers,
                           "target_pct": BY_KEY[k].target, "vs": BY_KEY[k].vs} for k in self.modes},
             "layers": {"steered": steer_layer(self.num_layers), "static_8": spread_layers(8, self.num_layers),
@@ -1572,6 +1592,7 @@ def main() -> None:
     bench.start_engines()
     try:
         bench.warm_up_and_verify()
+        bench.burn_in()
         bench.measure()
         if args.profile:
             bench.profile()
