@@ -9,12 +9,13 @@ read-back kernel and its copy to the host, feeding read-backs to requests).
 
 Modes: ``prdyn`` (per-request dynamic policy, no trace: nothing staged), ``traced`` (the same with a trace kept:
 read-backs), ``acts`` (no trace, prefix caching on: every step's gates read back to report where steering acted, as
-``overhead.py``'s gate and dynamic modes run), ``sync`` (an EMA-latch controller: the device sync tier, as ``overhead.py``'s sync mode). The driver's
-kernels replay from CUDA graphs; with the suffix ``_launched`` (``traced_launched``, ``sync_launched``) Triton
-launches them. The host waits for the forward two steps back before staging a step (vLLM's asynchronous scheduling
-keeps it about a step ahead; unbounded, it would fill the launch queue and time the queue). ``--profile MODE:BATCH``
-runs a case again under torch.profiler and lists its host ops (aten ops, CUDA runtime calls) per step: inside a
-phase, what the time goes to (the read-back's ~0.13 ms per step in an engine, of which its launch is ~20 µs).
+``overhead.py``'s gate and dynamic modes run), ``sync`` (an EMA-latch controller: the device sync tier, as
+``overhead.py``'s sync mode). The driver's kernels replay from CUDA graphs; with the suffix ``_launched``
+(``traced_launched``, ``sync_launched``) Triton launches them. The host waits for the forward two steps back
+before staging a step (vLLM's asynchronous scheduling keeps it about a step ahead; unbounded, it would fill the
+launch queue and time the queue). ``--profile MODE:BATCH`` runs a case again under torch.profiler and lists its
+host ops (aten ops, CUDA runtime calls) per step: inside a phase, what the time goes to (the read-back's ~0.1 ms per
+step in an engine, of which its launch is ~20 µs).
 
     python3 benchmarks/sync_host.py --batch 1 16 64 --out benchmarks/results
     python3 benchmarks/sync_host.py --batch 64 --modes traced --profile traced:64 --out benchmarks/results

@@ -738,9 +738,7 @@ class DynamicDriver:
         grid = bucket(span, self.max_tokens) if self.graphed else span
         words = self._words.next()
         words[CTL, :grid] = -1
-        words[COLS, :m] = tokens.index[read]
-        if self.graphed and m:
-            words[COLS, m:bucket(m, self.max_tokens)] = 0  # the graphed read-back's extra columns: read, not taken
+        self._stage_cols(words, tokens, read)
         slot, position = tokens.slot, tokens.position
         dev = (slot >= 0) & (position > self.sched_pos[np.maximum(slot, 0)])  # fresh device-tier tokens
         d = np.flatnonzero(dev)
@@ -766,19 +764,29 @@ class DynamicDriver:
         if n_sync or self._dirty:
             self._control_at(span)
             self._dirty = span if n_sync else 0
-        self._step = (tokens if m == len(tokens) else tokens.subset(read), len(upd), m)
+        self._step = (self._read_tokens(tokens, read), len(upd), m)
         self.stats.host_ms += (time.perf_counter() - t1) * 1e3
 
     def _stage_reads(self, tokens: StepTokens, read: np.ndarray) -> None:
         """A step of plain gates read back (traces, prefix caching): only the read-back's column list goes to the
         device (its row of the control words, up to the read-back's grid), not the whole (4, N+1) buffer."""
-        m = len(read)
         words = self._words.next()
+        self._words.copy_to(self._stage_cols(words, tokens, read), row=COLS)
+        self._step = (self._read_tokens(tokens, read), 0, len(read))
+
+    def _stage_cols(self, words: np.ndarray, tokens: StepTokens, read: np.ndarray) -> int:
+        """Stage the read-back's token columns; returns its grid (graphed: the bucket, whose extra columns read
+        column 0 and are not taken)."""
+        m = len(read)
         words[COLS, :m] = tokens.index[read]
-        grid = bucket(m, self.max_tokens) if self.graphed else m
-        words[COLS, m:grid] = 0  # the graphed read-back's extra columns: read, not taken
-        self._words.copy_to(grid, row=COLS)
-        self._step = (tokens if m == len(tokens) else tokens.subset(read), 0, m)
+        grid = bucket(m, self.max_tokens) if self.graphed and m else m
+        words[COLS, m:grid] = 0
+        return grid
+
+    @staticmethod
+    def _read_tokens(tokens: StepTokens, read: np.ndarray) -> StepTokens:
+        """The tokens read back (``read``: sorted indices into ``tokens``): all of them without a copy."""
+        return tokens if len(read) == len(tokens) else tokens.subset(read)
 
     def stage_prompt(self, states: list[DynState | None], decode: np.ndarray, d_req: np.ndarray, prompt: np.ndarray,
                      p_req: np.ndarray, p_pos: np.ndarray, p_len: np.ndarray, upto: int) -> None:
