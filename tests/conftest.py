@@ -51,15 +51,40 @@ def make_llm(model: str, **kwargs: Any) -> Iterator[Any]:
         _release_memory()
 
 
+@contextlib.contextmanager
+def env(**values: str | None) -> Iterator[None]:
+    """Environment variables set (``None``: unset) for the block, restored after it."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def cpu_tp_env(tp: int) -> contextlib.AbstractContextManager[None]:
+    """Two CPU workers for TP=2 off GPU: one core each (one NUMA node here), spawned as the GPU suite starts workers.
+    Nothing changes on GPU or for TP=1."""
+    if tp == 2 and not ON_GPU:
+        return env(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    return env(VLLM_CPU_OMP_THREADS_BIND=None)
+
+
 def with_inprocess_engine_core(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` with vLLM's engine core in the calling process (a test that steps the engine or reads its
     scheduler). On GPU it runs in a spawned process of its own: a second in-process CUDA-graph engine after the first
     was torn down trips the caching allocator (the graph memory pool vLLM keeps per process: "use_count > 0 INTERNAL
     ASSERT" at the next capture). TP workers are that process's children. ``fn`` must be a module-level function;
     its assertion errors come back as raised there."""
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # inherited by the child spawned at submit
-    try:
+    with env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):  # inherited by the child spawned at submit
         if not ON_GPU:
             return fn(*args)
         import multiprocessing
@@ -67,11 +92,6 @@ def with_inprocess_engine_core(fn: Callable[..., Any], *args: Any) -> Any:
 
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             return pool.submit(fn, *args).result()
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
 
 
 def _release_memory() -> None:

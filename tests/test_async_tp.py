@@ -15,7 +15,7 @@ from dynsteer.commands import SteerCommand, ThresholdCommand
 from dynsteer.config import MonitorConfig
 from dynsteer.monitor.client import CommandClient
 from dynsteer.spec import AddVector, SteeringSpec
-from tests.conftest import ON_GPU, gpu_count, make_llm, with_inprocess_engine_core
+from tests.conftest import ON_GPU, cpu_tp_env, gpu_count, make_llm, with_inprocess_engine_core
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(gpu_count() < 2 if ON_GPU else (os.cpu_count() or 1) < 2,
@@ -36,15 +36,8 @@ def _run(path, tp: int, command_at: int = 6):
 
     cfg = DynsteerConfig(max_gates=2, monitor=MonitorConfig.private())
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    bind = os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    if tp == 2 and not ON_GPU:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per CPU worker (one NUMA node here)
-    try:
+    with cpu_tp_env(tp):
         return with_inprocess_engine_core(_generate, path, tp, command_at, cfg, params)
-    finally:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        if bind is not None:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
 
 
 def _generate(path, tp, command_at, cfg, params):

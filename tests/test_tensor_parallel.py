@@ -10,7 +10,7 @@ import pytest
 
 import dynsteer
 from dynsteer import Action, DynamicSteeringPolicy, DynsteerConfig, Monitor, Rule, SyncControllerSpec
-from tests.conftest import ON_GPU, gpu_count, make_llm, token_ids
+from tests.conftest import ON_GPU, cpu_tp_env, gpu_count, make_llm, token_ids
 
 
 pytestmark = [pytest.mark.slow,
@@ -38,20 +38,8 @@ def run(path, tp: int):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_WORKER_MULTIPROC_METHOD")}
-    if tp == 2 and not ON_GPU:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per CPU worker (one NUMA node here)
-        # spawned, as the GPU suite starts workers (a forked rank would share this process's string-hash seed and
-        # state; the slot order's independence of set order is unit-tested in test_sync_device)
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    try:
+    with cpu_tp_env(tp):
         return _generate(path, tp, params)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _generate(path, tp: int, params):
