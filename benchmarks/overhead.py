@@ -813,7 +813,7 @@ def print_comparisons(title: str, comps: dict, batches: list, verification: dict
     if first_row:
         print(first_row)
     for label, comp in comps.items():
-        a, target, is_aa = comp["a"], comp["target_pct"], comp["a"] in ("aa", "aa3")
+        a, target, is_aa = comp["a"], comp["target_pct"], comp["a"] in ABSENT_MODES
         cells = []
         for b in batches:
             c = comp["per_batch"].get(str(b))
@@ -1204,7 +1204,7 @@ class Bench:
         self.verification: dict[str, dict] = {}
         self.profiles: dict = {}
         self.affinity: dict = {}
-        self.burn_in_steps: dict[str, dict[str, list[dict]]] = {}
+        self.burn_in_calls: dict[str, dict[str, list[dict]]] = {}
         self.repeats_done, self.stopped_early = 0, False
         self.date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         self.json_path = self.out_dir / "overhead.json"  # named once the device is known
@@ -1422,18 +1422,22 @@ class Bench:
                 v["tokens_equal_absent"] = all(e["changed_timed"] == 0 for e in per)
         print(f"warm-up and verification done after {self.elapsed():.0f} s", flush=True)
 
+    def order(self, i: int) -> list[str]:
+        """The modes still running, rotated by ``i``: repeat ``i``'s order within each batch size."""
+        plan = [k for k in self.modes if k not in self.errors]
+        return plan[i % len(plan):] + plan[:i % len(plan)]
+
     def burn_in(self) -> None:
         """``--burn-in`` untimed repeats before the timed ones (every mode and batch, rotated the same way, prompts
-        of their own): their calls' seconds and decode steps are kept in the report (``burn_in_steps_ms``), out of
+        of their own): their calls' seconds and decode steps are kept in the report (``burn_in_calls``), out of
         every comparison."""
         for i in range(self.args.burn_in):
             t0 = time.perf_counter()
-            plan = [k for k in self.modes if k not in self.errors]
             for batch in self.args.batches:
-                for k in plan[i % len(plan):] + plan[:i % len(plan)]:
+                for k in self.order(i):
                     res = self.run(k, batch, repeat=10_000 + i)
                     if res is not None:
-                        self.burn_in_steps.setdefault(k, {}).setdefault(str(batch), []).append(
+                        self.burn_in_calls.setdefault(k, {}).setdefault(str(batch), []).append(
                             {"s": res["s"], "step_ms": res["split"]["step_ms"] if res.get("split") else None})
             print(f"burn-in repeat {i + 1}/{self.args.burn_in} done in {time.perf_counter() - t0:.0f} s", flush=True)
 
@@ -1449,9 +1453,8 @@ class Bench:
                 print(f"--max-minutes: stopping after {rep} repeats ({self.elapsed():.0f} s used)", flush=True)
                 break
             t0 = time.perf_counter()
-            plan = [k for k in self.modes if k not in self.errors]
             for batch in args.batches:
-                for k in plan[rep % len(plan):] + plan[:rep % len(plan)]:
+                for k in self.order(rep):
                     res = self.run(k, batch, repeat=rep)
                     if res is None:
                         continue
@@ -1527,7 +1530,7 @@ class Bench:
                             "table_bytes": self.live[e].info.get("table_bytes") if e in self.live else None}
                         for e in self.cfgs},
             "skipped": self.skipped, "errors": self.errors, "affinity": self.affinity or None,
-            "burn_in_steps_ms": self.burn_in_steps or None,
+            "burn_in_calls": self.burn_in_calls or None,
             "modes": {k: {"label": BY_KEY[k].label, "engine": BY_KEY[k].engine, "steers": BY_KEY[k].steers,
                           "target_pct": BY_KEY[k].target, "vs": BY_KEY[k].vs} for k in self.modes},
             "layers": {"steered": steer_layer(self.num_layers), "static_8": spread_layers(8, self.num_layers),
