@@ -348,18 +348,23 @@ def test_kernels_replay_inside_a_cuda_graph() -> None:
     assert (state.cpu() - ref).abs().nan_to_num(0.0).max().item() < 1e-6
 
 
-def _drive(graphed: bool, batches: list[int], seed: int = 0,
-           plain_at: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+def _drive(graphed: bool, batches: list[int], seed: int = 0, plain_at: frozenset[int] = frozenset(),
+           ring: int | None = None, pending: list[int] | None = None) -> list[torch.Tensor]:
     """A DynamicDriver on CUDA through decode steps of the given batch sizes (requests of every controller kind,
     scores drawn per step): gate multipliers, scales and controller state after every step, copied. Steps in
     ``plain_at`` run traced plain-gate requests only (no sync token: read-back columns staged alone, unless an
-    earlier sync step's multipliers are still to be reset)."""
+    earlier sync step's multipliers are still to be reset). With ``ring``, read-backs go through that many pinned
+    slots while the device is kept ~1 ms behind the host each step (nothing synchronises), and ``pending`` receives
+    the read-backs left pending after each step."""
     from dynsteer.steering.dynamic import DynamicDriver
+    from dynsteer.steering.staging import HostRing
 
     N = 64
     bufs = [torch.zeros(G, N, device="cuda") for _ in range(4)]
     drv = DynamicDriver(bufs[0], bufs[1], bufs[2], bufs[3], max_slots=32, graphed=graphed)
     assert drv.graphed == graphed
+    if ring is not None:
+        drv._ring = HostRing(drv._ring.slots[0].numel(), depth=ring)
     kinds = [k for k in CONTROLLERS if k != "none"]
     states, plain = {}, {}
     for i in range(max(batches)):
@@ -385,10 +390,15 @@ def _drive(graphed: bool, batches: list[int], seed: int = 0,
         drv.plan(everyone, everyone.get, tokens, b)
         drv.scores[:, :b] = torch.randn(G, b, device="cuda", generator=gen)  # the forward's scores
         drv.gates[:, :b] = torch.rand(G, b, device="cuda", generator=gen)  # and gates
+        if ring is not None:
+            torch.cuda._sleep(2_000_000)  # a slow forward: the host runs ahead, read-backs pile up
         drv.after_forward(everyone.get)
-        out.append(torch.cat([drv.gate_mul.flatten(), drv.gate_add.flatten(), drv.scale_used,
-                              drv.state.flatten().float()]).cpu())
+        if pending is not None:
+            pending.append(len(drv._pending))
+        row = torch.cat([drv.gate_mul.flatten(), drv.gate_add.flatten(), drv.scale_used, drv.state.flatten().float()])
+        out.append(row.clone() if ring is not None else row.cpu())
     drv.poll(everyone.get, block=True)
+    out[:len(batches)] = [row.cpu() for row in out[:len(batches)]]
     for st in everyone.values():  # every request's read-back record: scores, gates, multipliers, scale per position
         positions, values = drv.records.record(st.record)
         out.append(torch.cat([torch.from_numpy(positions).float(), torch.from_numpy(values).flatten()]))
@@ -408,6 +418,21 @@ def test_graphed_launches_equal_triton_launches_on_cuda() -> None:
     assert any(not torch.equal(direct[0], d) for d in direct[1:])  # the states did move
     plain_records = direct[len(batches) + max(batches):]
     assert all(len(r) for r in plain_records[:2])  # traced plain requests were read back
+
+
+@needs_cuda
+def test_read_backs_wrap_the_pinned_ring_without_losing_or_mixing_steps_on_cuda() -> None:
+    """With the device behind the host, read-backs fill the pinned ring; launching one more waits for the oldest and
+    feeds it first. Every step's multipliers, state and read-back records equal a run that synchronised each step."""
+    batches = [3, 5, 9, 2, 16, 17, 7, 1, 4, 6, 2, 8]
+    plain_at = frozenset({3, 7})
+    synced = _drive(True, batches, plain_at=plain_at)
+    pending: list[int] = []
+    behind = _drive(True, batches, plain_at=plain_at, ring=2, pending=pending)
+    assert max(pending) == 2, pending  # the ring was full: later launches had to free a slot first
+    assert len(synced) == len(behind)
+    for step, (a, b) in enumerate(zip(synced, behind)):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), f"step {step}"
 
 
 # ---- in the engine -------------------------------------------------------------------------------------------------------

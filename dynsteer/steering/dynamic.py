@@ -38,7 +38,7 @@ from dynsteer.kernels.graphed import bucket
 from dynsteer.spec import ModelShape, SteeringValidationError, resolve_vector
 from dynsteer.steering.compile import Clamp, MonitorProgram, SiteKey, SiteProgram, max_abs
 from dynsteer.steering.readback import ReadbackStore
-from dynsteer.steering.staging import StagingRing
+from dynsteer.steering.staging import HostRing, StagingRing
 
 if TYPE_CHECKING:
     from dynsteer.policy import DynamicSteeringPolicy
@@ -383,7 +383,7 @@ class StepTokens:
 @dataclass
 class _Pending:
     event: Any
-    host: torch.Tensor  # [4G+1, m]: scores, applied gates, gate_mul, gate_add, scale of the step's dynamic tokens
+    host: np.ndarray  # [4G+1, m]: scores, applied gates, gate_mul, gate_add, scale of the step's dynamic tokens
     tokens: StepTokens
 
 
@@ -597,6 +597,9 @@ class DynamicDriver:
         self.control, self.update = select_controller_impl(gates)
         self.readback = select_readback_impl(gates)
         self._side = torch.cuda.Stream(device=dev) if self.cuda else None
+        # Pinned read-back buffers and events made once: a step's copy to the host allocates nothing.
+        self._ring = HostRing((4 * G + 1) * N) if self.cuda else None
+        self._fwd_done = torch.cuda.Event() if self.cuda else None
         self._pending: list[_Pending] = []
         self.faults: dict[str, str] = {}  # requests whose custom controller failed: stopped by the runtime
         self._step: tuple[StepTokens, int, int] | None = None
@@ -833,10 +836,10 @@ class DynamicDriver:
         """Advance the device sync tier and start copying this step's dynamic-token values to the host; then feed
         earlier steps' completed read-backs to their requests (``lookup``: ``req_id -> state``), while the device
         runs the forward just launched."""
-        self._launch_readback()
+        self._launch_readback(lookup)
         self.poll(lookup)
 
-    def _launch_readback(self) -> None:
+    def _launch_readback(self, lookup: Any) -> None:
         self.prompt.latch()
         step, self._step = self._step, None
         if step is None:
@@ -851,15 +854,16 @@ class DynamicDriver:
         grid = self._readback_at(m)
         both = self._rb_out[:(4 * self.layout.G + 1) * grid].view(-1, grid)
         if self.cuda:
-            done = self._rb_copied = torch.cuda.Event()
-            self._side.wait_stream(torch.cuda.current_stream())
+            if len(self._pending) >= self._ring.depth:  # every pinned slot still unread (the device far behind)
+                self.poll(lookup, block=True, leave=self._ring.depth - 1)
+            self._fwd_done.record()
+            self._side.wait_event(self._fwd_done)
             with torch.cuda.stream(self._side):
-                host = torch.empty(both.shape, dtype=both.dtype, device="cpu", pin_memory=True)
-                host.copy_(both, non_blocking=True)
-                done.record(self._side)
+                done, host = self._ring.copy(both, self._side)
+            self._rb_copied = done
             self._pending.append(_Pending(done, host[:, :m], tokens))
         else:
-            self._pending.append(_Pending(None, both.clone(), tokens))
+            self._pending.append(_Pending(None, both.clone().numpy(), tokens))
         self.enqueued += 1
 
     def _watch_aborts(self, lookup: Any, tok: StepTokens, host: np.ndarray) -> None:
@@ -877,10 +881,10 @@ class DynamicDriver:
                 self.abort_watch.discard(req_id)
                 self.aborts[req_id] = hit
 
-    def poll(self, lookup: Any, block: bool = False) -> None:
+    def poll(self, lookup: Any, block: bool = False, leave: int = 0) -> None:
         """Feed completed read-backs to their requests (``lookup``: ``req_id -> state``), in step order
-        (``block``: wait for all)."""
-        while self._pending:
+        (``block``: wait until at most ``leave`` are pending). A read-back's pinned host slot is free once fed."""
+        while len(self._pending) > leave or (self._pending and not block):
             pend = self._pending[0]
             if pend.event is not None and not pend.event.query():
                 if not block:
@@ -888,7 +892,7 @@ class DynamicDriver:
                 pend.event.synchronize()
             self._pending.pop(0)
             t0 = time.perf_counter()
-            host, tok = pend.host.numpy(), pend.tokens
+            host, tok = pend.host, pend.tokens
             self.records.append(tok.record, tok.position, host)  # one vectorised scatter for the whole step
             if self.report_acts and len(tok):
                 self.acts.append(acted_report(tok, host, self.layout.G))

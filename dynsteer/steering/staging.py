@@ -42,3 +42,27 @@ class StagingRing:
             ev = torch.cuda.Event()
             ev.record()
             self.events[self.i] = ev
+
+
+class HostRing:
+    """Pinned host buffers for per-step device-to-host copies: ``depth`` flat float32 buffers allocated once (each
+    holding the largest copy) with an event each, so a step's copy allocates nothing and creates no event. Slots are
+    taken in order; the caller frees one (consumes its copy) before the ring wraps onto it."""
+
+    def __init__(self, numel: int, depth: int = 8) -> None:
+        # device="cpu" explicitly: this runs during model construction, under vLLM's default-device context.
+        self.slots = [torch.empty(numel, dtype=torch.float32, device="cpu", pin_memory=True) for _ in range(depth)]
+        self.views = [slot.numpy() for slot in self.slots]
+        self.events = [torch.cuda.Event() for _ in range(depth)]
+        self.depth = depth
+        self.i = -1
+
+    def copy(self, src: torch.Tensor, stream: Any) -> tuple[Any, np.ndarray]:
+        """Copy the contiguous ``src`` into the next slot on ``stream`` (non-blocking) and record its event there;
+        returns ``(event, host view shaped like src)``, valid until the ring comes back to this slot."""
+        self.i = (self.i + 1) % self.depth
+        n = src.numel()
+        self.slots[self.i][:n].copy_(src.reshape(-1), non_blocking=True)
+        ev = self.events[self.i]
+        ev.record(stream)
+        return ev, self.views[self.i][:n].reshape(src.shape)
