@@ -103,6 +103,8 @@ def run(mode: str, batch: int, steps: int, forward_ms: float, device: str) -> di
         drv._update_at = phases.wrap("update_kernel", drv._update_at)
         drv._readback_at = phases.wrap("readback_kernel", drv._readback_at)
     drv._words.copy_to = phases.wrap("words_h2d", drv._words.copy_to)
+    if getattr(drv, "_ring", None) is not None:  # the read-back's copy to the host (side stream, pinned ring)
+        drv._ring.copy = phases.wrap("d2h_copy", drv._ring.copy)
     drv.poll = phases.wrap("poll", drv.poll)
     a = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
     reps = max(1, int(forward_ms / 0.012))  # ~12 µs per 2048² bf16 GEMM on an H100/H200
