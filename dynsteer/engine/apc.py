@@ -366,13 +366,19 @@ def patch_request(cls: type) -> None:
         acted = self.__dict__.get("_dynsteer_acted")
         if acted is None:
             acted = self.__dict__["_dynsteer_acted"] = ActedState()
-        limit = min(self.num_tokens, max(self.num_prompt_tokens, acted.reported))
-        size = _block_size(self._block_hasher)
-        if size and (len(self.block_hashes) + 1) * size > limit:
-            return  # no new full block below the limit (most decode steps): no proxy, no hasher call
-        self.block_hashes.extend(self._block_hasher(_Upto(self, limit)))
+        limit = hash_limit(self, acted)
+        if limit is not None:  # else no new full block below the limit (most decode steps): no proxy, no hasher call
+            self.block_hashes.extend(self._block_hasher(_Upto(self, limit)))
 
     cls.update_block_hashes = update_block_hashes
+
+
+def hash_limit(request: Any, acted: ActedState) -> int | None:
+    """How many of a dynamic request's tokens may be hashed (computed and reported on; prompt tokens need no
+    report), or None when that completes no block beyond those hashed (most decode steps)."""
+    limit = min(request.num_tokens, max(request.num_prompt_tokens, acted.reported))
+    size = _block_size(request._block_hasher)
+    return None if size and (len(request.block_hashes) + 1) * size > limit else limit
 
 
 def command_event(request: Any, signature: str, hash_block_size: int) -> None:

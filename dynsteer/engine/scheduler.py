@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynsteer.config import DynsteerConfig
-from dynsteer.engine.apc import ROWS_KEY, ActedState, hashed_tokens, resalt
+from dynsteer.engine.apc import ROWS_KEY, ActedState, hash_limit, hashed_tokens, resalt
 from dynsteer.engine.commands import COMMANDS_ATTR, STEP_ATTR
 
 logger = logging.getLogger("dynsteer")
@@ -261,16 +261,23 @@ def _apply_acts(scheduler: Any, acts: Any) -> None:
     this step's new tokens are appended, which hashes again up to what is reported)."""
     if not acts:
         return
-    touched = {}
-    for ids, upto, acted_at, signature in acts:
+    get, touched = scheduler.requests.get, {}
+    for ids, upto, acted_at, signature in acts:  # per request and step: kept to dict lookups and compares
         for req_id, u, a, sig in zip(ids, upto, acted_at, signature):
-            request = scheduler.requests.get(req_id)
+            request = get(req_id)
             if request is None or request.is_finished():
                 continue
-            request.__dict__.setdefault("_dynsteer_acted", ActedState()).report(int(u), int(a), str(sig))
+            acted = request.__dict__.get("_dynsteer_acted")
+            if acted is None:
+                acted = request.__dict__["_dynsteer_acted"] = ActedState()
+            if a < 0:  # nothing acted in this report: only how far it reaches
+                acted.reported = max(acted.reported, int(u))
+            else:
+                acted.report(int(u), int(a), str(sig))
             touched[req_id] = request
     for request in touched.values():
-        request.update_block_hashes()
+        if request._block_hasher is not None and hash_limit(request, request.__dict__["_dynsteer_acted"]) is not None:
+            request.update_block_hashes()
 
 
 def _mark_stopped(scheduler: Any, request: Any, reason: str) -> None:
