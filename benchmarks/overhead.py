@@ -12,6 +12,11 @@ own process below it, as vLLM runs by default):
   one engine process can sit a point or two from another for a whole run, the mean of three is steadier).
   ``--pin-cores FRONT:CORE`` pins every engine's processes, after start-up, to the same cores (on the H200 that did
   not remove the offsets: 2026-11-25, b311b42).
+* ``dynsteer2`` and ``dynsteer3`` (modes ``idle2``, ``idle3``, not in ``--reduced``): more engines like ``dynsteer``,
+  run idle. With two or more idle and absent engines the report compares the idle engines' per-repeat mean with the
+  absent engines' (in ``pooled_step_overhead_pct``): the idle figure with each side's engine offset averaged over
+  several draws (across 2026-11-25's runs, one idle engine against one absent engine ranged −1.3 … +1.4 % at
+  batch 1). ``--modes absent aa aa3 idle idle2 idle3`` is that run.
 * ``dynsteer``: the default ``DynsteerConfig`` (3 sites × every layer, dynamic tier ``max_gates=2``, device sync tier)
   with one change: ``max_rows = max(64, largest batch + 2) + 32``. The default 64 rows hold 63 distinct live
   configurations, the 64-config mode needs 64 at once, and one engine serves every mode's configurations in turn
@@ -165,6 +170,9 @@ MODES = [
     # a third identical engine: three A/A pairs per run (the spread between engine processes, not one draw of it)
     Mode("aa3", "absent3 (second A/A control)", "absent3", False, AA_TARGET_PCT),
     Mode("idle", "idle (dynsteer loaded, nothing set)", "dynsteer", False, 0.3),
+    # more engines like dynsteer, run idle: the idle figure as a mean over engines (module docstring)
+    Mode("idle2", "idle, second dynsteer engine", "dynsteer2", False),
+    Mode("idle3", "idle, third dynsteer engine", "dynsteer3", False),
     Mode("static1", "static global, 1 layer", "dynsteer", True, 0.5),
     Mode("static8", "static global, 8 layers", "dynsteer", True, 1.5),
     Mode("pr1", "per-request static, 1 config", "dynsteer", True),
@@ -198,15 +206,17 @@ BY_KEY = {m.key: m for m in MODES}
 # Informative pairs besides "vs absent" and each mode's own target (no target of their own). Steering modes against
 # the same engine's idle mode: an engine process can sit a point or two off another for a whole run (same code, same
 # GPU), which every "vs absent" figure carries and a comparison within one engine does not.
-EXTRA_PAIRS = [("aa3", "aa"), ("hwsteered", "hwidle"), ("hook", "eager"), ("capture", "capidle"), ("stream", "capidle"),
+EXTRA_PAIRS = [("aa3", "aa"), ("idle2", "idle"), ("idle3", "idle"), ("hwsteered", "hwidle"), ("hook", "eager"), ("capture", "capidle"), ("stream", "capidle"),
                *((k, "idle") for k in ("static1", "static8", "pr1", "pr16", "pr64", "pr64n", "gate", "prdyn",
                                        "hwload")),
                *((k, "i_idle") for k in ("i_static1", "i_pr64", "i_prdyn")), ("l_static1", "l_idle"),
                ("l_idle", "b_idle"), ("idle", "b_idle")]
 ENGINES = ["absent", "absent2", "dynsteer", "hotwire", "hook", "dynsteer-capture",
-           "dynsteer-inline", "dynsteer-bare", "dynsteer-1layer", "absent3"]  # start / keep priority
-CLONES = ("absent2", "absent3")  # started once ``absent`` is up: they read its compile cache
+           "dynsteer-inline", "dynsteer-bare", "dynsteer-1layer", "absent3", "dynsteer2", "dynsteer3"]  # priority
+# started once the engine they copy is up: they read its compile cache rather than race to write it
+CLONES = {"absent2": "absent", "absent3": "absent", "dynsteer2": "dynsteer", "dynsteer3": "dynsteer"}
 ENGINE_KIND = {"absent": "absent", "absent2": "absent", "absent3": "absent", "dynsteer": "dynsteer",
+               "dynsteer2": "dynsteer", "dynsteer3": "dynsteer",
                "dynsteer-capture": "dynsteer",
                "dynsteer-inline": "dynsteer", "dynsteer-bare": "dynsteer", "dynsteer-1layer": "dynsteer",
                "hotwire": "hotwire", "hook": "hook"}
@@ -747,27 +757,40 @@ def comparisons(seconds: dict, modes: list[str], batches: list[int]) -> dict:
 
 
 ABSENT_MODES = ("absent", "aa", "aa3")
+IDLE_MODES = ("idle", "idle2", "idle3")  # the same idle mode on engines alike
+
+
+def _mean_by_repeat(seconds: dict, keys: list[str], b: str) -> list[float]:
+    """The per-repeat mean over ``keys`` (repeats aligned by index; as many as all of them have)."""
+    runs = [seconds[k].get(b, []) for k in keys]
+    return [statistics.mean(r[i] for r in runs) for i in range(min(map(len, runs)))]
 
 
 def pooled(seconds: dict, modes: list[str], batches: list[int]) -> dict | None:
-    """With three absent engines (``aa3`` run): every mode with a target against ``absent`` compared with the mean
-    of the three absent engines, repeat by repeat. One engine process can sit a point off another for a whole run;
-    the mean of three draws of that offset is a steadier reference than any one. ``None`` without ``aa3``."""
-    if not all(k in seconds for k in ABSENT_MODES):
+    """Against the mean of the absent engines, repeat by repeat: with three (``aa3`` run), every mode with a target
+    against ``absent``; with two idle engines or more (``idle2``, ``idle3``), the idle engines' mean too. One engine
+    process can sit a point off another for a whole run; a mean over several draws of that offset is steadier than
+    any one. ``None`` when neither applies."""
+    absents = [a for a in ABSENT_MODES if a in seconds]
+    idles = [k for k in IDLE_MODES if k in seconds]
+    if len(absents) < 3 and (len(idles) < 2 or len(absents) < 2):
         return None
     out = {}
-    for k in modes:
-        m = BY_KEY[k]
-        if k in ABSENT_MODES or m.vs != "absent" or m.target is None:
-            continue
-        per = {}
-        for b in map(str, batches):
-            runs = [seconds[a].get(b, []) for a in ABSENT_MODES]
-            n = min(map(len, runs))
-            per[b] = paired(seconds[k].get(b, []), [statistics.mean(r[i] for r in runs) for i in range(n)])
+    if len(absents) == 3:
+        for k in modes:
+            m = BY_KEY[k]
+            if k in ABSENT_MODES or m.vs != "absent" or m.target is None:
+                continue
+            per = {b: paired(seconds[k].get(b, []), _mean_by_repeat(seconds, absents, b)) for b in map(str, batches)}
+            if any(per.values()):
+                out[f"{m.label} vs the mean of the three absent engines"] = {"a": k, "b": "absent_pool",
+                                                                            "target_pct": m.target, "per_batch": per}
+    if len(idles) >= 2:
+        per = {b: paired(_mean_by_repeat(seconds, idles, b), _mean_by_repeat(seconds, absents, b))
+               for b in map(str, batches)}
         if any(per.values()):
-            out[f"{m.label} vs the mean of the three absent engines"] = {"a": k, "b": "absent_pool",
-                                                                        "target_pct": m.target, "per_batch": per}
+            out[f"idle, mean of {len(idles)} dynsteer engines vs the mean of {len(absents)} absent engines"] = {
+                "a": "idle", "b": "absent_pool", "target_pct": BY_KEY["idle"].target, "per_batch": per}
     return out
 
 
@@ -839,7 +862,7 @@ def print_tables(report: dict) -> None:
         print_comparisons("comparison (overhead % of the mean decode step, median of paired ratios)",
                           report["step_overhead_pct"], batches, verification)
     if report.get("pooled_step_overhead_pct"):
-        print_comparisons("comparison (overhead % of the mean decode step against the mean of three absent engines)",
+        print_comparisons("comparison (overhead % of the mean decode step against the mean of the absent engines)",
                           report["pooled_step_overhead_pct"], batches, verification)
     skipped = report.get("skipped") or {}
     for name, why in skipped.items():
@@ -1336,17 +1359,22 @@ class Bench:
             if e == "hotwire" and not info.get("hotwire_loaded"):
                 print("hotwire: warning: the plugin module is not loaded in the frontend process", flush=True)
 
-        first = [e for e in self.engines if e not in CLONES]
-        for e in first:
+        clones = [e for e in self.engines if e in CLONES]
+        for e in [e for e in self.engines if e not in CLONES]:
             start(e)
             if args.serial_start or e == "absent":
                 ready(e)
-        if "absent" in self.live:
-            for e in CLONES:
-                if e in self.engines:
-                    start(e)
-                    if args.serial_start:
-                        ready(e)
+        for origin in dict.fromkeys(CLONES[e] for e in clones):  # absent is up; dynsteer may still be starting
+            if origin in self.live and not self.live[origin].info:
+                ready(origin)
+            if origin not in self.live:
+                failed.update({e: f"{origin}, the engine it copies, did not start" for e in clones
+                               if CLONES[e] == origin})
+                continue
+            for e in (e for e in clones if CLONES[e] == origin):
+                start(e)
+                if args.serial_start:
+                    ready(e)
         for e in [e for e in self.engines if e in self.live and not self.live[e].info]:
             ready(e)
         for e, why in failed.items():
