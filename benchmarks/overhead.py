@@ -50,7 +50,10 @@ order rotated by one each repeat, so drift in clocks or host load hits all of th
 over repeats of the paired ratio ``t(mode, repeat) / t(absent, repeat) − 1``. Each steering mode is also reported
 against the same engine's idle mode (no target of its own): a whole engine process can sit a point or two off
 another for a run, which every figure against ``absent`` carries and a comparison within one engine does not.
-``--from-json`` recomputes every comparison from the stored repeats.
+``--from-json`` recomputes every comparison from the stored repeats. Around each timed call the parent reads the CPU
+time of the engine's frontend process and of its engine core (psutil), reported per call as CPU seconds per wall
+second (``cpu_busy_repeats``; an engine core near 1.0 is a host-bound call), with the host's CPU model and load
+(``host``): slow calls can then be told apart as host-bound or not, and runs on different leases compared.
 
 Modes: ``idle`` (dynsteer loaded, nothing set); static global vectors at 1 / 8 layers; per-request static vectors
 with 1 / 16 / 64 distinct configurations (request ``i`` carries config ``i mod N`` in its payload; ``pr64n``: the
@@ -129,6 +132,7 @@ import datetime as dt
 import gzip
 import json
 import os
+import platform
 import queue
 import re
 import shutil
@@ -144,6 +148,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from static_overhead import LLAMA3_8B  # noqa: E402
+
+try:
+    import psutil  # CPU accounting per call, --pin-cores
+
+    HAVE_PSUTIL = True
+except ImportError:
+    HAVE_PSUTIL = False
 
 REPO = Path(__file__).resolve().parent.parent
 AA_TARGET_PCT = 0.3
@@ -886,6 +897,19 @@ def print_tables(report: dict) -> None:
                 cell += f" ({c['rows_written'] / len(xs):.1f} rows)"
             cells.append(cell)
         print(f"| {BY_KEY[k].label} | " + " | ".join(cells) + " |")
+    busy = report.get("cpu_busy_repeats") or {}
+    if busy:
+        print("\n| mode: CPU busy over the call, frontend / engine core (median; max for the engine core) | "
+              + " | ".join(f"batch {b}" for b in batches) + " |")
+        print("|---" * (len(batches) + 1) + "|")
+        for k, per in busy.items():
+            cells = []
+            for b in batches:
+                xs = per.get(str(b)) or []
+                cells.append(f"{statistics.median(x['front'] for x in xs):.2f} / "
+                             f"{statistics.median(x['core'] for x in xs):.2f} ({max(x['core'] for x in xs):.2f})"
+                             if xs else "—")
+            print(f"| {BY_KEY[k].label} | " + " | ".join(cells) + " |")
     split = report.get("timing_split")
     if split:
         print("\n| mode: ramp ms / decode step ms / tail ms (paired median difference from absent) | "
@@ -1157,8 +1181,6 @@ def pin_spec(text: str) -> tuple[list[int], list[int]]:
 def pin_engine(pid: int, front: list[int], core: list[int]) -> dict:
     """Pin every thread of worker ``pid`` to ``front`` and every thread of its descendants (the engine core) to
     ``core`` (threads started later inherit their creator's mask). Returns what was pinned."""
-    import psutil
-
     proc = psutil.Process(pid)
     done = {"front": front, "core": core, "threads": 0, "processes": 0}
     for p, cpus in [(proc, front)] + [(c, core) for c in proc.children(recursive=True)]:
@@ -1170,6 +1192,27 @@ def pin_engine(pid: int, front: list[int], core: list[int]) -> dict:
         except (psutil.NoSuchProcess, ProcessLookupError):  # a helper process that exited meanwhile
             continue
     return done
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by worker ``pid`` (the frontend: ``LLM``) and by its descendants
+    (vLLM's engine core, which runs the model runner, and any helper it started); read between calls."""
+    def used(p: "psutil.Process") -> float:
+        try:
+            t = p.cpu_times()
+            return t.user + t.system
+        except psutil.NoSuchProcess:
+            return 0.0
+
+    proc = psutil.Process(pid)
+    return used(proc), sum(used(c) for c in proc.children(recursive=True))
+
+
+def host_facts() -> dict:
+    """The host the run's engines share: CPU model, logical CPUs, load (runs on different leases differ)."""
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {"cpu_model": model, "logical_cpus": os.cpu_count(), "loadavg": list(os.getloadavg())}
 
 
 def find_wheel(arg: str | None) -> Path | None:
@@ -1223,10 +1266,14 @@ class Bench:
         self.seconds: dict[str, dict[str, list[float]]] = {}
         self.host: dict[str, dict[str, Counter]] = defaultdict(dict)
         self.splits: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+        # per timed call: CPU seconds per wall second of the frontend and the engine core (host-bound steps show
+        # as an engine core near 1.0)
+        self.cpu_busy: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
         self.errors: dict[str, str] = {}
         self.verification: dict[str, dict] = {}
         self.profiles: dict = {}
         self.affinity: dict = {}
+        self.host_facts = host_facts()
         self.burn_in_calls: dict[str, dict[str, list[dict]]] = {}
         self.repeats_done, self.stopped_early = 0, False
         self.date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
@@ -1402,7 +1449,12 @@ class Bench:
         if eng is None or k in self.errors:
             return None
         try:
+            before = cpu_seconds(eng.proc.pid) if HAVE_PSUTIL else None
             res = eng.call({"op": "run", "mode": k, "batch": batch, **extra}, self.args.run_timeout)
+            after = cpu_seconds(eng.proc.pid) if HAVE_PSUTIL else None
+            if before and after and res.get("s"):  # how busy the frontend and the engine core were over the call (1.0: a core flat out)
+                res["cpu_busy"] = {"front": round((after[0] - before[0]) / res["s"], 3),
+                                   "core": round((after[1] - before[1]) / res["s"], 3)}
         except EngineDied as exc:  # its modes stop here; the others go on
             for m in self.modes:
                 if BY_KEY[m].engine == eng.name:
@@ -1491,6 +1543,8 @@ class Bench:
                         self.splits[k][str(batch)].append(res["split"])
                     if "counters" in res:
                         self.host[k].setdefault(str(batch), Counter()).update(res["counters"])
+                    if "cpu_busy" in res:
+                        self.cpu_busy[k][str(batch)].append(res["cpu_busy"])
             for per in self.seconds.values():  # a mode that failed mid-repeat: keep the lists aligned by repeat
                 for xs in per.values():
                     del xs[self.repeats_done + 1:]
@@ -1573,6 +1627,8 @@ class Bench:
             "steering_changed_tokens": {k: v["steering_changed_tokens"] for k, v in self.verification.items()},
             "verification": self.verification,
             "host_counters": self.host,
+            "host": self.host_facts,
+            "cpu_busy_repeats": self.cpu_busy or None,
             "timing_split": split_report(self.splits, self.modes) if self.splits else None,
             "timing_split_repeats": self.splits or None,
             # the same comparisons on the decode step alone (steady state, request intake and tail left out)
