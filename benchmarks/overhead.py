@@ -145,6 +145,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from static_overhead import LLAMA3_8B  # noqa: E402
@@ -217,7 +218,8 @@ BY_KEY = {m.key: m for m in MODES}
 # Informative pairs besides "vs absent" and each mode's own target (no target of their own). Steering modes against
 # the same engine's idle mode: an engine process can sit a point or two off another for a whole run (same code, same
 # GPU), which every "vs absent" figure carries and a comparison within one engine does not.
-EXTRA_PAIRS = [("aa3", "aa"), ("idle2", "idle"), ("idle3", "idle"), ("hwsteered", "hwidle"), ("hook", "eager"), ("capture", "capidle"), ("stream", "capidle"),
+EXTRA_PAIRS = [("aa3", "aa"), ("idle2", "idle"), ("idle3", "idle"), ("hwsteered", "hwidle"), ("hook", "eager"),
+               ("capture", "capidle"), ("stream", "capidle"),
                *((k, "idle") for k in ("static1", "static8", "pr1", "pr16", "pr64", "pr64n", "gate", "prdyn",
                                        "hwload")),
                *((k, "i_idle") for k in ("i_static1", "i_pr64", "i_prdyn")), ("l_static1", "l_idle"),
@@ -861,6 +863,18 @@ def print_comparisons(title: str, comps: dict, batches: list, verification: dict
         print(f"| {label}{flag} | " + " | ".join(cells) + f" | {tgt} | {vcell} |")
 
 
+def print_mode_table(title: str, per_mode: dict, batches: list, cell: Any) -> None:
+    """A markdown table, a row per mode and a column per batch: ``cell(mode, batch, entry)`` for each entry present
+    (``—`` where none); nothing when ``per_mode`` is empty."""
+    if not per_mode:
+        return
+    print(f"\n| {title} | " + " | ".join(f"batch {b}" for b in batches) + " |")
+    print("|---" * (len(batches) + 1) + "|")
+    for k, per in per_mode.items():
+        cells = [cell(k, str(b), per[str(b)]) if per.get(str(b)) else "—" for b in batches]
+        print(f"| {BY_KEY[k].label} | " + " | ".join(cells) + " |")
+
+
 def print_tables(report: dict) -> None:
     batches = report["args"]["batches"]
     aa = report.get("aa_pct") or {}
@@ -880,49 +894,29 @@ def print_tables(report: dict) -> None:
         print(f"| ({name}: not run: {why}) |" + " |" * (len(batches) + 2))
     # per-step host time
     host = report.get("host_counters") or {}
-    print()
-    print("| mode: wall ms per step [dynsteer host ms per step: staging / read-back / waiting] (table rows written "
-          "per timed call) | " + " | ".join(f"batch {b}" for b in batches) + " |")
-    print("|---" * (len(batches) + 1) + "|")
-    for k, per in report["seconds"].items():
-        cells = []
-        for b in batches:
-            xs = per.get(str(b)) or []
-            cell = f"{statistics.median(xs) / report['args']['tokens'] * 1e3:.3f}" if xs else "—"
-            c = host.get(k, {}).get(str(b))
-            if c and c.get("steps") and c.get("dynamic_steps"):  # dynamic-tier host work, when any
-                cell += (f" [{c['host_ms'] / c['steps']:.3f} / {c['controller_ms'] / c['steps']:.3f} / "
-                         f"{c['wait_ms'] / c['steps']:.3f}]")
-            if c and c.get("rows_written") and xs:  # rows rewritten in timed calls: the row pool is too small
-                cell += f" ({c['rows_written'] / len(xs):.1f} rows)"
-            cells.append(cell)
-        print(f"| {BY_KEY[k].label} | " + " | ".join(cells) + " |")
-    busy = report.get("cpu_busy_repeats") or {}
-    if busy:
-        print("\n| mode: CPU busy over the call, frontend / engine core (median; max for the engine core) | "
-              + " | ".join(f"batch {b}" for b in batches) + " |")
-        print("|---" * (len(batches) + 1) + "|")
-        for k, per in busy.items():
-            cells = []
-            for b in batches:
-                xs = per.get(str(b)) or []
-                cells.append(f"{statistics.median(x['front'] for x in xs):.2f} / "
-                             f"{statistics.median(x['core'] for x in xs):.2f} ({max(x['core'] for x in xs):.2f})"
-                             if xs else "—")
-            print(f"| {BY_KEY[k].label} | " + " | ".join(cells) + " |")
-    split = report.get("timing_split")
-    if split:
-        print("\n| mode: ramp ms / decode step ms / tail ms (paired median difference from absent) | "
-              + " | ".join(f"batch {b}" for b in batches) + " |")
-        print("|---" * (len(batches) + 1) + "|")
-        for k, per in split.items():
-            cells = []
-            for b in batches:
-                e = per.get(str(b))
-                cells.append("—" if e is None else " / ".join(
-                    f"{e[p]['median']:.3f}" + ("" if e[p]["vs_absent"] is None else f" ({e[p]['vs_absent']:+.3f})")
-                    for p in ("ramp_ms", "step_ms", "tail_ms")))
-            print(f"| {BY_KEY[k].label} | " + " | ".join(cells) + " |")
+
+    def wall_cell(k: str, b: str, xs: list[float]) -> str:
+        cell = f"{statistics.median(xs) / report['args']['tokens'] * 1e3:.3f}"
+        c = host.get(k, {}).get(b)
+        if c and c.get("steps") and c.get("dynamic_steps"):  # dynamic-tier host work, when any
+            cell += (f" [{c['host_ms'] / c['steps']:.3f} / {c['controller_ms'] / c['steps']:.3f} / "
+                     f"{c['wait_ms'] / c['steps']:.3f}]")
+        if c and c.get("rows_written"):  # rows rewritten in timed calls: the row pool is too small
+            cell += f" ({c['rows_written'] / len(xs):.1f} rows)"
+        return cell
+
+    print_mode_table("mode: wall ms per step [dynsteer host ms per step: staging / read-back / waiting] (table rows "
+                     "written per timed call)", report["seconds"], batches, wall_cell)
+    print_mode_table("mode: CPU busy over the call, frontend / engine core (median; max for the engine core)",
+                     report.get("cpu_busy_repeats") or {}, batches,
+                     lambda k, b, xs: f"{statistics.median(x['front'] for x in xs):.2f} / "
+                                      f"{statistics.median(x['core'] for x in xs):.2f} "
+                                      f"({max(x['core'] for x in xs):.2f})")
+    print_mode_table("mode: ramp ms / decode step ms / tail ms (paired median difference from absent)",
+                     report.get("timing_split") or {}, batches,
+                     lambda k, b, e: " / ".join(
+                         f"{e[p]['median']:.3f}" + ("" if e[p]["vs_absent"] is None else f" ({e[p]['vs_absent']:+.3f})")
+                         for p in ("ramp_ms", "step_ms", "tail_ms")))
     print("\nA/A (absent2 vs absent, paired median): "
           + ", ".join(f"batch {b}: {aa[str(b)]:+.2f} %" for b in batches if str(b) in aa)
           + f" (aim ≤ {AA_TARGET_PCT} %); repeats: {report['repeats_done']}")
@@ -1452,7 +1446,8 @@ class Bench:
             before = cpu_seconds(eng.proc.pid) if HAVE_PSUTIL else None
             res = eng.call({"op": "run", "mode": k, "batch": batch, **extra}, self.args.run_timeout)
             after = cpu_seconds(eng.proc.pid) if HAVE_PSUTIL else None
-            if before and after and res.get("s"):  # how busy the frontend and the engine core were over the call (1.0: a core flat out)
+            # how busy the frontend and the engine core were over the call (1.0: a core flat out)
+            if before and after and res.get("s"):
                 res["cpu_busy"] = {"front": round((after[0] - before[0]) / res["s"], 3),
                                    "core": round((after[1] - before[1]) / res["s"], 3)}
         except EngineDied as exc:  # its modes stop here; the others go on
