@@ -487,6 +487,34 @@ def test_device_tier_equals_host_tier_in_the_engine(tiny_llama_path):
     assert dev_stats["device_slots_exhausted"] == 0
 
 
+def test_poll_feeds_read_backs_in_step_order_until_as_many_as_asked_are_left() -> None:
+    """The read-back ring frees a slot with ``poll(block=True, leave=depth - 1)``: the oldest read-backs are fed
+    first, in step order, and exactly as many as asked stay pending (CPU: read-backs complete at once)."""
+    from dynsteer.steering.dynamic import DynamicDriver
+
+    N = 8
+    drv = DynamicDriver(torch.ones(G, N), torch.zeros(G, N), torch.zeros(G, N), torch.zeros(G, N), max_slots=4)
+    st = DynState.for_policy(make_policy("none", "this_token", "this_token"))
+    st.keep = True
+    drv.place(st)
+    states = {"p0": st}
+    for step in range(3):
+        tokens = StepTokens(("p0",), np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([10 + step]),
+                            np.array([-1]), np.array([False]), np.array([st.record]), np.zeros(1, bool),
+                            np.zeros(1, np.int64), np.array(["x"], dtype=object))
+        drv.plan(states, states.get, tokens, 1)
+        drv.scores[:, 0] = float(step + 1)
+        drv._launch_readback(states.get)  # launched, not fed
+    assert len(drv._pending) == 3
+    drv.poll(states.get, block=True, leave=1)
+    assert len(drv._pending) == 1
+    positions, values = drv.records.record(st.record)
+    assert positions.tolist() == [10, 11] and values[:, 0].tolist() == [1.0, 2.0]
+    drv.poll(states.get, block=True)
+    positions, values = drv.records.record(st.record)
+    assert not drv._pending and positions.tolist() == [10, 11, 12] and values[:, 0].tolist() == [1.0, 2.0, 3.0]
+
+
 def test_slots_and_state_do_not_depend_on_the_order_requests_were_freed_in() -> None:
     """TP ranks free a step's finished requests in their own set order: the next requests must still take the same
     slots, so both ranks' state buffers stay bit-identical."""
