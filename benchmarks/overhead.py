@@ -699,10 +699,12 @@ def visible_plugins(env: dict) -> list[str]:
 
 
 def gpu_memory() -> tuple[str, int, int] | None:
-    """(name, total bytes, free bytes) of GPU 0 from nvidia-smi, so the parent never opens a CUDA context."""
+    """(name, total bytes, free bytes) of the engines' GPU (the first of ``CUDA_VISIBLE_DEVICES``, which
+    nvidia-smi itself ignores) from nvidia-smi, so the parent never opens a CUDA context."""
+    index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.free", "--format=csv,noheader,"
-                              "nounits", "-i", "0"], capture_output=True, text=True, timeout=30).stdout
+                              "nounits", "-i", index], capture_output=True, text=True, timeout=30).stdout
         name, total, free = [x.strip() for x in out.strip().split(",")]
         return name, int(total) << 20, int(free) << 20
     except Exception:  # noqa: BLE001 - no GPU, no nvidia-smi
