@@ -355,14 +355,20 @@ def _block_size(hasher: Any) -> int | None:
 
 def patch_request(cls: type) -> None:
     """Engine core: a request with a dynamic policy hashes a block only once the workers reported on all its
-    tokens (prompt tokens need no report: dynamic steering acts on decode tokens)."""
-    orig = cls.update_block_hashes
+    tokens (prompt tokens need no report: dynamic steering acts on decode tokens).
 
-    @functools.wraps(orig)
+    Such a request becomes an instance of a subclass (:class:`HeldBackRequest`) that overrides
+    ``update_block_hashes``, set once when it is made; every other request keeps vLLM's own method, so the many
+    calls per step (one per request whose tokens grow) pay nothing for dynsteer. The hashes ``__init__`` computes
+    before the switch are the same either way: a new request has only prompt tokens.
+    """
+    if "_dynsteer_patched" in cls.__dict__:
+        return
+    orig_init, orig_update = cls.__init__, cls.update_block_hashes
+
     def update_block_hashes(self: Any) -> None:
-        params = getattr(self, "sampling_params", None)
-        if self._block_hasher is None or DYNAMIC_KEY not in ((params and params.extra_args) or {}):
-            return orig(self)
+        if self._block_hasher is None:
+            return orig_update(self)
         acted = self.__dict__.get("_dynsteer_acted")
         if acted is None:
             acted = self.__dict__["_dynsteer_acted"] = ActedState()
@@ -370,7 +376,22 @@ def patch_request(cls: type) -> None:
         if limit is not None:  # else no new full block below the limit (most decode steps): no proxy, no hasher call
             self.block_hashes.extend(self._block_hasher(_Upto(self, limit)))
 
-    cls.update_block_hashes = update_block_hashes
+    # a module-level name, so that pickle and copy find the class
+    held = type("HeldBackRequest", (cls,), {"update_block_hashes": update_block_hashes, "__module__": __name__,
+                                            "__doc__": "A vLLM request with a dynamic policy (see patch_request)."})
+    globals()["HeldBackRequest"] = held
+
+    @functools.wraps(orig_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, *args, **kwargs)
+        params = self.sampling_params
+        if type(self) is cls and params is not None and DYNAMIC_KEY in (params.extra_args or {}):
+            self.__class__ = held
+            if self._block_hasher is not None:
+                self.__dict__.setdefault("_dynsteer_acted", ActedState())
+
+    cls.__init__ = __init__
+    cls._dynsteer_patched = True
 
 
 def hash_limit(request: Any, acted: ActedState) -> int | None:

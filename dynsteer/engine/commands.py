@@ -163,6 +163,7 @@ class CommandDesk:
         swap_decode_row(scheduler, request, decode)  # raises naming the field when no row is free
         self.overrides[cmd.request] = _Overrides(spec, policy)
         command_event(request, f"{env.monitor}:{decode}", scheduler._dynsteer.hash_block_size)
+        scheduler._dynsteer.hold(request.request_id)
         return {"monitor": env.monitor, "command": cmd.model_dump(mode="json")}
 
     def _apply_global(self, scheduler: Any, env: CommandEnvelope, cmd: GlobalCommand) -> dict[str, Any]:
@@ -223,6 +224,7 @@ def _fork_live_requests(scheduler: Any, signature: str, hash_block_size: int) ->
     for request in list(scheduler.requests.values()):
         if not request.is_finished():
             global_change_event(request, signature, hash_block_size)
+            scheduler._dynsteer.hold(request.request_id)
 
 
 def patch_engine_core(cls: type) -> None:

@@ -14,6 +14,11 @@ The scheduler class is patched in place (no ``--scheduler-cls``, so a user's own
   request with the same configuration; admission stores their digests in ``extra_args``). The scheduler mirrors the
   workers' row pool and does not start a request whose configuration would need a row when all are taken: it waits
   in the queue, like a request that needs KV blocks, until a steered request finishes.
+
+vLLM calls some methods once per request and step (``allocate_slots``, ``cache_blocks``, ``_update_request_with_output``,
+``Request.update_block_hashes``). dynsteer's versions of them run only while a live request needs them: one waiting
+for rows, one whose block hashing a dynamic policy holds back or a command forked (``apc``), a step with stops.
+Otherwise vLLM's own methods run, and an unsteered step calls no dynsteer code per request.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from dynsteer.config import DynsteerConfig
-from dynsteer.engine.apc import ROWS_KEY, ActedState, hash_limit, hashed_tokens, resalt
+from dynsteer.engine.apc import DYNAMIC_KEY, ROWS_KEY, ActedState, hash_limit, hashed_tokens, resalt
 from dynsteer.engine.commands import COMMANDS_ATTR, STEP_ATTR
 
 logger = logging.getLogger("dynsteer")
@@ -62,6 +68,25 @@ class SchedulerState:
     # set by a monitor's global command (engine.commands): requests added from then on are salted with it, since
     # the frontend salted them by the global it knows; "" when the frontend's view is current
     global_salt: str = ""
+    # Requests that need the per-request hooks below; while none does, vLLM's own methods run (no per-request
+    # Python of dynsteer's in a step). pending: requests with rows to take before their next allocation (new or
+    # preempted); held: live requests whose block hashing dynsteer holds back (dynamic policy) or forked (commands).
+    pending: set[str] = field(default_factory=set)
+    held: set[str] = field(default_factory=set)
+    alloc_hook: "Swap | None" = None  # the KV cache manager's allocate_slots: the row check
+    cache_hook: "Swap | None" = None  # the coordinator's cache_blocks: cache no further than hashed
+
+    def sync_hooks(self) -> None:
+        """Put the per-request hooks in while some request needs them, vLLM's own methods otherwise."""
+        if self.alloc_hook is not None:
+            self.alloc_hook.set(bool(self.pending))
+        if self.cache_hook is not None:
+            self.cache_hook.set(bool(self.held))
+
+    def hold(self, req_id: str) -> None:
+        """``req_id``'s block hashing is held back or forked by dynsteer from now on (until it finishes)."""
+        self.held.add(req_id)
+        self.sync_hooks()
 
     def fits(self, rows: tuple[str, ...]) -> bool:
         new = sum(1 for d in set(rows) if d not in self.live)
@@ -77,6 +102,27 @@ class SchedulerState:
             self.live[d] -= 1
             if self.live[d] <= 0:
                 del self.live[d]
+
+
+class Swap:
+    """One attribute of one object switched between the method it had and a hook (an instance attribute)."""
+
+    def __init__(self, obj: Any, name: str, hook: Any) -> None:
+        self.obj, self.name, self.hook = obj, name, hook
+        self.own = name in vars(obj)  # someone else's instance attribute: restored rather than deleted
+        self.orig = vars(obj).get(name)
+        self.on = False
+
+    def set(self, on: bool) -> None:
+        if on == self.on:
+            return
+        if on:
+            setattr(self.obj, self.name, self.hook)
+        elif self.own:
+            setattr(self.obj, self.name, self.orig)
+        else:
+            delattr(self.obj, self.name)
+        self.on = on
 
 
 def rows_of(request: Any) -> tuple[str, ...]:
@@ -113,18 +159,22 @@ def patch_scheduler(cls: type) -> None:
 
         @functools.wraps(orig_alloc)
         def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
-            if request.status == RequestStatus.RUNNING or request.request_id in state.holding:
+            req_id = request.request_id
+            if request.status == RequestStatus.RUNNING or req_id in state.holding or req_id not in state.pending:
                 return orig_alloc(request, *args, **kwargs)
             rows = rows_of(request)
             if rows and not state.fits(rows):
                 state.waits += 1
                 return None  # as if KV blocks were short: the request stays queued until rows are released
             out = orig_alloc(request, *args, **kwargs)
-            if out is not None and rows:
-                state.take(request.request_id, rows)
+            if out is not None:
+                if rows:
+                    state.take(req_id, rows)
+                state.pending.discard(req_id)
+                state.sync_hooks()
             return out
 
-        kvm.allocate_slots = allocate_slots
+        state.alloc_hook = Swap(kvm, "allocate_slots", allocate_slots)
         coordinator = kvm.coordinator
         orig_cache = coordinator.cache_blocks
         hash_block_size = state.hash_block_size = (getattr(coordinator.block_pool, "hash_block_size", None)
@@ -136,13 +186,21 @@ def patch_scheduler(cls: type) -> None:
             hashed = hashed_tokens(request, hash_block_size)
             return orig_cache(request, num_tokens if hashed is None else min(num_tokens, hashed), *args, **kwargs)
 
-        coordinator.cache_blocks = cache_blocks
+        state.cache_hook = Swap(coordinator, "cache_blocks", cache_blocks)
 
     @functools.wraps(orig_add)
     def add_request(self: Any, request: Any, *a: Any, **k: Any) -> Any:
-        salt = self._dynsteer.global_salt
-        if salt:
-            resalt(request, f"global:{salt}")
+        state = self._dynsteer
+        if state.global_salt:
+            resalt(request, f"global:{state.global_salt}")
+        params = getattr(request, "sampling_params", None)
+        extra = (params.extra_args if params is not None else None) or {}
+        if extra:  # the per-request hooks, for as long as this request needs them
+            if rows_of(request):
+                state.pending.add(request.request_id)
+            if DYNAMIC_KEY in extra:
+                state.held.add(request.request_id)
+            state.sync_hooks()
         return orig_add(self, request, *a, **k)
 
     @functools.wraps(orig_schedule)
@@ -170,6 +228,9 @@ def patch_scheduler(cls: type) -> None:
         for req_id, reason in (getattr(model_runner_output, ABORTS_ATTR, None) or {}).items():
             aborts.setdefault(req_id, reason)  # a monitor's abort taken at this step keeps its own reason
         _apply_acts(self, getattr(model_runner_output, ACTS_ATTR, None))
+        swapped = bool(state.stops)
+        if swapped:  # a step with stops (rare): the stop-aware per-request update, for this call only
+            _STOP_AWARE.acquire(cls)
         try:
             outputs = orig_update(self, scheduler_output, model_runner_output)
             # Stopped requests that produced no token this step (still prefilling), and monitors' aborts (after
@@ -192,12 +253,15 @@ def patch_scheduler(cls: type) -> None:
                                                         stop_reason=req.stop_reason, events=req.take_events(),
                                                         trace_headers=req.trace_headers))
         finally:
+            if swapped:
+                _STOP_AWARE.release(cls)
             state.stops = {}
         return outputs
 
     @functools.wraps(orig_update_req)
     def _update_request_with_output(self: Any, request: Any, new_token_ids: list[int]) -> tuple[list[int], bool]:
-        reason = self._dynsteer.stops.get(request.request_id)
+        stops = getattr(getattr(self, "_dynsteer", None), "stops", None)
+        reason = stops.get(request.request_id) if stops else None
         if reason is None:
             return orig_update_req(self, request, new_token_ids)
         # This step's tokens came from a request dynsteer could not steer as asked: drop them, finish it.
@@ -205,12 +269,21 @@ def patch_scheduler(cls: type) -> None:
         request.status = RequestStatus.FINISHED_ABORTED
         return [], True
 
+    _STOP_AWARE.register(cls, orig_update_req, _update_request_with_output)
+
     @functools.wraps(orig_free_blocks)
     def _free_request_blocks(self: Any, request: Any) -> Any:
         state = self._dynsteer
-        state.release(request.request_id)
-        if request.request_id in state.stopped:
-            state.stopped.discard(request.request_id)
+        req_id = request.request_id
+        state.release(req_id)
+        if request.is_finished():
+            state.pending.discard(req_id)
+            state.held.discard(req_id)
+        elif rows_of(request):  # preempted: its rows are released, and taken again when it is resumed
+            state.pending.add(req_id)
+        state.sync_hooks()
+        if req_id in state.stopped:
+            state.stopped.discard(req_id)
             _quarantine_blocks(self, request)
         return orig_free_blocks(self, request)
 
@@ -224,7 +297,7 @@ def patch_scheduler(cls: type) -> None:
         return orig_shutdown(self)
 
     cls.__init__, cls.update_from_output, cls.schedule, cls.shutdown = __init__, update_from_output, schedule, shutdown
-    cls._update_request_with_output, cls._free_request_blocks = _update_request_with_output, _free_request_blocks
+    cls._free_request_blocks = _free_request_blocks
     cls.add_request = add_request
     cls._dynsteer_patched = True
 
@@ -251,9 +324,45 @@ def swap_decode_row(scheduler: Any, request: Any, decode: str) -> None:
             raise SteeringValidationError(f"command: no free steering row for the new configuration (all "
                                           f"{state.capacity} in use; raise DynsteerConfig.max_rows)")
         state.take(request.request_id, rows)
+    elif rows:  # not admitted yet (or preempted): the row check runs when it is
+        state.pending.add(request.request_id)
+        state.sync_hooks()
     if params is not None:
         extra[ROWS_KEY] = f"{prefill},{decode}"
         params.extra_args = extra
+
+
+class _StopAwareUpdate:
+    """The scheduler class's ``_update_request_with_output`` is vLLM's own but while a step with stops is folded
+    (reference-counted: engine cores in threads of one process share the class). vLLM calls it once per request
+    and step; the subclass that async scheduling uses calls it through ``super()``, so it is swapped on the class."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users: dict[type, int] = {}
+        self._methods: dict[type, tuple[Any, Any]] = {}
+
+    def register(self, cls: type, orig: Any, aware: Any) -> None:
+        self._methods[cls] = (orig, aware)
+
+    def original(self, cls: type) -> Any:
+        """vLLM's own method of ``cls`` (what the class holds while no step with stops is folded)."""
+        return self._methods[cls][0]
+
+    def acquire(self, cls: type) -> None:
+        with self._lock:
+            self._users[cls] = self._users.get(cls, 0) + 1
+            if self._users[cls] == 1:
+                cls._update_request_with_output = self._methods[cls][1]
+
+    def release(self, cls: type) -> None:
+        with self._lock:
+            self._users[cls] -= 1
+            if self._users[cls] == 0:
+                cls._update_request_with_output = self._methods[cls][0]
+
+
+_STOP_AWARE = _StopAwareUpdate()
 
 
 def _apply_acts(scheduler: Any, acts: Any) -> None:
