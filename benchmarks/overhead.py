@@ -444,7 +444,9 @@ class Workload:
         d = self.steerer.describe()[0]
         dyn = d.get("dynamic") or {}
         return {"steps": d["stats"]["steps"], "rows_written": d.get("rows_written", 0), **{k: dyn.get(k, 0) for k in (
-            "dynamic_steps", "sync_steps", "host_sync_steps", "host_ms", "wait_ms", "controller_ms")}}
+            "dynamic_steps", "sync_steps", "host_sync_steps", "host_ms", "wait_ms", "controller_ms")},
+            # capture delivery in the engine core (the call's tail): time in take_captures, the spool writer's queue
+            **{k: d["stats"].get(k, 0) for k in ("takes", "take_ms", "take_backlog")}}
 
 
 def install_hook(layer_idx: int, vector: list[float], model) -> int:
@@ -903,12 +905,15 @@ def print_tables(report: dict) -> None:
         if c and c.get("steps") and c.get("dynamic_steps"):  # dynamic-tier host work, when any
             cell += (f" [{c['host_ms'] / c['steps']:.3f} / {c['controller_ms'] / c['steps']:.3f} / "
                      f"{c['wait_ms'] / c['steps']:.3f}]")
+        if c and c.get("takes"):  # capture delivery in the engine core per call, and the writer's queue then
+            cell += f" {{take {c['take_ms'] / c['takes']:.2f} ms, writer queue {c['take_backlog'] / c['takes']:.1f}}}"
         if c and c.get("rows_written"):  # rows rewritten in timed calls: the row pool is too small
             cell += f" ({c['rows_written'] / len(xs):.1f} rows)"
         return cell
 
-    print_mode_table("mode: wall ms per step [dynsteer host ms per step: staging / read-back / waiting] (table rows "
-                     "written per timed call)", report["seconds"], batches, wall_cell)
+    print_mode_table("mode: wall ms per step [dynsteer host ms per step: staging / read-back / waiting] {capture: "
+                     "take_captures ms per call in the engine core, spool writer queue then} (table rows written per "
+                     "timed call)", report["seconds"], batches, wall_cell)
     print_mode_table("mode: CPU busy over the call, frontend / engine core (median; max for the engine core)",
                      report.get("cpu_busy_repeats") or {}, batches,
                      lambda k, b, xs: f"{statistics.median(x['front'] for x in xs):.2f} / "

@@ -107,6 +107,18 @@ def test_position_selectors_are_exact(capture_engine):
         np.testing.assert_array_equal(cap[(2, "post_block")], full[(2, "post_block")][want])
 
 
+def test_capture_delivery_is_counted(capture_engine):
+    """Each take_captures call is counted with its time (the call's tail in benchmarks/overhead.py)."""
+    llm, st, _ = capture_engine
+    before = st.describe()[0]["stats"]
+    st.generate(PROMPTS[:2], greedy(), capture=CaptureSpec(layers=(2,), positions="all_generated"))
+    llm.generate(PROMPTS[:2], greedy())  # no capture asked: no take
+    after = st.describe()[0]["stats"]
+    assert after["takes"] == before["takes"] + 1
+    assert after["take_ms"] > before["take_ms"]
+    assert after["take_backlog"] >= before["take_backlog"]
+
+
 def test_prompt_captures_are_complete_even_when_the_prompt_is_cached(capture_engine):
     llm, st, _ = capture_engine
     prompts = [" ".join([p] * 8) for p in PROMPTS]  # several full 32-token blocks

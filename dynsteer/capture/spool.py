@@ -100,6 +100,10 @@ class SpoolWriter:
                     self._thread.start()
         self._queue.put(entries)
 
+    def backlog(self) -> int:
+        """Queue items (steps' chunks or split jobs) not yet taken by the writer thread."""
+        return self._queue.qsize()
+
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far is written (True) or ``timeout`` seconds pass (False)."""
         if self._thread is None or not self._thread.is_alive():

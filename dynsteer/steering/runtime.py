@@ -17,6 +17,7 @@ import numpy as np
 from cachetools import LRUCache
 
 from dynsteer.capture.spec import CaptureSpec
+from dynsteer.capture.spool import WRITER
 from dynsteer.capture.store import CaptureCollector, CaptureRecord
 from dynsteer.config import Limits
 from dynsteer.controllers.registry import ControllerFault, ControllerRegistry
@@ -75,6 +76,11 @@ class RuntimeStats:
     rows_exhausted: int = 0
     traces_dropped: int = 0  # traces not taken within Limits.trace_ttl_s, or over Limits.max_traces
     stream_errors: int = 0  # stream messages that could not be published (logged)
+    # take_captures calls, their time in this process (finishing records, waiting for the spool writer, handing
+    # files over) and the spool writer's queue length when each began (steps still to be written: a writer behind)
+    takes: int = 0
+    take_ms: float = 0.0
+    take_backlog: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -544,11 +550,16 @@ class SteeringRuntime:
         """Finish live records with these tags (the caller knows they are done) and take them from memory."""
         if self.capture is None:
             return []
+        t0, stats = time.perf_counter(), self.stats
+        stats.takes += 1
+        stats.take_backlog += WRITER.backlog()
         tags = set(tags)
         for req_id in [r for r, rec in self.capture.records.items() if rec.tag in tags]:
             self._deliver(self.capture.finish(req_id))
         memory = self.consumers.get("memory")
-        return [rec for tag in tags if memory is not None and (rec := memory.take(tag)) is not None]
+        out = [rec for tag in tags if memory is not None and (rec := memory.take(tag)) is not None]
+        stats.take_ms += (time.perf_counter() - t0) * 1e3
+        return out
 
     def take_traces(self, tags: Iterable[str]) -> list[dict[str, Any]]:
         """Traces of finished requests with these tags (each can be taken once).
