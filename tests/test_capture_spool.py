@@ -116,6 +116,7 @@ def test_dropped_and_inline_delivered_spools_leave_no_files():
     assert spool_mod.WRITER.drain(10)  # no earlier queued write creates a file mid-test
     before = _spool_files()
     col, _ = _drive(True, SPECS, finish=False)
+    assert spool_mod.WRITER.drain(10)  # the writer thread creates the files (a step's split runs there)
     mine = _spool_files() - before
     assert len(mine) == 3
     col.records.clear()  # an engine dropping its collector (or records nobody takes, evicted)
