@@ -150,6 +150,7 @@ def test_finished_records_hold_no_descriptor_and_the_file_budget_caps_spooling(m
         return n
 
     col, _ = _drive(True, SPECS, finish=False)
+    assert spool_mod.WRITER.drain(10)  # the writer thread opens the files (a step's split runs there)
     gc.collect()  # earlier tests' records, if any still hold a spool, close it now rather than mid-count
     live = fds()
     assert live >= 3
