@@ -369,10 +369,7 @@ def patch_request(cls: type) -> None:
     def update_block_hashes(self: Any) -> None:
         if self._block_hasher is None:
             return orig_update(self)
-        acted = self.__dict__.get("_dynsteer_acted")
-        if acted is None:
-            acted = self.__dict__["_dynsteer_acted"] = ActedState()
-        limit = hash_limit(self, acted)
+        limit = hash_limit(self, self.__dict__["_dynsteer_acted"])  # made with the switch in __init__
         if limit is not None:  # else no new full block below the limit (most decode steps): no proxy, no hasher call
             self.block_hashes.extend(self._block_hasher(_Upto(self, limit)))
 

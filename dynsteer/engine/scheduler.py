@@ -260,8 +260,7 @@ def patch_scheduler(cls: type) -> None:
 
     @functools.wraps(orig_update_req)
     def _update_request_with_output(self: Any, request: Any, new_token_ids: list[int]) -> tuple[list[int], bool]:
-        stops = getattr(getattr(self, "_dynsteer", None), "stops", None)
-        reason = stops.get(request.request_id) if stops else None
+        reason = self._dynsteer.stops.get(request.request_id)
         if reason is None:
             return orig_update_req(self, request, new_token_ids)
         # This step's tokens came from a request dynsteer could not steer as asked: drop them, finish it.
