@@ -291,6 +291,16 @@ class Workload:
             self.steerer.register_vector(HOTWIRE_VECTOR_ID, self.vec(0))
             for i in range(64):  # pr64n's catalogue: the vectors of pr64, registered by name
                 self.steerer.register_vector(f"pr{i}", self.vec(100 + i))
+            # capture delivery as the caller sees it (RPC, the worker's take and pack, mapping the files), per call
+            self.deliver_ms, take = 0.0, self.steerer.take_captures
+
+            def timed_take(tags):
+                t0 = time.perf_counter()
+                try:
+                    return take(tags)
+                finally:
+                    self.deliver_ms += (time.perf_counter() - t0) * 1e3
+            self.steerer.take_captures = timed_take
 
     def prompts_for(self, batch: int, repeat: int | None) -> list[dict]:
         """``batch`` distinct random prompts, the same in every engine and mode: those of timed repeat ``repeat``
@@ -445,8 +455,10 @@ class Workload:
         dyn = d.get("dynamic") or {}
         return {"steps": d["stats"]["steps"], "rows_written": d.get("rows_written", 0), **{k: dyn.get(k, 0) for k in (
             "dynamic_steps", "sync_steps", "host_sync_steps", "host_ms", "wait_ms", "controller_ms")},
-            # capture delivery in the engine core (the call's tail): time in take_captures, the spool writer's queue
-            **{k: d["stats"].get(k, 0) for k in ("takes", "take_ms", "take_backlog")}}
+            # capture delivery (the call's tail): time in take_captures and packing in the engine core, the spool
+            # writer's queue, and the whole delivery in the caller
+            **{k: d["stats"].get(k, 0) for k in ("takes", "take_ms", "take_backlog", "pack_ms")},
+            "deliver_ms": self.deliver_ms}
 
 
 def install_hook(layer_idx: int, vector: list[float], model) -> int:
@@ -905,15 +917,17 @@ def print_tables(report: dict) -> None:
         if c and c.get("steps") and c.get("dynamic_steps"):  # dynamic-tier host work, when any
             cell += (f" [{c['host_ms'] / c['steps']:.3f} / {c['controller_ms'] / c['steps']:.3f} / "
                      f"{c['wait_ms'] / c['steps']:.3f}]")
-        if c and c.get("takes"):  # capture delivery in the engine core per call, and the writer's queue then
-            cell += f" {{take {c['take_ms'] / c['takes']:.2f} ms, writer queue {c['take_backlog'] / c['takes']:.1f}}}"
+        if c and c.get("takes"):  # capture delivery per call: engine core (take, pack), writer's queue, caller
+            n = c["takes"]
+            cell += (f" {{take {c['take_ms'] / n:.2f} + pack {c.get('pack_ms', 0) / n:.2f} ms, writer queue "
+                     f"{c['take_backlog'] / n:.1f}, caller {c.get('deliver_ms', 0) / n:.2f} ms}}")
         if c and c.get("rows_written"):  # rows rewritten in timed calls: the row pool is too small
             cell += f" ({c['rows_written'] / len(xs):.1f} rows)"
         return cell
 
-    print_mode_table("mode: wall ms per step [dynsteer host ms per step: staging / read-back / waiting] {capture: "
-                     "take_captures ms per call in the engine core, spool writer queue then} (table rows written per "
-                     "timed call)", report["seconds"], batches, wall_cell)
+    print_mode_table("mode: wall ms per step [dynsteer host ms per step: staging / read-back / waiting] {capture per "
+                     "call: take_captures + packing ms in the engine core, spool writer queue then, the caller's whole "
+                     "delivery ms} (table rows written per timed call)", report["seconds"], batches, wall_cell)
     print_mode_table("mode: CPU busy over the call, frontend / engine core (median; max for the engine core)",
                      report.get("cpu_busy_repeats") or {}, batches,
                      lambda k, b, xs: f"{statistics.median(x['front'] for x in xs):.2f} / "

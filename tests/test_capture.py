@@ -117,6 +117,7 @@ def test_capture_delivery_is_counted(capture_engine):
     assert after["takes"] == before["takes"] + 1
     assert after["take_ms"] > before["take_ms"]
     assert after["take_backlog"] >= before["take_backlog"]
+    assert after["pack_ms"] > before["pack_ms"]
 
 
 def test_prompt_captures_are_complete_even_when_the_prompt_is_cached(capture_engine):

@@ -7,6 +7,7 @@ JSON-like values: they cross vLLM's msgpack hop between the user's process and t
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from dynsteer.capture.result import pack_records
@@ -68,7 +69,12 @@ def dynsteer_take_captures(self: Any, tags: list[str], host: str | None = None) 
 
     ``host``: the caller's host id; on the same host the arrays travel through shared memory.
     """
-    return pack_records(_runtime(self).take_captures(tags), host)
+    rt = _runtime(self)
+    records = rt.take_captures(tags)
+    t0 = time.perf_counter()
+    packed = pack_records(records, host)
+    rt.stats.pack_ms += (time.perf_counter() - t0) * 1e3
+    return packed
 
 
 def dynsteer_take_traces(self: Any, tags: list[str]) -> list[dict[str, Any]]:

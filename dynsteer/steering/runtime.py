@@ -81,6 +81,7 @@ class RuntimeStats:
     takes: int = 0
     take_ms: float = 0.0
     take_backlog: int = 0
+    pack_ms: float = 0.0  # packing the taken records for the caller (files handed over, or bytes copied)
     errors: list[str] = field(default_factory=list)
 
 
