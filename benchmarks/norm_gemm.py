@@ -1,4 +1,4 @@
-"""Why is a GEMM slower after dynsteer's add-norm than after inductor's? The same add-norm written five ways, each
+"""Why is a GEMM slower after dynsteer's add-norm than after inductor's? The same add-norm written six ways, each
 followed by a Llama-3-8B layer's projections in a CUDA graph, with every kernel's time per call.
 
 In an H100 engine at batch 64 (2026-11-27, 9a07e65; ``benchmarks/trace_kernels.py`` on ``overhead.py --profile``'s
@@ -17,7 +17,9 @@ warps. What differs between the kernels is how they touch memory, so each varian
 * ``looped``: two passes over the row in chunks of ``--chunk``, as inductor's kernel does (the residual stored in
   the first pass, the inputs loaded again in the second);
 * ``evict``: the ``triton`` kernel with its loads marked ``evict_first`` (inductor marks the loads of its last pass
-  so), leaving L2 to the data the GEMM reads.
+  so), leaving L2 to the data the GEMM reads;
+* ``pingpong``: the ``triton`` kernel writing into two pairs of buffers taken in turn, the same addresses every
+  forward (as a compiled graph's memory plan reuses its buffers), instead of whatever the allocator hands out.
 
 A variant whose GEMMs run as fast as after ``inductor``'s names the cause; dynsteer's kernel can then be changed
 the same way (its steering sites run before the norm, so any of these applies to it).
@@ -45,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dynsteer.kernels.fused_reference import add_rms_norm_reference  # noqa: E402
 from dynsteer.kernels.triton_fused import _add_rms_norm_kernel, _num_warps, add_rms_norm_triton  # noqa: E402
 
-VARIANTS = ("inductor", "triton", "inplace", "looped", "evict")
+VARIANTS = ("inductor", "triton", "inplace", "looped", "evict", "pingpong")
 
 
 @triton.jit
@@ -106,6 +108,8 @@ def add_norm(variant: str, chunk: int = 1024):
         return torch.compile(add_rms_norm_reference, dynamic=False)
     if variant == "triton":
         return add_rms_norm_triton
+    pairs: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # pingpong's buffers, by shape and dtype
+    turn = [0]
 
     def run(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         _check(h, r)
@@ -113,6 +117,13 @@ def add_norm(variant: str, chunk: int = 1024):
         if variant == "inplace":  # the normed row over h, the residual over r
             return _launch(_add_rms_norm_kernel, h, r, weight, eps, h, r, stride_h=h.shape[1], stride_r=h.shape[1],
                            BLOCK_H=block_h, UNIT_OFFSET=False, num_warps=_num_warps(block_h))
+        if variant == "pingpong":
+            bufs = pairs.setdefault((tuple(h.shape), h.dtype, h.device),
+                                    [(torch.empty_like(h), torch.empty_like(h)) for _ in range(2)])
+            turn[0] ^= 1
+            normed, resout = bufs[turn[0]]
+            return _launch(_add_rms_norm_kernel, h, r, weight, eps, normed, resout, stride_h=h.shape[1],
+                           stride_r=h.shape[1], BLOCK_H=block_h, UNIT_OFFSET=False, num_warps=_num_warps(block_h))
         normed, resout = torch.empty_like(h), torch.empty_like(h)
         if variant == "looped":
             return _launch(_looped_kernel, h, r, weight, eps, normed, resout, CHUNK=min(chunk, block_h),

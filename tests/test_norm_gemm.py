@@ -11,7 +11,7 @@ import pytest
 
 from conftest import run_interpreted
 
-VARIANTS = ("triton", "inplace", "looped", "evict")  # "inductor" is the reference compiled
+VARIANTS = ("triton", "inplace", "looped", "evict", "pingpong")  # "inductor" is the reference compiled
 
 
 def _interp_worker() -> int:
