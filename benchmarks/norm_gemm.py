@@ -148,6 +148,7 @@ def main() -> None:
     args = ap.parse_args()
     from capture_kernel import capture_graph, time_replays
     from fused_norm_kernel import kernel_times
+    from static_overhead import write_report
 
     dtype, H, norms = torch.bfloat16, args.hidden, 2 * args.layers - 1
 
@@ -190,11 +191,7 @@ def main() -> None:
               "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
               "dtype": "bfloat16", "layers": args.layers, "hidden": H, "norms": norms, "chunk": args.chunk,
               "replays": args.replays, "rounds": args.rounds, "tokens": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"norm_gemm-{torch.cuda.get_device_name(0).replace(' ', '_')}-{dt.date.today().isoformat()}.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"report: {path}")
+    print(f"report: {write_report(report, args.out)}")
 
 
 if __name__ == "__main__":
