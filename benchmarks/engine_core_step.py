@@ -116,15 +116,12 @@ def main() -> None:
     if args.out:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.pythonpath or REPO,
                              capture_output=True, text=True).stdout.strip()
+        from overhead import host_facts
+
         report = {"benchmark": "engine_core_step", "date": dt.date.today().isoformat(), "git_sha": sha,
-                  "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+                  "cpu": host_facts()["cpu_model"] or platform.machine(), "python": platform.python_version(),
                   "args": {k: v for k, v in vars(args).items() if k != "worker"}, "summary_us": summary,
                   "runs_us": runs}
-        try:
-            report["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                                 if line.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
         Path(args.out).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.out}")
 

@@ -76,8 +76,8 @@ class RuntimeStats:
     rows_exhausted: int = 0
     traces_dropped: int = 0  # traces not taken within Limits.trace_ttl_s, or over Limits.max_traces
     stream_errors: int = 0  # stream messages that could not be published (logged)
-    # take_captures calls, their time in this process (finishing records, waiting for the spool writer, handing
-    # files over) and the spool writer's queue length when each began (steps still to be written: a writer behind)
+    # take_captures calls, their time in this process (finishing records, waiting for the spool writer) and the
+    # spool writer's queue length when each began (steps still to be written: a writer behind)
     takes: int = 0
     take_ms: float = 0.0
     take_backlog: int = 0
