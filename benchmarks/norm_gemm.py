@@ -22,7 +22,9 @@ warps. What differs between the kernels is how they touch memory, so each varian
   forward (as a compiled graph's memory plan reuses its buffers), instead of whatever the allocator hands out;
 * ``looped-plain``: ``looped`` without eviction hints; ``looped-row``: ``looped`` in one chunk of the whole row (two
   passes, the same sum as ``triton``); ``reload``: one pass over the inputs, the second over the stored residual;
-* ``gap``: the ``triton`` kernel followed by an empty kernel, so the GEMM does not start right after the stores.
+* ``gap``: the ``triton`` kernel followed by an empty kernel, so the GEMM does not start right after the stores;
+* ``evict-last``: ``evict`` with evict-last loads; ``late-row``: ``looped-row`` storing both rows in pass 2, as
+  inductor's kernel does.
 
 A variant whose GEMMs run as fast as after ``inductor``'s names the cause; dynsteer's kernel can then be changed
 the same way (its steering sites run before the norm, so any of these applies to it).
@@ -51,18 +53,20 @@ from dynsteer.kernels.fused_reference import add_rms_norm_reference  # noqa: E40
 from dynsteer.kernels.triton_fused import _add_rms_norm_kernel, _num_warps, add_rms_norm_triton  # noqa: E402
 
 VARIANTS = ("inductor", "triton", "inplace", "looped", "evict", "pingpong", "looped-plain", "looped-row", "reload",
-            "gap")
-# two-pass variants: (chunk or None for the whole row, pass 1 policy, pass 2 policy, pass 2 reads the residual)
-TWO_PASS = {"looped": (0, "evict_last", "evict_first", False), "looped-plain": (0, "", "", False),
-            "looped-row": (None, "evict_last", "evict_first", False), "reload": (None, "", "evict_first", True)}
+            "gap", "evict-last", "late-row")
+# two-pass variants: (chunk, None for the whole row; pass 1 policy; pass 2 policy; pass 2 reads the residual; both
+# rows stored in pass 2)
+TWO_PASS = {"looped": (0, "evict_last", "evict_first", False, False), "looped-plain": (0, "", "", False, False),
+            "looped-row": (None, "evict_last", "evict_first", False, False),
+            "reload": (None, "", "evict_first", True, False), "late-row": (None, "evict_last", "evict_first", False, True)}
 
 
 @triton.jit
 def _two_pass_kernel(h_ptr, r_ptr, w_ptr, normed_ptr, resout_ptr, H, eps, CHUNK: tl.constexpr, EV1: tl.constexpr,
-                     EV2: tl.constexpr, RELOAD: tl.constexpr):
-    """Inductor's shape of the add-norm: pass 1 stores each chunk's sum (rounded) and accumulates its squares (in
-    fp32), pass 2 loads the inputs again (``RELOAD``: the stored residual instead) and stores the normed row.
-    ``EV1``/``EV2``: the passes' eviction policies ("" for none)."""
+                     EV2: tl.constexpr, RELOAD: tl.constexpr, LATE: tl.constexpr):
+    """Inductor's shape of the add-norm: pass 1 stores each chunk's sum (rounded; ``LATE``: pass 2 does, as
+    inductor's kernel) and accumulates its squares (in fp32), pass 2 loads the inputs again (``RELOAD``: the stored
+    residual instead) and stores the normed row. ``EV1``/``EV2``: the passes' eviction policies ("" for none)."""
     t = tl.program_id(0).to(tl.int64)
     acc = tl.zeros([CHUNK], dtype=tl.float32)
     for start in range(0, H, CHUNK):
@@ -70,7 +74,8 @@ def _two_pass_kernel(h_ptr, r_ptr, w_ptr, normed_ptr, resout_ptr, H, eps, CHUNK:
         mask = offs < H
         s = (tl.load(h_ptr + t * H + offs, mask=mask, other=0.0, eviction_policy=EV1).to(tl.float32)
              + tl.load(r_ptr + t * H + offs, mask=mask, other=0.0, eviction_policy=EV1).to(tl.float32))
-        tl.store(resout_ptr + t * H + offs, s.to(resout_ptr.dtype.element_ty), mask=mask)
+        if not LATE:
+            tl.store(resout_ptr + t * H + offs, s.to(resout_ptr.dtype.element_ty), mask=mask)
         acc += s * s
     rstd = tl.rsqrt(tl.sum(acc, axis=0) / H + tl.cast(eps, tl.float32))
     for start in range(0, H, CHUNK):
@@ -84,6 +89,8 @@ def _two_pass_kernel(h_ptr, r_ptr, w_ptr, normed_ptr, resout_ptr, H, eps, CHUNK:
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = (s * rstd).to(w_ptr.dtype.element_ty).to(tl.float32) * w
         tl.store(normed_ptr + t * H + offs, y.to(normed_ptr.dtype.element_ty), mask=mask)
+        if LATE:
+            tl.store(resout_ptr + t * H + offs, s.to(resout_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -93,13 +100,13 @@ def _noop_kernel(p):
 
 
 @triton.jit
-def _evict_kernel(h_ptr, r_ptr, w_ptr, normed_ptr, resout_ptr, H, eps, BLOCK_H: tl.constexpr):
-    """dynsteer's plain add-norm with its row loads marked evict-first."""
+def _evict_kernel(h_ptr, r_ptr, w_ptr, normed_ptr, resout_ptr, H, eps, BLOCK_H: tl.constexpr, EV: tl.constexpr):
+    """dynsteer's plain add-norm with its row loads marked ``EV``."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
-    x = tl.load(h_ptr + t * H + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    res = tl.load(r_ptr + t * H + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    x = tl.load(h_ptr + t * H + offs, mask=mask, other=0.0, eviction_policy=EV).to(tl.float32)
+    res = tl.load(r_ptr + t * H + offs, mask=mask, other=0.0, eviction_policy=EV).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s = x + res
     tl.store(resout_ptr + t * H + offs, s.to(resout_ptr.dtype.element_ty), mask=mask)
@@ -144,17 +151,17 @@ def add_norm(variant: str, chunk: int = 1024):
                            stride_r=h.shape[1], BLOCK_H=block_h, UNIT_OFFSET=False, num_warps=_num_warps(block_h))
         normed, resout = torch.empty_like(h), torch.empty_like(h)
         if variant in TWO_PASS:
-            size, ev1, ev2, reload = TWO_PASS[variant]
+            size, ev1, ev2, reload, late = TWO_PASS[variant]
             return _launch(_two_pass_kernel, h, r, weight, eps, normed, resout,
                            CHUNK=block_h if size is None else min(chunk, block_h), EV1=ev1, EV2=ev2, RELOAD=reload,
-                           num_warps=_num_warps(block_h))
+                           LATE=late, num_warps=_num_warps(block_h))
         if variant == "gap":
             out = add_rms_norm_triton(h, r, weight, eps)
             _noop_kernel[(1,)](out[0])
             return out
-        if variant == "evict":
+        if variant in ("evict", "evict-last"):
             return _launch(_evict_kernel, h, r, weight, eps, normed, resout, BLOCK_H=block_h,
-                           num_warps=_num_warps(block_h))
+                           EV="evict_first" if variant == "evict" else "evict_last", num_warps=_num_warps(block_h))
         raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
     return run
 
