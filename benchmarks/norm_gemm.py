@@ -29,6 +29,11 @@ warps. What differs between the kernels is how they touch memory, so each varian
 A variant whose GEMMs run as fast as after ``inductor``'s names the cause; dynsteer's kernel can then be changed
 the same way (its steering sites run before the norm, so any of these applies to it).
 
+On an H100 (2026-11-27) the hint decided it: ``evict-last`` left ``gate_up`` at 81.0 µs against 79.8-80.6 after
+inductor's and 81.1-81.6 after ``triton``, its own kernel 1.81 µs against 2.0, so the chain ran 15 µs faster than
+inductor's; two passes with inductor's hints matched inductor's GEMM, without them they did not. dynsteer's add-norm
+kernels load evict-last since (README, run U; results in ``benchmarks/results/gpu-2026-11-27/norm-gemm-variants``).
+
     python3 benchmarks/norm_gemm.py --tokens 1 64 --out benchmarks/results     # GPU
 
 ``tests/test_norm_gemm.py`` checks every variant against the reference in Triton's interpreter on CPU.
@@ -54,8 +59,8 @@ from dynsteer.kernels.triton_fused import _add_rms_norm_kernel, _num_warps, add_
 
 VARIANTS = ("inductor", "triton", "inplace", "looped", "evict", "pingpong", "looped-plain", "looped-row", "reload",
             "gap", "evict-last", "late-row")
-# two-pass variants: (chunk, None for the whole row; pass 1 policy; pass 2 policy; pass 2 reads the residual; both
-# rows stored in pass 2)
+# two-pass variants: (chunk: 0 for --chunk, None for the whole row; pass 1 policy; pass 2 policy; pass 2 reads the
+# residual; both rows stored in pass 2)
 TWO_PASS = {"looped": (0, "evict_last", "evict_first", False, False), "looped-plain": (0, "", "", False, False),
             "looped-row": (None, "evict_last", "evict_first", False, False),
             "reload": (None, "", "evict_first", True, False), "late-row": (None, "evict_last", "evict_first", False, True)}
