@@ -63,7 +63,8 @@ VARIANTS = ("inductor", "triton", "inplace", "looped", "evict", "pingpong", "loo
 # residual; both rows stored in pass 2)
 TWO_PASS = {"looped": (0, "evict_last", "evict_first", False, False), "looped-plain": (0, "", "", False, False),
             "looped-row": (None, "evict_last", "evict_first", False, False),
-            "reload": (None, "", "evict_first", True, False), "late-row": (None, "evict_last", "evict_first", False, True)}
+            "reload": (None, "", "evict_first", True, False),
+            "late-row": (None, "evict_last", "evict_first", False, True)}
 
 
 @triton.jit

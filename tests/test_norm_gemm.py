@@ -69,7 +69,8 @@ def test_only_the_inplace_variant_writes_over_its_inputs(results: dict[str, Any]
 
 
 def test_single_pass_variants_give_dynsteers_bits(results: dict[str, Any]) -> None:
-    # the two-pass variants sum the squares in another order (reload normalises the rounded residual); the others are the same math as add_rms_norm_triton
+    # the two-pass variants sum the squares in another order (reload normalises the rounded residual); the others
+    # are the same math as add_rms_norm_triton
     for case, res in results.items():
         if not case.startswith(("looped", "reload", "late")):
             assert res["same_as_triton"], case
