@@ -1,4 +1,4 @@
-"""Why is a GEMM slower after dynsteer's add-norm than after inductor's? The same add-norm written six ways, each
+"""Why is a GEMM slower after dynsteer's add-norm than after inductor's? The same add-norm written a dozen ways, each
 followed by a Llama-3-8B layer's projections in a CUDA graph, with every kernel's time per call.
 
 In an H100 engine at batch 64 (2026-11-27, 9a07e65; ``benchmarks/trace_kernels.py`` on ``overhead.py --profile``'s
@@ -11,7 +11,9 @@ warps. What differs between the kernels is how they touch memory, so each varian
 * ``inductor``: vLLM's add-norm compiled by torch.compile (``fused_reference.add_rms_norm_reference``): a reduction
   looping over the row in chunks, the new residual stored in the first pass, the normed row in the second;
 * ``triton``: dynsteer's plain add-norm (``add_rms_norm_triton``): the whole row in registers, both rows stored at
-  the end (the residual first), into fresh outputs;
+  the end (the residual first), into fresh outputs; its loads are evict-last since 14baedc (as are those of
+  ``inplace``, ``pingpong`` and ``gap``, which launch it);
+* ``plain``: that kernel with default loads (dynsteer's before 14baedc);
 * ``inplace``: that kernel writing its outputs over its inputs (the normed row over the GEMM output it read, the
   residual over the old residual), as vLLM's CUDA op does: no fresh lines become dirty in L2;
 * ``looped``: two passes over the row in chunks of ``--chunk``, as inductor's kernel does (the residual stored in
@@ -23,16 +25,17 @@ warps. What differs between the kernels is how they touch memory, so each varian
 * ``looped-plain``: ``looped`` without eviction hints; ``looped-row``: ``looped`` in one chunk of the whole row (two
   passes, the same sum as ``triton``); ``reload``: one pass over the inputs, the second over the stored residual;
 * ``gap``: the ``triton`` kernel followed by an empty kernel, so the GEMM does not start right after the stores;
-* ``evict-last``: ``evict`` with evict-last loads; ``late-row``: ``looped-row`` storing both rows in pass 2, as
-  inductor's kernel does.
+* ``late-row``: ``looped-row`` storing both rows in pass 2, as inductor's kernel does.
 
 A variant whose GEMMs run as fast as after ``inductor``'s names the cause; dynsteer's kernel can then be changed
 the same way (its steering sites run before the norm, so any of these applies to it).
 
-On an H100 (2026-11-27) the hint decided it: ``evict-last`` left ``gate_up`` at 81.0 µs against 79.8-80.6 after
-inductor's and 81.1-81.6 after ``triton``, its own kernel 1.81 µs against 2.0, so the chain ran 15 µs faster than
-inductor's; two passes with inductor's hints matched inductor's GEMM, without them they did not. dynsteer's add-norm
-kernels load evict-last since (README, run U; results in ``benchmarks/results/gpu-2026-11-27/norm-gemm-variants``).
+On an H100 (2026-11-27, before 14baedc: that run's ``triton``, ``inplace``, ``pingpong`` and ``gap`` had default
+loads, and its ``evict-last`` variant was today's ``triton``) the hint decided it: evict-last loads left ``gate_up``
+at 81.0 µs against 79.8-80.6 after inductor's and 81.1-81.6 after default loads, the kernel itself 1.81 µs against
+2.0, so the chain ran 15 µs faster than inductor's; two passes with inductor's hints matched inductor's GEMM, without
+them they did not. dynsteer's add-norm kernels load evict-last since (README, run U; results in
+``benchmarks/results/gpu-2026-11-27/norm-gemm-variants``).
 
     python3 benchmarks/norm_gemm.py --tokens 1 64 --out benchmarks/results     # GPU
 
@@ -58,7 +61,7 @@ from dynsteer.kernels.fused_reference import add_rms_norm_reference  # noqa: E40
 from dynsteer.kernels.triton_fused import _add_rms_norm_kernel, _num_warps, add_rms_norm_triton  # noqa: E402
 
 VARIANTS = ("inductor", "triton", "inplace", "looped", "evict", "pingpong", "looped-plain", "looped-row", "reload",
-            "gap", "evict-last", "late-row")
+            "gap", "plain", "late-row")
 # two-pass variants: (chunk: 0 for --chunk, None for the whole row; pass 1 policy; pass 2 policy; pass 2 reads the
 # residual; both rows stored in pass 2)
 TWO_PASS = {"looped": (0, "evict_last", "evict_first", False, False), "looped-plain": (0, "", "", False, False),
@@ -106,8 +109,8 @@ def _noop_kernel(p):
 
 
 @triton.jit
-def _evict_kernel(h_ptr, r_ptr, w_ptr, normed_ptr, resout_ptr, H, eps, BLOCK_H: tl.constexpr, EV: tl.constexpr):
-    """dynsteer's plain add-norm with its row loads marked ``EV``."""
+def _hinted_kernel(h_ptr, r_ptr, w_ptr, normed_ptr, resout_ptr, H, eps, BLOCK_H: tl.constexpr, EV: tl.constexpr):
+    """dynsteer's plain add-norm with its row loads marked ``EV`` ("" for none)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -165,9 +168,9 @@ def add_norm(variant: str, chunk: int = 1024):
             out = add_rms_norm_triton(h, r, weight, eps)
             _noop_kernel[(1,)](out[0])
             return out
-        if variant in ("evict", "evict-last"):
-            return _launch(_evict_kernel, h, r, weight, eps, normed, resout, BLOCK_H=block_h,
-                           EV="evict_first" if variant == "evict" else "evict_last", num_warps=_num_warps(block_h))
+        if variant in ("evict", "plain"):
+            return _launch(_hinted_kernel, h, r, weight, eps, normed, resout, BLOCK_H=block_h,
+                           EV="evict_first" if variant == "evict" else "", num_warps=_num_warps(block_h))
         raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
     return run
 

@@ -137,8 +137,8 @@ def _steer_add_rms_norm_kernel(
 def _load_rows(h_ptr, r_ptr, t, offs, mask, stride_h, stride_r):
     """Token t's layer output and residual in fp32, loaded evict-last as inductor's add-norm loads them: with the
     default policy the GEMM that reads the normed row ran ~1.2 µs slower per ``gate_up`` call at 64 tokens on an
-    H100 (81 µs a call), and this kernel itself 0.2 µs slower (``benchmarks/norm_gemm.py``, variants triton and
-    evict-last, 2026-11-27). Hints only: the bits are the same."""
+    H100 (81 µs a call), and this kernel itself 0.2 µs slower (``benchmarks/norm_gemm.py``, variants plain and
+    triton, 2026-11-27). Hints only: the bits are the same."""
     x = tl.load(h_ptr + t * stride_h + offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     res = tl.load(r_ptr + t * stride_r + offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     return x, res
