@@ -18,6 +18,7 @@ from dynsteer.spec import NAME_PATTERN, SITES, Site
 from dynsteer.streams.security import CurveKeys, check_endpoint, default_endpoint
 
 CONFIG_KEY = "dynsteer"
+CommandOp = Literal["abort", "steer", "threshold", "rule", "global"]
 
 
 class Limits(BaseModel):
@@ -41,6 +42,7 @@ class Limits(BaseModel):
         cache_bytes: memory the admission and compile memos may hold, each (least recently used dropped first).
         trace_ttl_s: dynamic-steering traces not taken within this time are dropped (and counted).
         max_traces: traces kept at most (oldest dropped first, counted).
+        max_named_vectors: named vectors registered at once (``Steerer.register_vector``, the HTTP route).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -55,6 +57,7 @@ class Limits(BaseModel):
     cache_bytes: StrictInt = Field(default=256 << 20, ge=0)
     trace_ttl_s: StrictFloat = Field(default=600.0, gt=0.0)
     max_traces: StrictInt = Field(default=4096, ge=1)
+    max_named_vectors: StrictInt = Field(default=1024, ge=1)
 
 
 class StreamSpec(BaseModel):
@@ -96,17 +99,37 @@ class MonitorConfig(BaseModel):
     The endpoints are given explicitly because every vLLM process reads this config on its own: use
     :meth:`private` for fresh ``ipc://`` endpoints in a directory only this user can enter.
 
+    Trust (DESIGN §10): a connected monitor is a peer, not the operator. Over ``ipc://`` (socket file 0600) only this
+    user's processes connect, and a monitor's name is what it says; any ``tcp://`` endpoint, loopback included,
+    needs ``curve`` (other local users can reach loopback), and ``curve.client_names`` binds names to client keys.
+    Whatever the transport, a monitor cannot delay a step beyond ``max_block_delay_ms``, take a name another
+    connection holds, exhaust subscriber slots or streams, or send commands it was not granted.
+
     Args:
         endpoint: where TP rank 0 of each worker publishes streams (under pipeline parallelism stage ``k > 0``
-            binds ``<endpoint>.pp<k>``, or the tcp port plus ``k``); ``ipc://`` or loopback ``tcp://`` unless
-            ``curve`` is set.
+            binds ``<endpoint>.pp<k>``, or the tcp port plus ``k``); ``ipc://`` unless ``curve`` is set.
         command_endpoint: where the engine core takes commands (same rule).
-        streams: streams declared at engine start; subscribers may declare more over the same places
-            (``allow_declare``).
+        streams: streams declared at engine start.
+        allow_declare: let subscribers declare streams of their own (over places with capture buffers).
+        max_declared_streams: most streams subscribers may have declared at once; a declared stream is removed
+            once no subscriber is registered for it.
         replay_bytes / replay_messages: per stream, the newest messages kept for a restarted monitor to resume.
-        spill_dir / spill_bytes: where ``spill`` subscribers' backlog goes (default: a private temp dir), bounded.
-        curve: CURVE keys; required for any endpoint that is not ipc or loopback.
+        spill_dir / spill_bytes: where ``spill`` subscribers' backlog goes (default: a private temp dir), bounded
+            per (stream, subscriber).
+        spill_total_bytes: bound of every spill ring of a hub together.
+        curve: CURVE keys; required for every ``tcp://`` endpoint.
+        subscribers: subscriber names the hub accepts (``None``: any name).
+        max_subscribers: most subscribers registered at once (connected or waiting to resume); when it is reached,
+            the one silent longest among the disconnected ones makes room.
+        subscriber_ttl_s: a disconnected subscriber's queues are kept this long for it to resume, then released.
+        block_subscribers: subscriber names allowed the ``block`` overload policy (none by default: ``block``
+            lets a monitor hold the engine's steps).
+        max_block_delay_ms: the most one engine step waits for ``block`` subscribers, all streams together; a
+            hello asking for more is refused.
+        grants: command operations each monitor may send, by monitor name; ``"*"`` applies to names not listed.
+            ``global`` (replace the engine's global steering) is granted to nobody by default.
         max_commands_per_step: commands the engine core takes per scheduler step (the rest wait for the next).
+        max_command_bytes_per_step: bytes of commands the engine core takes per scheduler step (the rest wait).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -114,13 +137,28 @@ class MonitorConfig(BaseModel):
     endpoint: str
     command_endpoint: str
     streams: dict[str, StreamSpec] = Field(default_factory=dict)
-    allow_declare: StrictBool = True
+    allow_declare: StrictBool = False
+    max_declared_streams: StrictInt = Field(default=16, ge=0, le=256)
     replay_bytes: StrictInt = Field(default=256 << 20, ge=0)
     replay_messages: StrictInt = Field(default=4096, ge=1)
     spill_dir: str | None = None
     spill_bytes: StrictInt = Field(default=1 << 30, ge=0)
+    spill_total_bytes: StrictInt = Field(default=4 << 30, ge=0)
     curve: CurveKeys | None = None
+    subscribers: tuple[str, ...] | None = None
+    max_subscribers: StrictInt = Field(default=64, ge=1, le=4096)
+    subscriber_ttl_s: float = Field(default=300.0, gt=0.0, le=7 * 86400)
+    block_subscribers: tuple[str, ...] = ()
+    max_block_delay_ms: float = Field(default=50.0, ge=0.0, le=60_000.0)
+    grants: dict[str, tuple[CommandOp, ...]] = Field(
+        default_factory=lambda: {"*": ("abort", "steer", "threshold", "rule")})
     max_commands_per_step: StrictInt = Field(default=256, ge=1, le=65536)
+    max_command_bytes_per_step: StrictInt = Field(default=8 << 20, ge=4096, le=1 << 30)
+
+    def granted(self, monitor: str, op: str) -> bool:
+        """Whether monitor ``monitor`` may send command ``op`` (its own grant, else the ``"*"`` grant)."""
+        ops = self.grants.get(monitor, self.grants.get("*", ()))
+        return op in ops
 
     @field_validator("streams")
     @classmethod
@@ -128,6 +166,22 @@ class MonitorConfig(BaseModel):
         for name in v:
             if not NAME_PATTERN.fullmatch(name):
                 raise ValueError(f"streams[{name!r}]: not a valid name")
+        return v
+
+    @field_validator("subscribers", "block_subscribers")
+    @classmethod
+    def _subscriber_names(cls, v: tuple[str, ...] | None, info: Any) -> tuple[str, ...] | None:
+        for i, name in enumerate(v or ()):
+            if not NAME_PATTERN.fullmatch(name):
+                raise ValueError(f"{info.field_name}[{i}]: {name!r} is not a valid name")
+        return v
+
+    @field_validator("grants")
+    @classmethod
+    def _grant_names(cls, v: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+        for name in v:
+            if name != "*" and not NAME_PATTERN.fullmatch(name):
+                raise ValueError(f"grants[{name!r}]: a monitor name or '*'")
         return v
 
     @model_validator(mode="after")

@@ -604,8 +604,12 @@ def test_check_endpoint() -> None:
         with pytest.raises(ValueError, match=r"^monitor\.endpoint: .*beyond loopback"):
             check_endpoint(bad, curve=False, field="monitor.endpoint")
         check_endpoint(bad, curve=True)
-    for good in ("tcp://127.0.0.1:5555", "tcp://localhost:0", "tcp://[::1]:7", "ipc:///tmp/x/streams"):
-        check_endpoint(good, curve=False)
+    # loopback TCP is open to every local user: it needs CURVE like any other host (ipc is the same-user channel)
+    for loopback in ("tcp://127.0.0.1:5555", "tcp://localhost:0", "tcp://[::1]:7"):
+        with pytest.raises(ValueError, match=r"^monitor\.command_endpoint: .*on loopback.*ipc://.*CURVE"):
+            check_endpoint(loopback, curve=False, field="monitor.command_endpoint")
+        check_endpoint(loopback, curve=True)
+    check_endpoint("ipc:///tmp/x/streams", curve=False)
     for bad in ("inproc://x", "udp://127.0.0.1:1", "tcp://127.0.0.1", "ipc://", "tcp://127.0.0.1:70000",
                 "ipc://@abstract"):
         with pytest.raises(ValueError, match=r"^endpoint: "):

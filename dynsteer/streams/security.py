@@ -6,8 +6,9 @@ CURVE encryption and a client allowlist are configured:
 * ``ipc://<path>``: the socket's directory must be ours and writable by nobody else (it is created ``0700`` when
   missing) and the socket file is made ``0600``, so only our user can connect. Linux abstract sockets
   (``ipc://@name``) have no permissions at all and are refused without CURVE.
-* ``tcp://127.0.0.1:<port>``, ``tcp://localhost:<port>``, ``tcp://[::1]:<port>``: loopback only. Any other host
-  (``*``, ``0.0.0.0``, an interface address) needs CURVE.
+* ``tcp://<host>:<port>``, loopback included: needs CURVE. Every local user can connect to a loopback port, so an
+  unauthenticated loopback socket would hand activations and commands to any of them; ``ipc://`` is the
+  same-user channel.
 
 Port ``0`` (or ``*``) binds a free port; :attr:`Binding.endpoint` says which.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.auth.thread
 import zmq.utils.z85
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})
 _TCP = re.compile(r"tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):(?P<port>\d{1,5}|\*)")
@@ -30,13 +31,25 @@ Z85_KEY_CHARS = 40  # a 32-byte Curve25519 key, Z85-encoded
 
 
 class CurveKeys(BaseModel):
-    """The hub's CURVE key pair and the public keys of the clients it lets in (all Z85, 40 characters)."""
+    """The server's CURVE key pair and the public keys of the clients it lets in (all Z85, 40 characters).
+
+    ``client_names`` binds names to keys: a client key listed there may use only those monitor / subscriber names,
+    and a name listed under some key only with that key. Keys not listed may use any name not bound to another.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     server_secret: str
     server_public: str
     client_public_keys: tuple[str, ...]
+    client_names: dict[str, tuple[str, ...]] = {}
+
+    def name_allowed(self, client_key: str, name: str) -> bool:
+        """Whether the client authenticated with ``client_key`` (Z85) may use ``name``."""
+        own = self.client_names.get(client_key)
+        if own is not None:
+            return name in own
+        return not any(name in names for names in self.client_names.values())
 
     @field_validator("server_secret", "server_public")
     @classmethod
@@ -50,6 +63,13 @@ class CurveKeys(BaseModel):
             raise ValueError("at least one client public key is needed (CURVE without an allowlist lets anyone in)")
         return tuple(_check_z85(k) for k in value)
 
+    @model_validator(mode="after")
+    def _named_keys(self) -> "CurveKeys":
+        for key in self.client_names:
+            if key not in self.client_public_keys:
+                raise ValueError(f"client_names[{key!r}]: not one of client_public_keys")
+        return self
+
 
 def _check_z85(key: str) -> str:
     if len(key) != Z85_KEY_CHARS:
@@ -62,7 +82,7 @@ def _check_z85(key: str) -> str:
 
 
 def check_endpoint(endpoint: str, curve: bool, field: str = "endpoint") -> None:
-    """Refuse ``endpoint`` unless it is a Unix socket or loopback TCP, or ``curve`` is on (then any TCP host).
+    """Refuse ``endpoint`` unless it is a Unix socket, or ``curve`` is on (then any TCP host).
 
     Raises:
         ValueError: ``"<field>: ..."`` saying why.
@@ -83,9 +103,12 @@ def check_endpoint(endpoint: str, curve: bool, field: str = "endpoint") -> None:
     port = match["port"]
     if port != "*" and int(port) > 65535:
         raise ValueError(f"{field}: port {port} is out of range")
-    if match["host"] not in LOOPBACK_HOSTS and not curve:
-        raise ValueError(f"{field}: {endpoint!r} listens beyond loopback; activations would travel unencrypted to "
-                         f"anyone who connects. Use 127.0.0.1, localhost, [::1] or ipc://, or configure CURVE keys")
+    if not curve:
+        where = "on loopback, which every local user can reach" if match["host"] in LOOPBACK_HOSTS else \
+            "beyond loopback"
+        raise ValueError(f"{field}: {endpoint!r} listens {where}: activations and commands would be open to whoever "
+                         f"connects. Use ipc://<path> (this user only; MonitorConfig.private() makes one), or "
+                         f"configure CURVE keys (MonitorConfig.curve) with an allowlist of client keys")
 
 
 @dataclass(frozen=True)
