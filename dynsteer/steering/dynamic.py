@@ -195,6 +195,11 @@ class DynState:
     staged: dict[int, tuple[list[float], list[float], float]] = field(default_factory=dict)
     # float32 (sharpness, threshold, floor) per slot: the kernel's gate parameters, for raw_gates
     params: np.ndarray = field(default_factory=lambda: np.zeros((3, 0), np.float32))
+    # Gate parameters of earlier retunes, as (first position computed with the next ones, params before): a read-back
+    # is judged by the parameters its token was computed with, which a command may have changed since.
+    retunes: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    # params in effect before a retune whose first position is not known yet (the request was not scheduled since)
+    retune_pending: np.ndarray | None = None
     # slot -> stop reason, for enabled rules with ``abort`` (watched on the read-backs; see DynamicDriver.poll)
     aborts: dict[int, str] = field(default_factory=dict)
     held: int | None = None  # prompt-level slots: the request's row of the driver's held-gate buffer
@@ -215,15 +220,42 @@ class DynState:
         st = cls(slots=slots, controller=ctrl, ctrl_spec=policy.controller, ctrl_slot=ctrl_slot,
                  ctrl_state=ctrl.initial_state() if ctrl is not None else None,
                  scale=0.0 if ctrl is not None else 1.0, latched=[False] * g, prev_gate=[0.0] * g, sync=sync)
-        st.retune(policy)
+        st._take(policy)
         return st
 
-    def retune(self, policy: "DynamicSteeringPolicy") -> None:
-        """Take ``policy``'s thresholds, rule switches and aborts (same slots: a monitor's command patched it; the
-        controller and carried state are kept)."""
+    def _take(self, policy: "DynamicSteeringPolicy") -> None:
         self.slots, _ = policy_slots(policy)
         self.params = np.array([[s.sharpness, s.threshold, s.floor] for s in self.slots], np.float32).T.copy()
         self.aborts = abort_slots(policy)
+
+    def retune(self, policy: "DynamicSteeringPolicy") -> None:
+        """Take ``policy``'s thresholds, rule switches and aborts (same slots: a monitor's command patched it; the
+        controller and carried state are kept). Only the host copy: :meth:`DynamicDriver.retune` moves every copy.
+
+        Tokens computed before the change keep being judged by the parameters they were computed with
+        (:meth:`params_at`) once :meth:`retuned_from` names the first position computed after it."""
+        if self.retune_pending is None:  # two retunes before the request computes again: the first params held
+            self.retune_pending = self.params
+        self._take(policy)
+
+    def retuned_from(self, position: int) -> None:
+        """The request computes ``position`` first under the parameters of the last :meth:`retune`."""
+        if self.retune_pending is not None:
+            self.retunes.append((position, self.retune_pending))
+            self.retune_pending = None
+
+    def params_at(self, positions: np.ndarray) -> np.ndarray:
+        """The gate parameters each of ``positions`` was computed with: ``[3, G]`` when they are all the current
+        ones, else ``[3, T, G]`` (both broadcast against scores ``[T, G]`` in :func:`raw_gates`)."""
+        if not self.retunes and self.retune_pending is None:
+            return self.params
+        positions = np.asarray(positions, np.int64).reshape(-1)
+        out = np.repeat(self.params[:, None, :], len(positions), axis=1)
+        if self.retune_pending is not None:  # nothing was computed under the current params yet
+            out[:] = self.retune_pending[:, None, :]
+        for until, params in reversed(self.retunes):  # older spans last: they win over newer ones
+            out[:, positions < until, :] = params[:, None, :]
+        return out
 
     @property
     def act_mask(self) -> int:
@@ -264,7 +296,7 @@ class DynState:
         from dynsteer.controllers.sync import StepObservation
 
         scores = block[:len(self.slots), col]
-        raw = raw_gates(scores, self.params).tolist()
+        raw = raw_gates(scores[None, :], self.params_at(np.array([position])))[0].tolist()
         self.prev_gate = raw
         self.latched = [was or (g >= FIRE_GATE and g > 0) for was, g in zip(self.latched, raw)]
         if self.controller is not None:
@@ -280,7 +312,7 @@ class DynState:
         g = len(self.slots)
         G = (values.shape[1] - 1) // 4
         scores = values[:, :g].copy()
-        gate = raw_gates(scores, self.params) if len(values) else scores
+        gate = raw_gates(scores, self.params_at(positions)) if len(values) else scores
         prompt = [i for i, slot in enumerate(self.slots) if slot.prompt]
         if prompt and len(values):  # no per-token score: the gate is the held prompt decision (what was applied)
             scores[:, prompt] = np.nan
@@ -301,7 +333,7 @@ def fired_aborts(st: "DynState", host: np.ndarray, cols: np.ndarray,
     """The first of ``positions`` (read-back columns ``cols`` of one request) where one of its abort rules fired
     (its gate ≥ ``FIRE_GATE`` and over its floor), and that rule's reason; ``None`` if none did."""
     slots = sorted(st.aborts)
-    gates = raw_gates(host[:len(st.slots)][:, cols].T, st.params)[:, slots]  # [tokens, abort slots]
+    gates = raw_gates(host[:len(st.slots)][:, cols].T, st.params_at(positions))[:, slots]  # [tokens, abort slots]
     fired = (gates >= FIRE_GATE) & (gates > 0)
     if not fired.any():
         return None
@@ -342,7 +374,8 @@ def _has_custom(spec: Any) -> bool:
 
 def raw_gates(scores: np.ndarray, params: np.ndarray) -> np.ndarray:
     """The kernel's gate in float32, ``σ(sharpness·(score − threshold))``, 0 below the floor, for scores ``[..., G]``
-    and ``params`` = float32 ``[3, G]`` (sharpness, threshold, floor)."""
+    and ``params`` = float32 ``[3, G]`` (sharpness, threshold, floor), or ``[3, T, G]`` per token of scores
+    ``[T, G]``."""
     k, th, floor = params
     with np.errstate(over="ignore"):  # exp overflow is a gate of exactly 0, as in the kernel
         g = np.float32(1) / (np.float32(1) + np.exp(-(k * (np.asarray(scores, np.float32) - th))))
@@ -683,6 +716,25 @@ class DynamicDriver:
         many slots hold a non-zero row: TP ranks must agree bit for bit. Synchronises with the device (diagnostic)."""
         host = self.state.detach().cpu().numpy()
         return hashlib.blake2b(host.tobytes(), digest_size=16).hexdigest(), int(np.count_nonzero(host.any(axis=1)))
+
+    def retune(self, st: DynState, policy: "DynamicSteeringPolicy") -> None:
+        """Move a live request's gate parameters to ``policy``'s (a monitor's ``threshold`` or ``rule`` command) in
+        every copy the driver keeps: the host's (read-backs, host-tier controllers) and, in the device tier, its
+        slot of the controller state, which carries ``next_step`` / ``rest_of_request`` gates and feeds its
+        controller. The table row (the in-graph gate) is recompiled by the runtime in the same step, so the step's
+        forward, its update kernel and the host all use the new parameters from that step on."""
+        st.retune(policy)
+        if st.device_slot is None:
+            return
+        from dynsteer.kernels.controller_reference import controller_row
+
+        L, s = self.layout, st.device_slot
+        lo, hi = L.sharp(0), L.floor(0) + L.G  # every slot's sharpness, threshold and floor: one span of columns
+        row = controller_row(L, st.slots, st.ctrl_slot, st.ctrl_spec)
+        # The pinned row may still feed an earlier copy into this slot; both carry the newest values for these
+        # columns, and a later request's placement overwrites the whole row after this copy on the same stream.
+        self._init[s, lo:hi] = torch.tensor(row[lo:hi], dtype=torch.float64)
+        self.state[s, lo:hi].copy_(self._init[s, lo:hi], non_blocking=self.cuda)
 
     def free(self, st: DynState) -> None:
         """The request finished (or its policy was replaced): release its slot or its host-tier place, once."""

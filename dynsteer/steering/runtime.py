@@ -152,6 +152,7 @@ class SteeringRuntime:
         self._cmd_specs: dict[str, SteeringSpec] = {}
         self._cmd_policies: dict[str, Any] = {}
         self._deferred: dict[str, list[Any]] = {}  # commands for requests not admitted on this worker yet
+        self._retuning: dict[str, DynState] = {}  # retuned since they were last scheduled (DynState.retuned_from)
         self.hub: Any = None  # the async tier's StreamHub (TP rank 0 of a worker with a monitor config)
         self.stream_specs: dict[str, Any] = {}  # stream name -> StreamSpec, refreshed from the hub
         self._stream_places: dict[str, tuple[Any, ...]] = {}  # stream name -> its places this worker holds
@@ -299,7 +300,8 @@ class SteeringRuntime:
         patched = self._cmd_policies[req_id] = entry.cmd_policy = patch_policy(current, cmd)
         st = self._dyn.get(req_id)
         if st is not None:  # same slots, new thresholds/switches: the controller state is kept
-            st.retune(patched)
+            self.dynamic.retune(st, patched)  # host and device copies; the caller recompiles the table row
+            self._retuning[req_id] = st
             self._track_aborts(req_id, st)
 
     def take_acts(self) -> list[tuple[list[str], list[int], list[int], list[str]]]:
@@ -375,6 +377,8 @@ class SteeringRuntime:
             position = np.asarray(view.num_computed[:n_req], np.int64)[req_of_token] + (
                 self._arange[:n] - np.repeat(qsl[:-1], counts))
         is_decode = position >= b.prompt_lens[req_of_token]
+        if self._retuning:
+            self._note_retunes(ids, view)
         if self.capture is not None:
             streams = self._select_streams(b, req_of_token, position, is_decode) if b.streams else []
             if streams or self.capture.needs_plan:
@@ -409,6 +413,15 @@ class SteeringRuntime:
                 self._stop_faulted()
         if self._finishing:
             self._complete_traces()
+
+    def _note_retunes(self, ids: tuple[str, ...], view: BatchView) -> None:
+        """Retuned requests scheduled in this step compute their first position under the new gate parameters."""
+        for i, req_id in enumerate(ids):
+            st = self._retuning.pop(req_id, None)
+            if st is not None:
+                st.retuned_from(int(view.num_computed[i]))
+        for req_id in [r for r in self._retuning if r not in self._dyn]:
+            del self._retuning[req_id]  # finished, or its policy replaced, before it was scheduled again
 
     def _gather(self, ids: tuple[str, ...], view: BatchView, payload_of: PayloadLookup) -> _Batch:
         """Admit the batch's new requests and gather every request's arrays (once per batch composition)."""
