@@ -1,5 +1,5 @@
 """``dynsteer serve``: vLLM's OpenAI server with dynsteer's steering endpoints, driven with the official ``openai``
-client (one server per module, tiny Llama on CPU, ``--api-key`` set)."""
+client (one server per module, tiny Llama on CPU, ``--api-key`` set, vLLM's development routes on)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import pytest
 
 import dynsteer
 from dynsteer import Action, AddVector, DynamicSteeringPolicy, Monitor, Rule, SteeringSpec
-from tests.conftest import ON_GPU, served
+from tests.conftest import ON_GPU, env, served
 
 KEY = "test-key-7f3a"
 HIDDEN, MON_LAYER, ACT_LAYER = 128, 1, 2
@@ -50,13 +50,15 @@ def _console_script() -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_path, tmp_path_factory):
-    """``dynsteer serve`` on a free loopback port; yields (base url, model)."""
+    """``dynsteer serve`` on a free loopback port, with vLLM's development routes (``/collective_rpc``, ...); yields
+    (base url, model)."""
     log = tmp_path_factory.mktemp("serve") / "server.log"
     cfg = {"dynsteer": {"max_gates": 2, "max_rows": 16}}
     exe = _console_script()
-    with served(lambda port, args: [str(exe), "serve", str(tiny_llama_path), "--host", "127.0.0.1", "--port",
-                                    str(port), "--max-model-len", "256", "--max-num-seqs", "16", "--api-key", KEY,
-                                    "--seed", "0", "--additional-config", json.dumps(cfg), *args], log) as url:
+    with env(VLLM_SERVER_DEV_MODE="1"), \
+            served(lambda port, args: [str(exe), "serve", str(tiny_llama_path), "--host", "127.0.0.1", "--port",
+                                       str(port), "--max-model-len", "256", "--max-num-seqs", "16", "--api-key", KEY,
+                                       "--seed", "0", "--additional-config", json.dumps(cfg), *args], log) as url:
         yield url, str(tiny_llama_path)
 
 
@@ -77,6 +79,21 @@ def steering(server, method: str, path: str, body=None, key: str | None = KEY) -
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def rpc(server, method: str, args=(), key: str | None = KEY, path: str = "collective_rpc") -> tuple[int, dict]:
+    """A call to one of vLLM's development routes (``/collective_rpc`` by default)."""
+    url, _ = server
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(f"{url}/{path}", data=json.dumps({"method": method, "args": list(args)}).encode(),
+                                 headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read() or b"{}")
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
 
@@ -175,6 +192,31 @@ def test_steering_endpoints_refuse_without_the_key(server):
             status, _ = steering(server, method, path, body, key=key)
             assert status == 401, (method, path, key, status)
     assert steering(server, "GET", "vectors")[1]["vectors"] == []  # nothing was registered
+
+
+def test_dev_mode_collective_rpc_needs_the_key_and_never_changes_steering(server, client, baseline):
+    """VLLM_SERVER_DEV_MODE's /collective_rpc lies outside vLLM's --api-key prefixes and reaches every worker method:
+    under dynsteer serve it answers only with the key, and refuses dynsteer's state-changing methods even then."""
+    _, model = server
+    packed = dynsteer.vectors.pack_vector(vec(9))
+    set_global = dynsteer.encode_payload(SteeringSpec(vectors=[AddVector(layer=1, vector=vec(9))]))
+    attacks = [("dynsteer_register_vector", ["evil", packed]), ("dynsteer_set_global", [set_global]),
+               ("dynsteer_unregister_vector", ["evil"]), ("dynsteer_take_captures", [["t"]]),
+               ("dynsteer_describe", []), ("get_model_inspection", [])]
+    for key in (None, "wrong-key"):
+        for method, args in attacks:
+            status, body = rpc(server, method, args, key=key)
+            assert status == 401, (method, key, status, body)
+        assert rpc(server, "", key=key, path="reset_prefix_cache")[0] == 401  # every dev route
+    for method, args in attacks[:4]:  # with the key: dynsteer's state changes are for /v1/steering/* only
+        status, body = rpc(server, method, args)
+        assert status == 403 and error_message(body).startswith(f"method: '{method}' is not callable"), body
+    status, body = rpc(server, "dynsteer_describe")  # reading is fine with the key
+    assert status == 200, body
+    (rank,) = body["results"]
+    assert rank["named_vectors"] == [] and rank["global_empty"], rank
+    assert steering(server, "GET", "vectors")[1]["vectors"] == []
+    assert [complete(client, model, p) for p in PROMPTS] == baseline  # no global steering crept in
 
 
 @pytest.mark.parametrize("method,path,body,field", [
