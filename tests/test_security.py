@@ -189,6 +189,27 @@ def test_capture_tags_cannot_leave_the_capture_root(engine, files):
 
 
 # ---- values that would overflow -----------------------------------------------------------------------------------
+def test_gate_parameters_stay_finite_in_float32(engine):
+    """A monitor's sharpness and threshold land in float32 tables: values float32 cannot hold (or that round to a
+    slope of 0) are rejected naming the field; probes with real weight norms still run."""
+    llm, st, baseline = engine
+    for field, value in (("sharpness", 1e300), ("sharpness", 1e-300), ("threshold", 1e300), ("threshold", -1e40)):
+        body = policy_body()
+        body["monitors"][0][field] = value
+        rejected, outputs = run_batch(llm, [None, pack_raw({"policy": body}), None])
+        assert rejected[1].startswith(f"extra_args.dynsteer.policy.monitors[0].{field}: "), rejected
+        assert [list(outputs[i].outputs[0].token_ids) for i in (0, 2)] == [baseline[0], baseline[2]]
+    w = vec(8, 20.0).astype(np.float64)  # a weight norm of a few hundred, as trained probes have
+    mon = Monitor(name="m", layer=MON_LAYER, direction=w / np.linalg.norm(w), sharpness=float(np.linalg.norm(w)),
+                  threshold=-1e9)
+    assert 100 < mon.sharpness < 1000
+    pol = DynamicSteeringPolicy(monitors=[mon],
+                                rules=[Rule(monitor="m", actions=[Action(kind="add", layer=ACT_LAYER, vector=vec(1))])])
+    rejected, outputs = run_batch(llm, [encode_payload(policy=pol)])
+    assert not rejected and outputs[0].outputs[0].finish_reason == "length"
+    assert_serving(llm, baseline)
+
+
 def test_values_that_overflow_are_rejected_and_never_reach_other_requests(engine):
     llm, st, baseline = engine
     big = dict(kind="latch", on=0.0, off=0.0, scale=1e38)

@@ -1,0 +1,124 @@
+"""Limits a hostile client leans on, checked without an engine (DESIGN §10): payload entries counted exactly, gate
+parameters that stay finite in float32 tables, capture consumers and repeats, the named-vector count.
+
+The same cases through a real engine are in ``tests/test_security.py`` (in process) and ``tests/test_serve.py``
+(HTTP).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import msgspec
+import numpy as np
+import pytest
+
+from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, Monitor, Rule, SteeringSpec,
+                      SteeringValidationError)
+from dynsteer.config import Limits
+from dynsteer.engine.apc import FrontendState
+from dynsteer.payload import check_shape, encode_payload
+from dynsteer.spec import ModelShape
+
+H, LAYERS = 8, 4
+SHAPE = ModelShape(num_layers=LAYERS, hidden_size=H, max_gates=2, max_clamps=2)
+
+
+def pack_raw(body: dict) -> str:
+    return "ds1:" + base64.b64encode(msgspec.msgpack.encode(body)).decode()
+
+
+def unit(seed: int) -> np.ndarray:
+    v = np.random.default_rng(seed).standard_normal(H)
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+def probe(weight: np.ndarray, bias: float = 0.0, layer: int = 1):
+    from dynsteer.probes.fileformat import Probe, ProbeMeta
+
+    return Probe(weight=weight.astype(np.float32), meta=ProbeMeta(model_id="t", hidden_size=H, layer=layer,
+                                                                 bias=bias))
+
+
+def frontend(**kw) -> FrontendState:
+    return FrontendState(SHAPE, **{"named": {"v": unit(0)}, "capture_places": {(1, "post_block")}, **kw})
+
+
+def rejection(front: FrontendState, payload) -> str:
+    with pytest.raises(SteeringValidationError) as err:
+        front.admit(payload)
+    return str(err.value)
+
+
+# ---- gate parameters land in float32 tables ------------------------------------------------------------------------
+def monitor_payload(**monitor) -> str:
+    mon = {"name": "m", "layer": 1, "direction": {"b64": base64.b64encode(unit(3).tobytes()).decode()},
+           "sharpness": 2.0, "threshold": 0.0, **monitor}
+    pol = {"monitors": [mon], "rules": [{"monitor": "m", "actions": [
+        {"kind": "add", "layer": 2, "vector": {"b64": base64.b64encode(unit(4).tobytes()).decode()}}]}]}
+    return pack_raw({"policy": pol})
+
+
+@pytest.mark.parametrize("field,value", [("sharpness", 1e300), ("sharpness", 3.5e38), ("sharpness", 1e9),
+                                         ("sharpness", 1e-300), ("threshold", 1e300), ("threshold", -1e39),
+                                         ("threshold", 1e13)])
+def test_gate_parameters_that_leave_float32_are_rejected_naming_the_field(field, value):
+    message = rejection(frontend(), monitor_payload(**{field: value}))
+    assert message.startswith(f"extra_args.dynsteer.policy.monitors[0].{field}: "), message
+
+
+def test_gate_parameters_within_the_bounds_give_finite_float32_tables():
+    from dynsteer.policy import MAX_ABS_THRESHOLD, MAX_SHARPNESS, MIN_SHARPNESS
+    from dynsteer.steering.compile import compile_phase
+
+    for sharpness in (MIN_SHARPNESS, 1e6, MAX_SHARPNESS):
+        for threshold in (-MAX_ABS_THRESHOLD, -1e9, 0.0, 1e9, MAX_ABS_THRESHOLD):
+            payload = monitor_payload(sharpness=sharpness, threshold=threshold)
+            frontend().admit(payload)
+            from dynsteer.payload import decode_payload
+
+            pol = decode_payload(payload).policy
+            row = compile_phase([], "decode", SHAPE, {}, ("policy.", pol))
+            for prog in row.sites.values():
+                for mon in prog.monitors.values():
+                    values = np.array([mon.sharpness, mon.threshold], np.float32)
+                    assert np.all(np.isfinite(values)) and values[0] > 0
+                    # the kernel's logit for a large real score stays finite too
+                    assert np.isfinite(values[0] * (np.float32(1e5) - values[1]))
+
+
+def test_probe_derived_gate_parameters_are_bounded_and_real_probes_pass():
+    """A registered probe's sharpness is its weight norm, its threshold −bias/‖w‖: probes with weight norms in the
+    hundreds (and their calibrated forms) stay valid; a degenerate one is refused naming the monitor's probe."""
+    real = probe(unit(5) * 300.0, bias=-40.0)
+    huge = probe(unit(5) * 1e10)
+    tiny = probe(unit(5) * 1e-9, bias=1.0)  # a slope of 1e-9, under MIN_SHARPNESS (its threshold −b/‖w‖ is −1e9)
+    front = frontend(probes={"real": real, "huge": huge, "tiny": tiny})
+
+    def with_probe(name: str) -> str:
+        pol = DynamicSteeringPolicy(monitors=[Monitor(name="m", layer=1, probe=name)],
+                                    rules=[Rule(monitor="m", actions=[Action(kind="add", layer=2, vector=unit(4))])])
+        return encode_payload(policy=pol)
+
+    front.admit(with_probe("real"))
+    assert real.gate_params().sharpness == pytest.approx(300.0, rel=1e-6)
+    for name in ("huge", "tiny"):
+        message = rejection(front, with_probe(name))
+        assert message.startswith(f"extra_args.dynsteer.policy.monitors[0].probe: '{name}' gives an out-of-range sharpness"), message
+
+
+def test_probe_file_gate_parameters_are_checked_in_the_callers_process(tmp_path):
+    from dynsteer.probes.fileformat import save_probe
+
+    path = save_probe(tmp_path / "huge.safetensors", unit(5) * 1e10, bias=0.0, model_id="t", layer=1)
+    pol = DynamicSteeringPolicy(monitors=[Monitor(name="m", layer=1, probe_file=str(path))],
+                                rules=[Rule(monitor="m", actions=[Action(kind="add", layer=2, vector=unit(4))])])
+    with pytest.raises(SteeringValidationError) as err:
+        pol.resolved()
+    assert str(err.value).startswith("monitors[0].probe_file: "), err.value
+    with pytest.raises(SteeringValidationError) as err:
+        pol.check(SHAPE)
+    assert str(err.value).startswith("monitors[0].probe_file: "), err.value
+
+
