@@ -51,6 +51,53 @@ def rejection(front: FrontendState, payload) -> str:
     return str(err.value)
 
 
+# ---- max_entries: exactly the limit passes, one more is refused, whichever section holds them ---------------------
+N = 24
+LIMITS = Limits(max_entries=N)
+ENTRY = {"layer": 1, "vector": "v"}
+SECTIONS = {
+    "spec.vectors": lambda n: {"spec": {"vectors": [ENTRY] * n}},
+    "spec.clamps": lambda n: {"spec": {"clamps": [{"layer": 1, "direction": "v", "hi": 0.0}] * n}},
+    "spec.ablations": lambda n: {"spec": {"ablations": [{"layer": 1, "direction": "v"}] * n}},
+    "policy.monitors": lambda n: {"policy": {"monitors": [{"name": f"m{i}", "layer": 1, "probe": "p"}
+                                                          for i in range(n)]}},
+    "policy.rules": lambda n: {"policy": {"monitors": [], "rules": [{"monitor": "m", "abort": "x"}] * n}},
+    # one rule and its actions: the rule is an entry too
+    "policy.rules[0].actions": lambda n: {"policy": {"rules": [{"monitor": "m", "actions": [
+        {"kind": "add", "layer": 1, "vector": {"b64": "AAAA"}}] * (n - 1)}]}},
+    "capture.layers": lambda n: {"capture": {"layers": list(range(n))}},
+    "mixed": lambda n: {"spec": {"vectors": [ENTRY] * (n // 2)}, "capture": {"layers": list(range(n - n // 2))}},
+}
+
+
+@pytest.mark.parametrize("section", list(SECTIONS))
+def test_max_entries_is_exact_for_every_section(section):
+    make = SECTIONS[section]
+    check_shape(make(N), "extra_args.dynsteer", LIMITS)  # the wrappers around the entries are not entries
+    with pytest.raises(SteeringValidationError) as err:
+        check_shape(make(N + 1), "extra_args.dynsteer", LIMITS)
+    assert str(err.value).startswith(f"extra_args.dynsteer: payload holds more than the engine's limit "
+                                     f"max_entries = {N} entries"), err.value
+
+
+def test_exactly_max_entries_are_admitted_end_to_end():
+    front = frontend(limits=LIMITS)
+    spec = SteeringSpec(vectors=[AddVector(layer=i % LAYERS, vector="v", scale=0.5) for i in range(N)])
+    front.admit(encode_payload(spec))  # the JSON-object form counts the same
+    front.admit({"spec": spec.model_dump(mode="json")})
+    over = SteeringSpec(vectors=[*spec.vectors, AddVector(layer=0, vector="v")])
+    assert "max_entries = 24" in rejection(front, encode_payload(over))
+
+
+def test_objects_besides_entries_stay_bounded():
+    """Objects outside the entry lists (here a custom controller's options) are bounded too: the walk before schema
+    validation never meets an unbounded number of them."""
+    body = {"policy": {"controller": {"kind": "custom", "name": "c", "options": {f"k{i}": {} for i in range(200)}}}}
+    with pytest.raises(SteeringValidationError) as err:
+        check_shape(body, "extra_args.dynsteer", LIMITS)
+    assert "objects besides its entries" in str(err.value)
+
+
 # ---- gate parameters land in float32 tables ------------------------------------------------------------------------
 def monitor_payload(**monitor) -> str:
     mon = {"name": "m", "layer": 1, "direction": {"b64": base64.b64encode(unit(3).tobytes()).decode()},

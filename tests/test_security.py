@@ -279,6 +279,20 @@ def test_oversize_deep_and_wide_payloads_are_rejected_cheaply(engine):
     assert_serving(llm, baseline)
 
 
+def test_exactly_max_entries_are_admitted_and_one_more_is_not(engine):
+    """max_entries counts entries, not the payload's wrappers: 64 steering entries run, 65 are refused."""
+    llm, st, baseline = engine
+    entries = [AddVector(layer=i % 4, site=("pre_attn", "post_attn", "post_block")[i % 3], vector=vec(60 + i, 0.5))
+               for i in range(LIMITS.max_entries)]
+    rejected, outputs = run_batch(llm, [None, encode_payload(SteeringSpec(vectors=entries)), None])
+    assert not rejected and outputs[1].outputs[0].finish_reason == "length"
+    assert [list(outputs[i].outputs[0].token_ids) for i in (0, 2)] == [baseline[0], baseline[2]]
+    over = SteeringSpec(vectors=[*entries, AddVector(layer=0, vector=vec(59, 0.5))])
+    rejected, _ = run_batch(llm, [encode_payload(over)])
+    assert "extra_args.dynsteer: payload holds more than the engine's limit max_entries = 64" in rejected[0]
+    assert_serving(llm, baseline)
+
+
 def test_more_configurations_than_rows_wait_for_rows_and_none_runs_unsteered(engine):
     """max_rows=4 leaves 3 rows; 6 distinct configurations in one batch: the scheduler holds the ones that do not
     fit until rows free up, and every request is steered exactly as when it runs alone."""
