@@ -169,3 +169,28 @@ def test_probe_file_gate_parameters_are_checked_in_the_callers_process(tmp_path)
     assert str(err.value).startswith("monitors[0].probe_file: "), err.value
 
 
+# ---- capture: consumers the engine has, each thing once ------------------------------------------------------------
+def test_capture_naming_an_unknown_consumer_is_rejected_at_admission():
+    front = frontend(consumers=frozenset({"memory", "archive"}))
+    ok = CaptureSpec(layers=(1,), consumers=("memory", "archive"))
+    front.admit(encode_payload(capture=ok))
+    for consumers, index in ((("nope",), 0), (("memory", "../etc"), 1)):
+        message = rejection(front, encode_payload(capture=CaptureSpec(layers=(1,), consumers=consumers)))
+        assert message.startswith(f"extra_args.dynsteer.capture.consumers[{index}]: unknown consumer"), message
+        assert "configured: archive, memory" in message
+
+
+def test_capture_repeats_are_refused_before_any_product_is_formed():
+    """Places are layers × sites: repeated layers and sites would multiply the work (quadratic in the payload)."""
+    front = frontend(limits=Limits())
+    body = {"capture": {"layers": [1] * 200, "sites": ["post_block"] * 20_000}}
+    t0 = time.perf_counter()
+    message = rejection(front, pack_raw(body))
+    assert time.perf_counter() - t0 < 2.0
+    assert message.startswith("extra_args.dynsteer.capture.layers: 1 is listed twice (items 0 and 1)"), message
+    message = rejection(front, pack_raw({"capture": {"layers": [1], "sites": ["post_block", "post_block"]}}))
+    assert message.startswith("extra_args.dynsteer.capture.sites: 'post_block' is listed twice"), message
+    message = rejection(front, pack_raw({"capture": {"layers": [1], "consumers": ["memory"] * 3}}))
+    assert message.startswith("extra_args.dynsteer.capture.consumers: 'memory' is listed twice"), message
+
+

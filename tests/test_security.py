@@ -188,6 +188,22 @@ def test_capture_tags_cannot_leave_the_capture_root(engine, files):
     assert (root / "caps" / "fine-tag.1.json").exists()
 
 
+def test_capture_naming_an_unknown_consumer_is_rejected_at_admission(engine):
+    """The frontend knows the engine's configured consumers (memory, filesystem): a capture naming another one is a
+    400 naming the field, not a capture that ends ``partial``."""
+    llm, st, baseline = engine
+    for consumers, index in ((("nope",), 0), (("memory", "zmq"), 1), (("filesystem", "../../etc/passwd"), 1)):
+        body = encode_payload(SteeringSpec(), capture=CaptureSpec(layers=(MON_LAYER,), consumers=consumers))
+        rejected, outputs = run_batch(llm, [None, body, None])
+        assert rejected[1].startswith(f"extra_args.dynsteer.capture.consumers[{index}]: unknown consumer"), rejected
+        assert "configured: filesystem, memory" in rejected[1]
+        assert [list(outputs[i].outputs[0].token_ids) for i in (0, 2)] == [baseline[0], baseline[2]]
+    ok = encode_payload(SteeringSpec(), capture=CaptureSpec(layers=(MON_LAYER,), consumers=("memory",)))
+    rejected, outputs = run_batch(llm, [with_tag(ok, "known-consumer")])
+    assert not rejected and list(outputs[0].outputs[0].token_ids) == baseline[0]
+    assert_serving(llm, baseline)
+
+
 # ---- values that would overflow -----------------------------------------------------------------------------------
 def test_gate_parameters_stay_finite_in_float32(engine):
     """A monitor's sharpness and threshold land in float32 tables: values float32 cannot hold (or that round to a

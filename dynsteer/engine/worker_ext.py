@@ -60,7 +60,7 @@ def dynsteer_set_capture(self: Any, spec: dict[str, Any] | None) -> None:
         raise ValueError("capture: this engine has no capture places; set DynsteerConfig(capture_sites=...)")
     parsed = None if spec is None else CaptureSpec.model_validate(spec)
     if parsed is not None:
-        parsed.check(rt.shape, rt.capture.engine_places)
+        parsed.check(rt.shape, rt.capture.engine_places, consumers=rt.consumers)
     rt.capture.global_spec = parsed
 
 
