@@ -194,3 +194,32 @@ def test_capture_repeats_are_refused_before_any_product_is_formed():
     assert message.startswith("extra_args.dynsteer.capture.consumers: 'memory' is listed twice"), message
 
 
+# ---- named vectors: a bounded count, refused before anything changes -----------------------------------------------
+def test_frontend_named_vector_limit():
+    front = FrontendState(SHAPE, limits=Limits(max_named_vectors=2))
+    front.register("a", unit(1))
+    front.register("b", unit(2))
+    version = front.version
+    front.register("a", unit(3))  # replacing is fine
+    with pytest.raises(SteeringValidationError) as err:
+        front.check_register("c")
+    assert str(err.value).startswith("name: cannot register 'c'") and "max_named_vectors = 2" in str(err.value)
+    with pytest.raises(SteeringValidationError):
+        front.register("c", unit(4))
+    assert sorted(front.named) == ["a", "b"] and front.version == version + 1
+
+
+def test_worker_named_vector_limit():
+    from dynsteer.steering.runtime import SteeringRuntime
+    from dynsteer.steering.tables import SteeringTables
+
+    sites = [(l, s) for l in range(LAYERS) for s in ("pre_attn", "post_attn", "post_block")]
+    rt = SteeringRuntime(SHAPE, SteeringTables(sites, H, num_rows=8, max_clamps=2, max_tokens=16, max_gates=2),
+                         Limits(max_named_vectors=2))
+    rt.register_vector("a", unit(1))
+    rt.register_vector("b", unit(2))
+    rt.register_vector("b", unit(5))
+    with pytest.raises(SteeringValidationError) as err:
+        rt.register_vector("c", unit(3))
+    assert str(err.value).startswith("name: cannot register 'c'")
+    assert sorted(rt.named) == ["a", "b"] and np.array_equal(rt.named["b"], unit(5))

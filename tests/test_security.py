@@ -27,7 +27,7 @@ from tests.conftest import make_llm, openai_server, token_ids
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning", "she opened the door and"]
 HIDDEN, MON_LAYER, ACT_LAYER = 128, 1, 2
-LIMITS = Limits(max_payload_bytes=64 << 10, max_entries=64)
+LIMITS = Limits(max_payload_bytes=64 << 10, max_entries=64, max_named_vectors=4)
 
 
 
@@ -306,6 +306,34 @@ def test_exactly_max_entries_are_admitted_and_one_more_is_not(engine):
     over = SteeringSpec(vectors=[*entries, AddVector(layer=0, vector=vec(59, 0.5))])
     rejected, _ = run_batch(llm, [encode_payload(over)])
     assert "extra_args.dynsteer: payload holds more than the engine's limit max_entries = 64" in rejected[0]
+    assert_serving(llm, baseline)
+
+
+def test_named_vectors_are_bounded_and_a_refusal_changes_nothing(engine):
+    """Steerer.register_vector within Limits.max_named_vectors: a new name over the limit is refused naming
+    ``name`` before any rank changes; replacing a registered name is fine."""
+    llm, st, baseline = engine
+    names = [f"lim-{i}" for i in range(LIMITS.max_named_vectors - len(st.named_vectors))]
+    try:
+        for i, name in enumerate(names):
+            st.register_vector(name, vec(70 + i))
+        before = (sorted(st.named_vectors), [sorted(d["named_vectors"]) for d in st.describe()])
+        with pytest.raises(dynsteer.SteeringValidationError) as err:
+            st.register_vector("one-too-many", vec(80))
+        assert str(err.value).startswith("name: cannot register 'one-too-many'"), err.value
+        assert "max_named_vectors = 4" in str(err.value)
+        assert (sorted(st.named_vectors), [sorted(d["named_vectors"]) for d in st.describe()]) == before
+        st.register_vector(names[0], vec(81))  # replacing stays possible at the limit
+        assert np.array_equal(st.named_vectors[names[0]], vec(81))
+        # the workers refuse on their own too (every rank alike), e.g. for a call that bypasses the frontend
+        with pytest.raises(Exception, match="max_named_vectors"):
+            llm.collective_rpc("dynsteer_register_vector", args=("bypass", dynsteer.vectors.pack_vector(vec(82))))
+        assert [sorted(d["named_vectors"]) for d in st.describe()] == before[1]
+    finally:
+        for name in names:
+            llm.collective_rpc("dynsteer_unregister_vector", args=(name,))
+            st._front.named.pop(name, None)
+        st._front.version += 1
     assert_serving(llm, baseline)
 
 

@@ -25,6 +25,7 @@ from dynsteer import Action, AddVector, DynamicSteeringPolicy, Monitor, Rule, St
 from tests.conftest import ON_GPU, env, served
 
 KEY = "test-key-7f3a"
+MAX_NAMED = 4  # Limits.max_named_vectors of the module's server
 HIDDEN, MON_LAYER, ACT_LAYER = 128, 1, 2
 PROMPTS = ["the quick brown fox", "once upon a time", "hello world, this is"]
 MAX_TOKENS = 8
@@ -53,7 +54,7 @@ def server(tiny_llama_path, tmp_path_factory):
     """``dynsteer serve`` on a free loopback port, with vLLM's development routes (``/collective_rpc``, ...); yields
     (base url, model)."""
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    cfg = {"dynsteer": {"max_gates": 2, "max_rows": 16}}
+    cfg = {"dynsteer": {"max_gates": 2, "max_rows": 16, "limits": {"max_named_vectors": MAX_NAMED}}}
     exe = _console_script()
     with env(VLLM_SERVER_DEV_MODE="1"), \
             served(lambda port, args: [str(exe), "serve", str(tiny_llama_path), "--host", "127.0.0.1", "--port",
@@ -217,6 +218,31 @@ def test_dev_mode_collective_rpc_needs_the_key_and_never_changes_steering(server
     assert rank["named_vectors"] == [] and rank["global_empty"], rank
     assert steering(server, "GET", "vectors")[1]["vectors"] == []
     assert [complete(client, model, p) for p in PROMPTS] == baseline  # no global steering crept in
+
+
+def test_named_vector_limit_over_http(server, client, baseline):
+    """max_named_vectors: a new name over the limit is a 409 naming ``name``; the frontend and the workers keep the
+    same names; replacing a registered name is fine."""
+    _, model = server
+    names = [f"lim-{i}" for i in range(MAX_NAMED)]
+    try:
+        for i, name in enumerate(names):
+            assert steering(server, "POST", "vectors", {"name": name, "vector": [0.1 * (i + 1)] * HIDDEN})[0] == 200
+        status, body = steering(server, "POST", "vectors", {"name": "one-too-many", "vector": [0.5] * HIDDEN})
+        assert status == 409 and error_message(body).startswith("name: cannot register 'one-too-many'"), body
+        assert f"max_named_vectors = {MAX_NAMED}" in error_message(body)
+        assert steering(server, "POST", "vectors", {"name": names[0], "vector": [0.7] * HIDDEN})[0] == 200
+        listed = [v["name"] for v in steering(server, "GET", "vectors")[1]["vectors"]]
+        workers = rpc(server, "dynsteer_describe")[1]["results"][0]["named_vectors"]
+        assert listed == sorted(workers) == names
+        info = {v["name"]: v for v in steering(server, "GET", "vectors")[1]["vectors"]}
+        assert abs(info[names[0]]["norm"] - 0.7 * HIDDEN ** 0.5) < 1e-3
+    finally:
+        for name in names:
+            steering(server, "DELETE", f"vectors/{name}")
+    assert steering(server, "GET", "vectors")[1]["vectors"] == []
+    assert rpc(server, "dynsteer_describe")[1]["results"][0]["named_vectors"] == []
+    assert [complete(client, model, p) for p in PROMPTS] == baseline
 
 
 @pytest.mark.parametrize("method,path,body,field", [

@@ -62,8 +62,18 @@ class FrontendState:
         self._memo = LRUCache(maxsize=self.limits.cache_bytes, getsizeof=lambda entry: entry[0])
         self.global_key = config_fingerprint(self.global_spec, self.global_policy)
 
+    def check_register(self, name: str, field: str = "name") -> None:
+        """Raise :class:`SteeringValidationError` naming ``field`` when registering ``name`` would exceed
+        ``limits.max_named_vectors`` (replacing a registered name is fine). Call it before anything changes."""
+        limit = self.limits.max_named_vectors
+        if name not in self.named and len(self.named) >= limit:
+            raise SteeringValidationError(
+                f"{field}: cannot register {name!r}: {len(self.named)} named vectors are registered, the engine's "
+                f"limit max_named_vectors = {limit} (replace or delete one first)")
+
     def register(self, name: str, vector: np.ndarray) -> None:
         """Record a named vector (already registered on the workers); cached admissions become stale."""
+        self.check_register(name)
         self.named[name] = vector
         self.version += 1
 

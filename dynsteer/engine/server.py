@@ -129,6 +129,10 @@ class SteeringEndpoints:
             front = self.front(engine)
             arr = _check(lambda: check_vector(as_vector(body.vector), front.shape.hidden_size, "vector"), "vector")
             async with self._lock:
+                try:
+                    front.check_register(body.name)  # over max_named_vectors: nothing changes anywhere
+                except SteeringValidationError as exc:
+                    raise HTTPException(409, str(exc)) from None
                 previous = front.named.get(body.name)
                 if previous is not None and _references(front, body.name):
                     # the global steering's rows and live requests' cache hashes were made with the old values

@@ -45,7 +45,8 @@ def dynsteer_set_global(self: Any, payload: str) -> str:
 
 
 def dynsteer_register_vector(self: Any, name: str, packed: dict[str, str]) -> None:
-    """Register (or replace) a named vector that request payloads may reference."""
+    """Register (or replace) a named vector that request payloads may reference (within
+    ``Limits.max_named_vectors``: the frontend checks first, so a refused registration changes nothing anywhere)."""
     _runtime(self).register_vector(check_name(name, "vector name"), unpack_vector(packed))
 
 
