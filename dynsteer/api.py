@@ -25,8 +25,8 @@ from dynsteer.capture.spec import CaptureSpec
 from dynsteer.engine.apc import state_of
 from dynsteer.payload import PAYLOAD_KEY, encode_payload, with_tag
 from dynsteer.policy import DynamicSteeringPolicy
-from dynsteer.spec import (AddVector, Ablation, ModelShape, ProjectionClamp, Site, SteeringSpec, Tier,
-                           VectorSource, check_vector)
+from dynsteer.spec import (AddVector, Ablation, ModelShape, ProjectionClamp, Site, SteeringSpec,
+                           SteeringValidationError, Tier, VectorSource, check_name, check_vector)
 from dynsteer.trace import DynamicTrace
 from dynsteer.vectors import as_vector, pack_vector
 
@@ -167,8 +167,18 @@ class Steerer:
 
     # ---- named vectors ----------------------------------------------------------------------------------------------
     def register_vector(self, name: str, vector: Any) -> None:
-        """Register a vector on every rank under ``name``; request payloads may then reference it by name."""
+        """Register a vector on every rank under ``name``; request payloads may then reference it by name.
+
+        Raises:
+            SteeringValidationError: naming ``name`` (a malformed name, or a new name over the engine's
+                ``Limits.max_named_vectors``) or the vector; nothing changes anywhere then.
+        """
+        try:
+            check_name(name, "vector name")
+        except ValueError as exc:
+            raise SteeringValidationError(f"name: {exc}") from None
         arr = check_vector(as_vector(vector), self.hidden_size, f"vector {name!r}")
+        self._front.check_register(name)  # before the workers change (they would refuse too, rank by rank)
         self.llm.collective_rpc("dynsteer_register_vector", args=(name, pack_vector(arr)))
         self._front.register(name, arr)
 

@@ -57,13 +57,50 @@ MonitorReads = Literal["token", "prompt_last", "prompt_mean"]
 """When a rule's gate acts: the same token (in-graph), the next step, or from the first trigger to the end."""
 ControllerKind = Literal["latch", "ema_latch", "pid", "budget", "custom"]
 
-__all__ = ["Action", "ControllerKind", "DynamicSteeringPolicy", "Monitor", "POLICY_VERSION", "RelativeDoseLimit",
-           "MonitorReads", "Rule", "Scope", "SyncControllerSpec"]
+__all__ = ["Action", "ControllerKind", "DynamicSteeringPolicy", "MAX_ABS_THRESHOLD", "MAX_SHARPNESS", "MIN_SHARPNESS",
+           "Monitor", "POLICY_VERSION", "RelativeDoseLimit", "MonitorReads", "Rule", "Scope", "SyncControllerSpec",
+           "gate_param_problem"]
+
+# A gate's sharpness and threshold reach the kernels as float32 (``σ(sharpness·(score − threshold))``); float64
+# values such as 1e300 would become inf there, and a slope that rounds to 0 reads as "no monitor". The bounds lie far
+# outside any real gate: a logistic probe's sharpness is its weight norm (tens to hundreds, thousands for an
+# unregularised probe on separable data), and at 1e8 the gate is already a step at float32's resolution of any
+# score; a slope under 1e-6 per unit of projection cannot tell real residuals apart. A threshold is a projection
+# of the residual (real ones stay below ~1e5; "always"/"never" gates are written as ±1e9). Within the bounds
+# ``|sharpness·(score − threshold)|`` stays below ~1e21 for any real score, far inside float32's 3.4e38.
+MIN_SHARPNESS = 1e-6
+MAX_SHARPNESS = 1e8
+MAX_ABS_THRESHOLD = 1e12
 
 
 def _finite(name: str, value: float | None) -> None:
     if value is not None and not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+
+
+def gate_param_problem(name: str, value: float) -> str | None:
+    """What is wrong with a gate's ``sharpness`` or ``threshold`` for the engine's float32 tables (None: fine)."""
+    if name == "sharpness" and not MIN_SHARPNESS <= value <= MAX_SHARPNESS:
+        return (f"{value:g} is outside [{MIN_SHARPNESS:g}, {MAX_SHARPNESS:g}] (gate parameters must stay finite "
+                f"and non-zero in the engine's float32 tables)")
+    if name == "threshold" and not abs(value) <= MAX_ABS_THRESHOLD:
+        return (f"{value:g} is outside [-{MAX_ABS_THRESHOLD:g}, {MAX_ABS_THRESHOLD:g}] (gate parameters must stay "
+                f"finite in the engine's float32 tables)")
+    return None
+
+
+def _check_gate(m: "Monitor", where: str, source: "Monitor") -> None:
+    """Raise naming the field when inline monitor ``m``'s gate parameters do not fit the float32 tables; ``source``
+    is the monitor as written (a probe's values are reported on its ``probe``/``probe_file`` field)."""
+    for name in ("sharpness", "threshold"):
+        problem = gate_param_problem(name, float(getattr(m, name)))
+        if problem is None:
+            continue
+        if source.is_inline:
+            raise SteeringValidationError(f"{where}.{name}: {problem}")
+        field = "probe" if source.probe is not None else "probe_file"
+        what = source.probe if source.probe is not None else source.probe_file
+        raise SteeringValidationError(f"{where}.{field}: {what!r} gives an out-of-range {name}: {problem}")
 
 
 def _site_order(site: str) -> int:
@@ -107,8 +144,9 @@ class Monitor(_Model):
             positive class, 0: the other one).
         calibrated: with ``probe``/``probe_file``: centre the gate on the probe's calibration threshold.
         direction: probe direction ``[hidden]`` (inline form; usually unit norm, any non-zero norm is accepted).
-        sharpness: slope of the gate's logit per unit of projection, ``> 0`` (inline form).
-        threshold: projection at which the gate is 0.5, finite (inline form).
+        sharpness: slope of the gate's logit per unit of projection, in ``[1e-6, 1e8]`` (inline form; an engine
+            checks the bound, for probes too: :data:`MAX_SHARPNESS`).
+        threshold: projection at which the gate is 0.5, within ``±1e12`` (inline form).
         reads: ``token`` (default): the gate of every generated token, from that token's residual;
             ``prompt_last``: a prompt-level (CAST-style) gate, computed once inside the forward pass from the residual
             of the prompt's last token and held for every generated token of the request (rules it gates, or that
@@ -620,10 +658,13 @@ class DynamicSteeringPolicy(_Model):
         monitors = []
         for i, m in enumerate(self.monitors):
             try:
-                monitors.append(m.resolve(probes, allow_files=allow_files))
+                resolved = m.resolve(probes, allow_files=allow_files)
             except (OSError, ValueError) as exc:
                 field = "probe" if m.probe is not None else "probe_file"
                 raise SteeringValidationError(f"{prefix}monitors[{i}].{field}: {exc}") from None
+            if not m.is_inline and resolved.is_inline:  # a probe's weight norm and bias become the gate's values
+                _check_gate(resolved, f"{prefix}monitors[{i}]", m)
+            monitors.append(resolved)
         upd: dict[str, Any] = {"monitors": tuple(monitors)}
         if self.controller is not None and all(m.is_inline for m in monitors):
             cm = self.controller.monitor
@@ -644,8 +685,9 @@ class DynamicSteeringPolicy(_Model):
         """Validate against a model like :func:`dynsteer.spec.check_spec`.
 
         Checks layer ranges and hooked layers/sites of monitors and actions, vector hidden sizes, finite values and
-        non-zero directions, clamp bounds and strengths, the controller's output bound; resolves probe monitors
-        and checks them too.
+        non-zero directions, gate parameters within :data:`MIN_SHARPNESS`/:data:`MAX_SHARPNESS` and
+        :data:`MAX_ABS_THRESHOLD`, clamp bounds and strengths, the controller's output bound; resolves probe
+        monitors and checks them too.
 
         Args:
             shape: the engine's model shape (and its magnitude limits).
@@ -667,9 +709,10 @@ class DynamicSteeringPolicy(_Model):
                                               f"(hooked: {list(shape.layers)})")
             check_site(site, shape, where)
 
-        for i, m in enumerate(self.monitors):
+        for i, source in enumerate(self.monitors):
             where = f"{prefix}monitors[{i}]"
-            place(where, m.layer, m.site)
+            place(where, source.layer, source.site)
+            m = source
             if not m.is_inline:
                 try:
                     m = m.resolve()
@@ -684,6 +727,7 @@ class DynamicSteeringPolicy(_Model):
             for name in ("sharpness", "threshold"):
                 if not math.isfinite(getattr(m, name)):
                     raise SteeringValidationError(f"{where}.{name}: must be finite")
+            _check_gate(m, where, source)
         for i, rule in enumerate(self.rules):
             for j, a in enumerate(rule.actions):
                 where = f"{prefix}rules[{i}].actions[{j}]"

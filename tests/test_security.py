@@ -27,7 +27,7 @@ from tests.conftest import make_llm, openai_server, token_ids
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning", "she opened the door and"]
 HIDDEN, MON_LAYER, ACT_LAYER = 128, 1, 2
-LIMITS = Limits(max_payload_bytes=64 << 10, max_entries=64)
+LIMITS = Limits(max_payload_bytes=64 << 10, max_entries=64, max_named_vectors=4)
 
 
 
@@ -188,7 +188,44 @@ def test_capture_tags_cannot_leave_the_capture_root(engine, files):
     assert (root / "caps" / "fine-tag.1.json").exists()
 
 
+def test_capture_naming_an_unknown_consumer_is_rejected_at_admission(engine):
+    """The frontend knows the engine's configured consumers (memory, filesystem): a capture naming another one is a
+    400 naming the field, not a capture that ends ``partial``."""
+    llm, st, baseline = engine
+    for consumers, index in ((("nope",), 0), (("memory", "zmq"), 1), (("filesystem", "../../etc/passwd"), 1)):
+        body = encode_payload(SteeringSpec(), capture=CaptureSpec(layers=(MON_LAYER,), consumers=consumers))
+        rejected, outputs = run_batch(llm, [None, body, None])
+        assert rejected[1].startswith(f"extra_args.dynsteer.capture.consumers[{index}]: unknown consumer"), rejected
+        assert "configured: filesystem, memory" in rejected[1]
+        assert [list(outputs[i].outputs[0].token_ids) for i in (0, 2)] == [baseline[0], baseline[2]]
+    ok = encode_payload(SteeringSpec(), capture=CaptureSpec(layers=(MON_LAYER,), consumers=("memory",)))
+    rejected, outputs = run_batch(llm, [with_tag(ok, "known-consumer")])
+    assert not rejected and list(outputs[0].outputs[0].token_ids) == baseline[0]
+    assert_serving(llm, baseline)
+
+
 # ---- values that would overflow -----------------------------------------------------------------------------------
+def test_gate_parameters_stay_finite_in_float32(engine):
+    """A monitor's sharpness and threshold land in float32 tables: values float32 cannot hold (or that round to a
+    slope of 0) are rejected naming the field; probes with real weight norms still run."""
+    llm, st, baseline = engine
+    for field, value in (("sharpness", 1e300), ("sharpness", 1e-300), ("threshold", 1e300), ("threshold", -1e40)):
+        body = policy_body()
+        body["monitors"][0][field] = value
+        rejected, outputs = run_batch(llm, [None, pack_raw({"policy": body}), None])
+        assert rejected[1].startswith(f"extra_args.dynsteer.policy.monitors[0].{field}: "), rejected
+        assert [list(outputs[i].outputs[0].token_ids) for i in (0, 2)] == [baseline[0], baseline[2]]
+    w = vec(8, 20.0).astype(np.float64)  # a weight norm of a few hundred, as trained probes have
+    mon = Monitor(name="m", layer=MON_LAYER, direction=w / np.linalg.norm(w), sharpness=float(np.linalg.norm(w)),
+                  threshold=-1e9)
+    assert 100 < mon.sharpness < 1000
+    pol = DynamicSteeringPolicy(monitors=[mon],
+                                rules=[Rule(monitor="m", actions=[Action(kind="add", layer=ACT_LAYER, vector=vec(1))])])
+    rejected, outputs = run_batch(llm, [encode_payload(policy=pol)])
+    assert not rejected and outputs[0].outputs[0].finish_reason == "length"
+    assert_serving(llm, baseline)
+
+
 def test_values_that_overflow_are_rejected_and_never_reach_other_requests(engine):
     llm, st, baseline = engine
     big = dict(kind="latch", on=0.0, off=0.0, scale=1e38)
@@ -255,6 +292,48 @@ def test_oversize_deep_and_wide_payloads_are_rejected_cheaply(engine):
     rejected, _ = run_batch(llm, [deep_msgpack()])
     assert rejected[0].startswith("extra_args.dynsteer"), rejected
     assert time.perf_counter() - t0 < 30
+    assert_serving(llm, baseline)
+
+
+def test_exactly_max_entries_are_admitted_and_one_more_is_not(engine):
+    """max_entries counts entries, not the payload's wrappers: 64 steering entries run, 65 are refused."""
+    llm, st, baseline = engine
+    entries = [AddVector(layer=i % 4, site=("pre_attn", "post_attn", "post_block")[i % 3], vector=vec(60 + i, 0.5))
+               for i in range(LIMITS.max_entries)]
+    rejected, outputs = run_batch(llm, [None, encode_payload(SteeringSpec(vectors=entries)), None])
+    assert not rejected and outputs[1].outputs[0].finish_reason == "length"
+    assert [list(outputs[i].outputs[0].token_ids) for i in (0, 2)] == [baseline[0], baseline[2]]
+    over = SteeringSpec(vectors=[*entries, AddVector(layer=0, vector=vec(59, 0.5))])
+    rejected, _ = run_batch(llm, [encode_payload(over)])
+    assert "extra_args.dynsteer: payload holds more than the engine's limit max_entries = 64" in rejected[0]
+    assert_serving(llm, baseline)
+
+
+def test_named_vectors_are_bounded_and_a_refusal_changes_nothing(engine):
+    """Steerer.register_vector within Limits.max_named_vectors: a new name over the limit is refused naming
+    ``name`` before any rank changes; replacing a registered name is fine."""
+    llm, st, baseline = engine
+    names = [f"lim-{i}" for i in range(LIMITS.max_named_vectors - len(st.named_vectors))]
+    try:
+        for i, name in enumerate(names):
+            st.register_vector(name, vec(70 + i))
+        before = (sorted(st.named_vectors), [sorted(d["named_vectors"]) for d in st.describe()])
+        with pytest.raises(dynsteer.SteeringValidationError) as err:
+            st.register_vector("one-too-many", vec(80))
+        assert str(err.value).startswith("name: cannot register 'one-too-many'"), err.value
+        assert "max_named_vectors = 4" in str(err.value)
+        assert (sorted(st.named_vectors), [sorted(d["named_vectors"]) for d in st.describe()]) == before
+        st.register_vector(names[0], vec(81))  # replacing stays possible at the limit
+        assert np.array_equal(st.named_vectors[names[0]], vec(81))
+        # the workers refuse on their own too (every rank alike), e.g. for a call that bypasses the frontend
+        with pytest.raises(Exception, match="max_named_vectors"):
+            llm.collective_rpc("dynsteer_register_vector", args=("bypass", dynsteer.vectors.pack_vector(vec(82))))
+        assert [sorted(d["named_vectors"]) for d in st.describe()] == before[1]
+    finally:
+        for name in names:
+            llm.collective_rpc("dynsteer_unregister_vector", args=(name,))
+            st._front.named.pop(name, None)
+        st._front.version += 1
     assert_serving(llm, baseline)
 
 

@@ -1,5 +1,5 @@
 """``dynsteer serve``: vLLM's OpenAI server with dynsteer's steering endpoints, driven with the official ``openai``
-client (one server per module, tiny Llama on CPU, ``--api-key`` set)."""
+client (one server per module, tiny Llama on CPU, ``--api-key`` set, vLLM's development routes on)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ import pytest
 
 import dynsteer
 from dynsteer import Action, AddVector, DynamicSteeringPolicy, Monitor, Rule, SteeringSpec
-from tests.conftest import ON_GPU, served
+from tests.conftest import ON_GPU, env, served
 
 KEY = "test-key-7f3a"
+MAX_NAMED = 4  # Limits.max_named_vectors of the module's server
 HIDDEN, MON_LAYER, ACT_LAYER = 128, 1, 2
 PROMPTS = ["the quick brown fox", "once upon a time", "hello world, this is"]
 MAX_TOKENS = 8
@@ -50,13 +51,15 @@ def _console_script() -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_path, tmp_path_factory):
-    """``dynsteer serve`` on a free loopback port; yields (base url, model)."""
+    """``dynsteer serve`` on a free loopback port, with vLLM's development routes (``/collective_rpc``, ...); yields
+    (base url, model)."""
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    cfg = {"dynsteer": {"max_gates": 2, "max_rows": 16}}
+    cfg = {"dynsteer": {"max_gates": 2, "max_rows": 16, "limits": {"max_named_vectors": MAX_NAMED}}}
     exe = _console_script()
-    with served(lambda port, args: [str(exe), "serve", str(tiny_llama_path), "--host", "127.0.0.1", "--port",
-                                    str(port), "--max-model-len", "256", "--max-num-seqs", "16", "--api-key", KEY,
-                                    "--seed", "0", "--additional-config", json.dumps(cfg), *args], log) as url:
+    with env(VLLM_SERVER_DEV_MODE="1"), \
+            served(lambda port, args: [str(exe), "serve", str(tiny_llama_path), "--host", "127.0.0.1", "--port",
+                                       str(port), "--max-model-len", "256", "--max-num-seqs", "16", "--api-key", KEY,
+                                       "--seed", "0", "--additional-config", json.dumps(cfg), *args], log) as url:
         yield url, str(tiny_llama_path)
 
 
@@ -77,6 +80,21 @@ def steering(server, method: str, path: str, body=None, key: str | None = KEY) -
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def rpc(server, method: str, args=(), key: str | None = KEY, path: str = "collective_rpc") -> tuple[int, dict]:
+    """A call to one of vLLM's development routes (``/collective_rpc`` by default)."""
+    url, _ = server
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(f"{url}/{path}", data=json.dumps({"method": method, "args": list(args)}).encode(),
+                                 headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read() or b"{}")
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
 
@@ -175,6 +193,56 @@ def test_steering_endpoints_refuse_without_the_key(server):
             status, _ = steering(server, method, path, body, key=key)
             assert status == 401, (method, path, key, status)
     assert steering(server, "GET", "vectors")[1]["vectors"] == []  # nothing was registered
+
+
+def test_dev_mode_collective_rpc_needs_the_key_and_never_changes_steering(server, client, baseline):
+    """VLLM_SERVER_DEV_MODE's /collective_rpc lies outside vLLM's --api-key prefixes and reaches every worker method:
+    under dynsteer serve it answers only with the key, and refuses dynsteer's state-changing methods even then."""
+    _, model = server
+    packed = dynsteer.vectors.pack_vector(vec(9))
+    set_global = dynsteer.encode_payload(SteeringSpec(vectors=[AddVector(layer=1, vector=vec(9))]))
+    attacks = [("dynsteer_register_vector", ["evil", packed]), ("dynsteer_set_global", [set_global]),
+               ("dynsteer_unregister_vector", ["evil"]), ("dynsteer_take_captures", [["t"]]),
+               ("dynsteer_describe", []), ("get_model_inspection", [])]
+    for key in (None, "wrong-key"):
+        for method, args in attacks:
+            status, body = rpc(server, method, args, key=key)
+            assert status == 401, (method, key, status, body)
+        assert rpc(server, "", key=key, path="reset_prefix_cache")[0] == 401  # every dev route
+    for method, args in attacks[:4]:  # with the key: dynsteer's state changes are for /v1/steering/* only
+        status, body = rpc(server, method, args)
+        assert status == 403 and error_message(body).startswith(f"method: '{method}' is not callable"), body
+    status, body = rpc(server, "dynsteer_describe")  # reading is fine with the key
+    assert status == 200, body
+    (rank,) = body["results"]
+    assert rank["named_vectors"] == [] and rank["global_empty"], rank
+    assert steering(server, "GET", "vectors")[1]["vectors"] == []
+    assert [complete(client, model, p) for p in PROMPTS] == baseline  # no global steering crept in
+
+
+def test_named_vector_limit_over_http(server, client, baseline):
+    """max_named_vectors: a new name over the limit is a 409 naming ``name``; the frontend and the workers keep the
+    same names; replacing a registered name is fine."""
+    _, model = server
+    names = [f"lim-{i}" for i in range(MAX_NAMED)]
+    try:
+        for i, name in enumerate(names):
+            assert steering(server, "POST", "vectors", {"name": name, "vector": [0.1 * (i + 1)] * HIDDEN})[0] == 200
+        status, body = steering(server, "POST", "vectors", {"name": "one-too-many", "vector": [0.5] * HIDDEN})
+        assert status == 409 and error_message(body).startswith("name: cannot register 'one-too-many'"), body
+        assert f"max_named_vectors = {MAX_NAMED}" in error_message(body)
+        assert steering(server, "POST", "vectors", {"name": names[0], "vector": [0.7] * HIDDEN})[0] == 200
+        listed = [v["name"] for v in steering(server, "GET", "vectors")[1]["vectors"]]
+        workers = rpc(server, "dynsteer_describe")[1]["results"][0]["named_vectors"]
+        assert listed == sorted(workers) == names
+        info = {v["name"]: v for v in steering(server, "GET", "vectors")[1]["vectors"]}
+        assert abs(info[names[0]]["norm"] - 0.7 * HIDDEN ** 0.5) < 1e-3
+    finally:
+        for name in names:
+            steering(server, "DELETE", f"vectors/{name}")
+    assert steering(server, "GET", "vectors")[1]["vectors"] == []
+    assert rpc(server, "dynsteer_describe")[1]["results"][0]["named_vectors"] == []
+    assert [complete(client, model, p) for p in PROMPTS] == baseline
 
 
 @pytest.mark.parametrize("method,path,body,field", [

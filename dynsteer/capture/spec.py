@@ -10,9 +10,10 @@ Example:
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from collections.abc import Collection
+from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from dynsteer.spec import ModelShape, Site, SteeringValidationError, check_site
 
@@ -31,6 +32,9 @@ class CaptureSpec(BaseModel):
         dtype: dtype of the returned arrays.
         consumers: names of the engine's configured consumers that receive this capture (``memory`` returns it to
             the caller).
+
+    Layers, sites and consumers are each listed at most once (the places are their product: repeats would only
+    multiply the work).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -41,11 +45,32 @@ class CaptureSpec(BaseModel):
     dtype: CaptureDType = "float32"
     consumers: tuple[str, ...] = ("memory",)
 
+    @field_validator("layers", "sites", "consumers")
+    @classmethod
+    def _once_each(cls, v: tuple[Any, ...], info: Any) -> tuple[Any, ...]:
+        first: dict[Any, int] = {}
+        for i, item in enumerate(v):
+            if item in first:
+                shown = repr(item) if len(repr(item)) <= 40 else repr(item)[:37] + "..."
+                raise ValueError(f"{shown} is listed twice (items {first[item]} and {i})")
+            first[item] = i
+        return v
+
     def places(self) -> list[tuple[int, Site]]:
         return [(layer, site) for layer in self.layers for site in self.sites]
 
-    def check(self, shape: ModelShape, captured: set[tuple[int, Site]], field: str = "capture") -> None:
-        """Raise naming the field when a place is out of range or has no capture buffer in this engine."""
+    def check(self, shape: ModelShape, captured: set[tuple[int, Site]], field: str = "capture",
+              consumers: Collection[str] | None = None) -> None:
+        """Raise naming the field when a place is out of range or has no capture buffer in this engine, or (given
+        the engine's configured ``consumers``) a consumer is not one of them."""
+        if consumers is not None:
+            for i, name in enumerate(self.consumers):
+                if name not in consumers:
+                    shown = name if len(name) <= 40 else name[:37] + "..."
+                    raise SteeringValidationError(
+                        f"{field}.consumers[{i}]: unknown consumer {shown!r} (configured: "
+                        f"{', '.join(sorted(consumers)) or 'none'}; the operator configures them with "
+                        f"DynsteerConfig(capture_consumers=...))")
         for i, layer in enumerate(self.layers):
             if not 0 <= layer < shape.num_layers:
                 raise SteeringValidationError(f"{field}.layers[{i}]: layer {layer} out of range (0..{shape.num_layers - 1})")

@@ -45,6 +45,8 @@ class FrontendState:
     limits: Limits = field(default_factory=Limits)
     probes: dict[str, Any] = field(default_factory=dict)  # registered probe files, loaded
     controllers: Any = field(default_factory=set)  # names of registered custom controllers
+    # names of the configured capture consumers (None: not known, e.g. a state built by hand; then unchecked)
+    consumers: frozenset[str] | None = None
     capacity: int = 63  # table rows requests can take (max_rows - 1)
     # Admission results per (named-vector version, global configuration, packed payload): validation compiles
     # every vector, which for a large batch of requests would otherwise dominate LLM.generate's submission loop
@@ -60,8 +62,18 @@ class FrontendState:
         self._memo = LRUCache(maxsize=self.limits.cache_bytes, getsizeof=lambda entry: entry[0])
         self.global_key = config_fingerprint(self.global_spec, self.global_policy)
 
+    def check_register(self, name: str, field: str = "name") -> None:
+        """Raise :class:`SteeringValidationError` naming ``field`` when registering ``name`` would exceed
+        ``limits.max_named_vectors`` (replacing a registered name is fine). Call it before anything changes."""
+        limit = self.limits.max_named_vectors
+        if name not in self.named and len(self.named) >= limit:
+            raise SteeringValidationError(
+                f"{field}: cannot register {name!r}: {len(self.named)} named vectors are registered, the engine's "
+                f"limit max_named_vectors = {limit} (replace or delete one first)")
+
     def register(self, name: str, vector: np.ndarray) -> None:
         """Record a named vector (already registered on the workers); cached admissions become stale."""
+        self.check_register(name)
         self.named[name] = vector
         self.version += 1
 
@@ -129,7 +141,8 @@ class FrontendState:
                 where = f"extra_args.{PAYLOAD_KEY}.policy."
                 policy = (where, admit_policy(decoded.policy, self.probes, self.controllers, where))
             if decoded.capture is not None:
-                decoded.capture.check(self.shape, self.capture_places, f"extra_args.{PAYLOAD_KEY}.capture")
+                decoded.capture.check(self.shape, self.capture_places, f"extra_args.{PAYLOAD_KEY}.capture",
+                                      self.consumers)
                 # the last prompt token is always recomputed (it yields the first logits); the others may be cached
                 recompute_prompt = decoded.capture.positions not in ("last_prompt", "all_generated")
         prefill, decode = (compile_phase(specs, phase, self.shape, self.named, policy).digest.hex()
@@ -178,7 +191,7 @@ def build_frontend_state(vllm_config: Any) -> FrontendState:
     cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
     return FrontendState(shape, {n: load_named_vector(r, shape.hidden_size) for n, r in cfg.vectors.items()},
                          capture_places={p for p in cfg.capture_places(shape.num_layers) if p[1] in shape.sites},
-                         limits=cfg.limits,
+                         consumers=frozenset(cfg.capture_consumers), limits=cfg.limits,
                          probes=load_probes(cfg), controllers=ControllerRegistry(cfg.controllers).names(),
                          capacity=cfg.max_rows - 1)
 

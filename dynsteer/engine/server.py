@@ -17,6 +17,14 @@ Trust (DESIGN §10): with ``--api-key`` (or ``VLLM_API_KEY``) every steering rou
 <key>`` (compared in constant time) and answers 401 without it, whatever vLLM's own middleware guards; with no key
 they answer only loopback (and unix-socket) clients unless the operator passed ``--steering-allow-remote`` (403
 otherwise). Bodies are pydantic models; every error is a 400 naming the field.
+
+vLLM's development routes (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, ``/sleep``, ``/reset_prefix_cache``,
+``/pause``, ``/update_weights``, ...) lie outside the prefixes vLLM's ``--api-key`` middleware guards, and
+``/collective_rpc`` calls any worker method, dynsteer's included. :class:`DevRouteGuard` holds them to the same rule
+as the steering routes, and ``/collective_rpc`` refuses the ``dynsteer_*`` methods other than
+``dynsteer_describe`` even with the key: they would change (or take) the workers' steering state behind the
+frontend's admission state (named vectors it validates against, the global it salts prefix-cache keys with), so
+only ``/v1/steering/*`` changes steering.
 """
 
 from __future__ import annotations
@@ -24,15 +32,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ipaddress
+import json
 import logging
 import secrets
 import sys
 from collections.abc import Sequence
+from http import HTTPStatus
 from typing import Any, Optional, Union
 
 import numpy as np
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.routing import Match
 
 from dynsteer.engine.apc import FrontendState, frontend_state
 from dynsteer.payload import decode_payload, encode_payload
@@ -82,6 +93,11 @@ class SteeringEndpoints:
 
     # ---- vLLM's endpoint-plugin protocol -----------------------------------------------------------------------------
     def attach_router(self, app: Any) -> None:
+        # vLLM registers its development routes (VLLM_SERVER_DEV_MODE) before endpoint plugins: guard them here
+        dev = [r for r in app.router.routes
+               if getattr(getattr(r, "endpoint", None), "__module__", "").startswith(DEV_ROUTE_MODULES)]
+        if dev:
+            app.add_middleware(DevRouteGuard, endpoints=self, routes=dev)
         app.include_router(self.router())
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
@@ -113,6 +129,10 @@ class SteeringEndpoints:
             front = self.front(engine)
             arr = _check(lambda: check_vector(as_vector(body.vector), front.shape.hidden_size, "vector"), "vector")
             async with self._lock:
+                try:
+                    front.check_register(body.name)  # over max_named_vectors: nothing changes anywhere
+                except SteeringValidationError as exc:
+                    raise HTTPException(409, str(exc)) from None
                 previous = front.named.get(body.name)
                 if previous is not None and _references(front, body.name):
                     # the global steering's rows and live requests' cache hashes were made with the old values
@@ -164,21 +184,28 @@ class SteeringEndpoints:
     async def authorize(self, request: Request) -> None:
         """401 without the server's API key when one is set; 403 for non-loopback clients when none is (unless
         ``allow_remote``)."""
-        keys = request.app.state.dynsteer["keys"]
+        refusal = self.refusal(request.app.state.dynsteer["keys"], request.headers.get("authorization"),
+                               request.client)
+        if refusal is not None:
+            raise HTTPException(*refusal)
+
+    def refusal(self, keys: list[bytes], authorization: str | None, client: Any) -> tuple[int, str] | None:
+        """Why a control request is refused, as ``(status, message)``, or None: the rule of :meth:`authorize`
+        (``keys``: SHA-256 digests of the API keys; ``client``: an object with ``host``, None for a unix socket)."""
         if keys:
-            scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+            scheme, _, token = (authorization or "").partition(" ")
             digest = hashlib.sha256(token.encode()).digest()
             ok = False
             for key in keys:
                 ok |= secrets.compare_digest(digest, key)
             if scheme.lower() != "bearer" or not ok:
-                raise HTTPException(401, "Authorization: a valid 'Bearer <api key>' is required for steering "
-                                         "endpoints")
-            return
-        if self.allow_remote or _is_local(request.client):
-            return
-        raise HTTPException(403, "steering endpoints answer loopback clients only when the server has no API key "
-                                 "(start it with --api-key, or --steering-allow-remote)")
+                return 401, ("Authorization: a valid 'Bearer <api key>' is required for steering and development "
+                             "endpoints")
+            return None
+        if self.allow_remote or _is_local(client):
+            return None
+        return 403, ("steering and development endpoints answer loopback clients only when the server has no API "
+                     "key (start it with --api-key, or --steering-allow-remote)")
 
     async def _set_policy(self, engine: Any, raw: dict[str, Any] | None) -> dict[str, Any]:
         front = self.front(engine)
@@ -228,6 +255,79 @@ class SteeringEndpoints:
         if engine is None:
             raise HTTPException(503, "this server has no engine")
         return engine
+
+
+#: modules of vLLM 0.26's development routes (``vllm.entrypoints.serve.register_vllm_dev_api_routers``)
+DEV_ROUTE_MODULES = ("vllm.entrypoints.serve.dev.",)
+RPC_ROUTE = "/collective_rpc"
+#: the dynsteer worker methods ``/collective_rpc`` may call (read only)
+RPC_ALLOWED = frozenset({"dynsteer_describe"})
+_MAX_RPC_BODY = 1 << 20
+
+
+class DevRouteGuard:
+    """ASGI middleware holding vLLM's development routes to the steering routes' rule (:meth:`SteeringEndpoints.
+    refusal`), and refusing ``dynsteer_*`` methods other than :data:`RPC_ALLOWED` on ``/collective_rpc`` (module
+    docstring). A route counts when Starlette's own matching says so, so root paths and methods are read as the
+    router reads them."""
+
+    def __init__(self, app: Any, endpoints: SteeringEndpoints, routes: Sequence[Any]) -> None:
+        self.app, self.endpoints, self.routes = app, endpoints, list(routes)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = next((r for r in self.routes if r.matches(scope)[0] != Match.NONE), None)
+        if route is None:
+            return await self.app(scope, receive, send)
+        state = getattr(scope["app"].state, "dynsteer", None)
+        if state is None:  # before the plugin's init_state: nothing to check against, so nothing is served
+            return await _error(send, 503, "the server is starting")
+        request = Request(scope)  # headers and client as the steering routes read them (the body is not read)
+        refusal = self.endpoints.refusal(state["keys"], request.headers.get("authorization"), request.client)
+        if refusal is not None:
+            return await _error(send, *refusal)
+        if getattr(route, "path", None) == RPC_ROUTE:
+            body = b""
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                body += message.get("body", b"")
+                if len(body) > _MAX_RPC_BODY:
+                    return await _error(send, 413, f"body: over {_MAX_RPC_BODY} bytes")
+                if not message.get("more_body", False):
+                    break
+            try:
+                method = json.loads(body).get("method")
+            except (ValueError, AttributeError, RecursionError):
+                method = None  # not a JSON object: the route answers it
+            if isinstance(method, str) and method.startswith("dynsteer_") and method not in RPC_ALLOWED:
+                return await _error(send, 403, f"method: {method[:64]!r} is not callable through {RPC_ROUTE}: it "
+                                               f"would change or take the workers' steering state behind the "
+                                               f"frontend's admission state; use {PREFIX}/* (allowed here: "
+                                               f"{', '.join(sorted(RPC_ALLOWED))})")
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """A ``receive`` that hands the already read ``body`` to the app, then defers to the client's."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Any:
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+async def _error(send: Any, status: int, message: str) -> None:
+    """An error answer in vLLM's JSON error shape."""
+    payload = json.dumps({"error": {"message": message, "type": HTTPStatus(status).phrase, "param": None,
+                                    "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def _check(fn: Any, field: str) -> Any:

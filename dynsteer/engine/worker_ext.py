@@ -45,7 +45,8 @@ def dynsteer_set_global(self: Any, payload: str) -> str:
 
 
 def dynsteer_register_vector(self: Any, name: str, packed: dict[str, str]) -> None:
-    """Register (or replace) a named vector that request payloads may reference."""
+    """Register (or replace) a named vector that request payloads may reference (within
+    ``Limits.max_named_vectors``: the frontend checks first, so a refused registration changes nothing anywhere)."""
     _runtime(self).register_vector(check_name(name, "vector name"), unpack_vector(packed))
 
 
@@ -60,7 +61,7 @@ def dynsteer_set_capture(self: Any, spec: dict[str, Any] | None) -> None:
         raise ValueError("capture: this engine has no capture places; set DynsteerConfig(capture_sites=...)")
     parsed = None if spec is None else CaptureSpec.model_validate(spec)
     if parsed is not None:
-        parsed.check(rt.shape, rt.capture.engine_places)
+        parsed.check(rt.shape, rt.capture.engine_places, consumers=rt.consumers)
     rt.capture.global_spec = parsed
 
 

@@ -162,7 +162,13 @@ class SteeringRuntime:
 
     # ---- control plane (collective_rpc, between steps) -------------------------------------------------------
     def register_vector(self, name: str, vector: np.ndarray) -> None:
+        """Register (or replace) a named vector; refused, changing nothing, when it would exceed
+        ``limits.max_named_vectors`` (every rank holds the same names, so every rank refuses alike)."""
         check_vector(vector, self.shape.hidden_size, f"vector {name!r}")
+        limit = self.limits.max_named_vectors
+        if name not in self.named and len(self.named) >= limit:
+            raise SteeringValidationError(f"name: cannot register {name!r}: {len(self.named)} named vectors are "
+                                          f"registered, the engine's limit max_named_vectors = {limit}")
         self.named[name] = np.ascontiguousarray(vector, np.float32)
         self._compiled.clear()
 

@@ -1,0 +1,120 @@
+"""vLLM's development routes (``VLLM_SERVER_DEV_MODE=1``) under ``dynsteer serve``: the same rule as the steering
+routes, and no ``dynsteer_*`` state change through ``/collective_rpc`` (DESIGN §10).
+
+In process, on the app the endpoint plugin sees: vLLM's own dev routers, dynsteer's ``attach_router``, and a
+stand-in engine client that records what reaches it. The same over real HTTP is in ``tests/test_serve.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from dynsteer.engine.server import SteeringEndpoints
+
+KEY = "dev-key-51c2"
+LOCAL, REMOTE = ("127.0.0.1", 5123), ("10.1.2.3", 5123)
+
+
+class Engine:
+    """Records the calls vLLM's dev routes make on the engine client."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(("collective_rpc", method, tuple(args)))
+        return [{"rank": 0}]
+
+    async def reset_prefix_cache(self, *args, **kwargs):
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+    async def sleep(self, *args, **kwargs):
+        self.calls.append(("sleep",))
+
+
+def make_app(keys: list[str], allow_remote: bool = False) -> tuple[FastAPI, Engine]:
+    from vllm.entrypoints.serve import register_vllm_dev_api_routers
+
+    app = FastAPI()
+    register_vllm_dev_api_routers(app)  # before endpoint plugins, as vLLM's build_app does
+    SteeringEndpoints(allow_remote=allow_remote).attach_router(app)
+    engine = Engine()
+    app.state.engine_client = engine
+    app.state.dynsteer = {"engine": None, "keys": [hashlib.sha256(k.encode()).digest() for k in keys]}
+    return app, engine
+
+
+def rpc(client: TestClient, method: str, args=(), key: str | None = None):
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    return client.post("/collective_rpc", content=json.dumps({"method": method, "args": list(args)}),
+                       headers={"Content-Type": "application/json", **headers})
+
+
+STATE_CHANGES = [("dynsteer_set_global", ["ds1:gqRzcGVjgA=="]),
+                 ("dynsteer_register_vector", ["v", {"b64": "AAAAAA=="}]),
+                 ("dynsteer_unregister_vector", ["v"]), ("dynsteer_set_capture", [None]),
+                 ("dynsteer_take_captures", [["t"]]), ("dynsteer_take_traces", [["t"]])]
+
+
+def test_collective_rpc_needs_the_api_key():
+    app, engine = make_app([KEY])
+    with TestClient(app, client=REMOTE) as client:
+        for key in (None, "wrong", KEY + "x"):
+            for method, args in [*STATE_CHANGES, ("dynsteer_describe", []), ("get_model_inspection", [])]:
+                reply = rpc(client, method, args, key)
+                assert reply.status_code == 401, (method, key, reply.text)
+            for path in ("/reset_prefix_cache", "/sleep"):  # every dev route, not only /collective_rpc
+                assert client.post(path, headers={} if key is None else {"Authorization": f"Bearer {key}"}
+                                   ).status_code == 401
+        assert engine.calls == []  # nothing reached the engine
+        reply = rpc(client, "dynsteer_describe", key=KEY)
+        assert reply.status_code == 200 and reply.json() == {"results": [{"rank": 0}]}
+        assert rpc(client, "get_model_inspection", key=KEY).status_code == 200
+        assert client.post("/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert [c[:2] for c in engine.calls] == [("collective_rpc", "dynsteer_describe"),
+                                             ("collective_rpc", "get_model_inspection"), ("reset_prefix_cache",)]
+
+
+def test_collective_rpc_refuses_dynsteer_state_changes_even_with_the_key():
+    """Only /v1/steering/* changes steering: a dynsteer_* call here would bypass the frontend's admission state."""
+    app, engine = make_app([KEY])
+    with TestClient(app, client=LOCAL) as client:
+        for method, args in STATE_CHANGES:
+            reply = rpc(client, method, args, KEY)
+            assert reply.status_code == 403, (method, reply.text)
+            message = reply.json()["error"]["message"]
+            assert message.startswith(f"method: '{method}' is not callable through /collective_rpc"), message
+    assert engine.calls == []
+
+
+@pytest.mark.parametrize("allow_remote", [False, True])
+def test_without_a_key_dev_routes_answer_loopback_only(allow_remote):
+    app, engine = make_app([], allow_remote=allow_remote)
+    with TestClient(app, client=REMOTE) as client:
+        reply = rpc(client, "dynsteer_describe")
+        assert reply.status_code == (200 if allow_remote else 403), reply.text
+        assert client.post("/sleep").status_code == (200 if allow_remote else 403)
+        assert rpc(client, "dynsteer_set_global", ["ds1:gqRzcGVjgA=="]).status_code == 403
+    with TestClient(app, client=LOCAL) as client:
+        assert rpc(client, "dynsteer_describe").status_code == 200
+        assert rpc(client, "dynsteer_register_vector", ["v", {"b64": "AAAAAA=="}]).status_code == 403
+    assert [c[1] for c in engine.calls if c[0] == "collective_rpc"] == ["dynsteer_describe"] * (2 if allow_remote
+                                                                                                 else 1)
+
+
+def test_routes_outside_the_dev_set_are_left_alone():
+    """The guard matches vLLM's dev routes only (a route it does not know is not touched, whatever its path)."""
+    app, _ = make_app([KEY])
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"ok": True}
+
+    with TestClient(app, client=REMOTE) as client:
+        assert client.get("/health").status_code == 200
