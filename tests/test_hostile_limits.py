@@ -223,3 +223,37 @@ def test_worker_named_vector_limit():
         rt.register_vector("c", unit(3))
     assert str(err.value).startswith("name: cannot register 'c'")
     assert sorted(rt.named) == ["a", "b"] and np.array_equal(rt.named["b"], unit(5))
+
+
+def test_a_registered_probe_out_of_float32_range_fails_start_up_naming_its_entry(tmp_path):
+    """Registered probes are checked where the engine loads them, not when a request first names one."""
+    from dynsteer.config import DynsteerConfig
+    from dynsteer.engine.adapters import load_probes
+    from dynsteer.probes.fileformat import save_probe
+
+    good = save_probe(tmp_path / "good.safetensors", unit(5) * 300.0, bias=-4.0, model_id="t", layer=1)
+    huge = save_probe(tmp_path / "huge.safetensors", unit(5) * 1e10, bias=0.0, model_id="t", layer=1)
+    assert set(load_probes(DynsteerConfig(probes={"good": str(good)}))) == {"good"}
+    with pytest.raises(ValueError) as err:
+        load_probes(DynsteerConfig(probes={"good": str(good), "huge": str(huge)}))
+    assert str(err.value).startswith("dynsteer.probes['huge']: probe file ") and "gate sharpness" in str(err.value)
+
+
+def test_the_worker_checks_capture_consumers_on_every_rank():
+    """What bypasses the frontend is stopped in the worker, naming the field, whichever rank builds consumers."""
+    import torch
+
+    from dynsteer.capture.store import CaptureCollector
+    from dynsteer.steering.runtime import SteeringRuntime
+    from dynsteer.steering.tables import SteeringTables
+
+    sites = [(l, s) for l in range(LAYERS) for s in ("pre_attn", "post_attn", "post_block")]
+    rt = SteeringRuntime(SHAPE, SteeringTables(sites, H, num_rows=8, max_clamps=2, max_tokens=16))
+    place = (1, "post_block")
+    rt.attach_capture(CaptureCollector({place: torch.zeros(16, H)}, emit=False, engine_places={place}), {})
+    rt.consumer_names = frozenset({"memory"})  # what the engine adapter sets from DynsteerConfig.capture_consumers
+    rt.admit("ok", encode_payload(capture=CaptureSpec(layers=(1,))), prompt_len=4)
+    rt.admit("bad", encode_payload(capture=CaptureSpec(layers=(1,), consumers=("nope",))), prompt_len=4)
+    stops = rt.take_stops()
+    assert set(stops) == {"bad"}, stops
+    assert stops["bad"].startswith("dynsteer: extra_args.dynsteer.capture.consumers[0]: unknown consumer 'nope'")

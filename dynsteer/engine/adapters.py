@@ -142,6 +142,7 @@ def _runtime_for_current_model() -> SteeringRuntime:
             consumers = ({name: build_consumer(name, _stage_options(opts, name, pp_rank, pp_size))
                           for name, opts in cfg.capture_consumers.items()} if emit else {})
             rt.attach_capture(CaptureCollector(stages, emit=emit, engine_places=set(places)), consumers)
+            rt.consumer_names = frozenset(cfg.capture_consumers)
             if cfg.monitor is not None and emit:
                 _attach_hub(rt, cfg, pp_rank)
         for name, ref in cfg.vectors.items():
@@ -206,12 +207,20 @@ def load_probes(cfg: DynsteerConfig) -> dict[str, Any]:
     """The operator's registered probe files, loaded (a bad file fails start-up, naming its entry)."""
     from dynsteer.probes.fileformat import load_probe
 
+    from dynsteer.policy import gate_param_problem
+
     probes = {}
     for name, path in cfg.probes.items():
         try:
             probes[name] = load_probe(path)
         except Exception as exc:  # noqa: BLE001 - any unreadable file: say which entry
             raise ValueError(f"{CONFIG_KEY}.probes[{name!r}]: cannot load probe file {path!r}: {exc}") from None
+        for calibrated in (False, True):  # a request may use either centring: both must fit the float32 tables
+            params = probes[name].gate_params(calibrated=calibrated)
+            for what in ("sharpness", "threshold"):
+                problem = gate_param_problem(what, float(getattr(params, what)))
+                if problem is not None:
+                    raise ValueError(f"{CONFIG_KEY}.probes[{name!r}]: probe file {path!r}: gate {what} {problem}")
     return probes
 
 

@@ -134,6 +134,9 @@ class SteeringRuntime:
         self.hooks: dict[SiteKey, Any] = {}  # the SiteHook of every hooked place, filled as layers are built
         self.capture: CaptureCollector | None = None  # set when the engine has capture places
         self.consumers: dict[str, Any] = {}
+        # the engine's configured consumer names (every rank: only TP rank 0 builds the consumers themselves);
+        # None leaves captures' consumers unchecked (a runtime built outside an engine)
+        self.consumer_names: frozenset[str] | None = None
         self._staging = StagingRing(tables.row_index)
         self._compiled: LRUCache = LRUCache(maxsize=self.limits.cache_bytes, getsizeof=_compiled_size)
         self._global_key = config_fingerprint(self.global_spec, self.global_policy)
@@ -240,7 +243,7 @@ class SteeringRuntime:
                                           f"extra_args.{PAYLOAD_KEY}.policy.")
                 if capture is not None:
                     places = self.capture.engine_places if self.capture is not None else set()
-                    capture.check(self.shape, places, f"extra_args.{PAYLOAD_KEY}.capture")
+                    capture.check(self.shape, places, f"extra_args.{PAYLOAD_KEY}.capture", self.consumer_names)
             except Exception as exc:  # noqa: BLE001 - the frontend validates too; this catches what bypassed it
                 error = self._stop(req_id, exc)
         entry = RequestEntry(prompt_len=prompt_len, spec=spec, tag=tag, error=error, policy=policy, trace=trace,
