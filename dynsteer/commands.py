@@ -13,24 +13,37 @@ same step; the ack names that step::
 
 Commands change what a request computes from the acked step on; they never touch tokens computed before it.
 Request ids are the engine's ids, as stream frames name them.
+
+Who may send what is the engine core's business (``dynsteer.engine.commands``): ``monitor`` is checked against the
+connection's CURVE key when there is one, and ``op`` against ``MonitorConfig.grants``, before the command is
+validated. A message holds at most ``Limits.max_payload_bytes + COMMAND_ENVELOPE_BYTES`` bytes and its ``command``
+map the payload shape limits (:func:`check_command_shape`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Optional, Union
+import re
+from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 import msgspec
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, TypeAdapter, ValidationError,
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, TypeAdapter, ValidationError,
                       field_validator)
 
+from dynsteer.config import CommandOp, Limits
+from dynsteer.payload import DEFAULT_LIMITS, check_shape
 from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import Real, SteeringSpec, SteeringValidationError
 
 COMMAND_VERSION = 1
 MAX_COMMAND_BYTES = 8 << 20  # a command may carry inline vectors; bounded further by Limits.max_payload_bytes
+COMMAND_ENVELOPE_BYTES = 4096
+"""What a command message may hold beyond ``Limits.max_payload_bytes`` (its envelope and the command's own fields):
+the engine core's command socket refuses larger messages (``max_message_bytes``)."""
 
 RequestId = Annotated[str, Field(min_length=1, max_length=256)]
+# Strict: the name that identity and grants are checked on (read before validation) is the one validated.
+MonitorName = Annotated[StrictStr, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
 
 
 class _Cmd(BaseModel):
@@ -104,7 +117,7 @@ class CommandEnvelope(_Cmd):
 
     v: Literal[1] = COMMAND_VERSION
     id: str = Field(min_length=1, max_length=128)
-    monitor: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    monitor: MonitorName
     command: Command
 
 
@@ -120,16 +133,33 @@ class Ack(BaseModel):
 
 
 _ENVELOPE = TypeAdapter(CommandEnvelope)
+_MONITOR_NAME: TypeAdapter = TypeAdapter(MonitorName)
 COMMAND_ADAPTER: TypeAdapter = TypeAdapter(Command)
-_OPS = {"abort", "steer", "threshold", "rule"}
+COMMAND_OPS: frozenset[str] = frozenset(get_args(CommandOp))
+_ENVELOPE_KEYS = frozenset(CommandEnvelope.model_fields)
 
 
-def decode_command(raw: bytes | memoryview, max_bytes: int = MAX_COMMAND_BYTES) -> CommandEnvelope:
-    """Decode and schema-validate one command message.
+def max_message_bytes(limits: Limits) -> int:
+    """The largest command message an engine with ``limits`` takes (its command socket's ``MAXMSGSIZE``)."""
+    return limits.max_payload_bytes + COMMAND_ENVELOPE_BYTES
+
+
+def decode_command(raw: bytes | memoryview, max_bytes: int = MAX_COMMAND_BYTES,
+                   limits: Limits | None = DEFAULT_LIMITS) -> CommandEnvelope:
+    """Decode and validate one command message: :func:`decode_message`, then :func:`parse_command`.
 
     Raises:
         SteeringValidationError: naming the bad field (``command.request``, ``command.spec.vectors[0].scale``...),
             or the message itself when it is oversize or not a msgpack map.
+    """
+    return parse_command(decode_message(raw, max_bytes), limits)
+
+
+def decode_message(raw: bytes | memoryview, max_bytes: int = MAX_COMMAND_BYTES) -> dict[Any, Any]:
+    """The msgpack map of one command message, not validated yet.
+
+    Raises:
+        SteeringValidationError: ``message: ...`` when it is over ``max_bytes`` or not a msgpack map.
     """
     if len(raw) > max_bytes:
         raise SteeringValidationError(f"message: {len(raw)} bytes exceeds the limit of {max_bytes}")
@@ -137,19 +167,65 @@ def decode_command(raw: bytes | memoryview, max_bytes: int = MAX_COMMAND_BYTES) 
         obj = msgspec.msgpack.decode(raw)
     except (msgspec.DecodeError, RecursionError, ValueError, TypeError) as exc:
         raise SteeringValidationError(f"message: not a msgpack map ({exc})") from None
-    return parse_command(obj)
-
-
-def parse_command(obj: Any) -> CommandEnvelope:
-    """Validate an already decoded command message (see :func:`decode_command`)."""
     if not isinstance(obj, dict):
         raise SteeringValidationError(f"message: expected a map, got {type(obj).__name__}")
+    return obj
+
+
+def command_head(obj: dict[Any, Any]) -> tuple[str, str | None]:
+    """The sender's monitor name and the command's op, read from a decoded message before it is validated, so that
+    identity and grants are checked before any costly work. Returns ``op=None`` when the op is missing or unknown
+    (validation then rejects the message). When the message validates, its ``monitor`` and ``command.op`` are
+    exactly these (strict strings, no coercion).
+
+    Raises:
+        SteeringValidationError: ``message`` (an unknown key), ``monitor`` (missing or not a valid name),
+            ``command.op`` (not a string).
+    """
+    for key in obj:
+        if key not in _ENVELOPE_KEYS:
+            shown = re.sub(r"[^A-Za-z0-9_-]", "?", str(key))[:40] or "?"
+            raise SteeringValidationError(f"message: unknown key {shown!r} (a command message has "
+                                          f"{', '.join(sorted(_ENVELOPE_KEYS))})")
+    if "monitor" not in obj:
+        raise SteeringValidationError("monitor: Field required")
+    try:
+        monitor = _MONITOR_NAME.validate_python(obj["monitor"])
+    except ValidationError as exc:
+        raise SteeringValidationError(f"monitor: {exc.errors()[0]['msg']}") from None
+    command = obj.get("command")
+    op = command.get("op") if isinstance(command, dict) else None
+    if op is not None and not isinstance(op, str):
+        raise SteeringValidationError(f"command.op: expected a string, got {type(op).__name__}")
+    return monitor, op if op in COMMAND_OPS else None
+
+
+def check_command_shape(command: Any, limits: Limits) -> None:
+    """Hold a decoded ``command`` map to a request payload's shape limits (``Limits.max_entries``, ``max_depth``,
+    list lengths), before schema validation: a cheap iterative walk, so an oversize ``steer`` or ``global`` is
+    refused before anything is built from it. The map counts as a payload's body; the error names ``command.spec``
+    or ``command.policy`` when only that field nests."""
+    if not isinstance(command, dict):
+        return  # validation names it
+    nested = [k for k, v in command.items() if isinstance(v, (dict, list, tuple))]
+    field = f"command.{nested[0]}" if len(nested) == 1 and nested[0] in ("spec", "policy") else "command"
+    check_shape(command, field, limits)
+
+
+def parse_command(obj: Any, limits: Limits | None = DEFAULT_LIMITS) -> CommandEnvelope:
+    """Validate an already decoded command message (see :func:`decode_command`): the envelope's head
+    (:func:`command_head`), the command's shape within ``limits`` (``None``: unchecked), then the schema."""
+    if not isinstance(obj, dict):
+        raise SteeringValidationError(f"message: expected a map, got {type(obj).__name__}")
+    command_head(obj)
+    if limits is not None:
+        check_command_shape(obj.get("command"), limits)
     try:
         return _ENVELOPE.validate_python(obj)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = [p for p in err["loc"] if isinstance(p, int) or (isinstance(p, str) and p.isidentifier())]
-        if len(loc) > 1 and loc[0] == "command" and loc[1] in _OPS:
+        if len(loc) > 1 and loc[0] == "command" and loc[1] in COMMAND_OPS:
             del loc[1]  # pydantic names the union branch (the op) in the location: not a field
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "message"
         msg = str(err["msg"])

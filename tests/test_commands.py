@@ -44,6 +44,12 @@ def test_valid_commands_round_trip():
     ({"id": "a", "monitor": "m", "command": {"op": "launch", "request": "r"}}, "command"),
     ({"monitor": "m", "command": {"op": "abort", "request": "r"}}, "id"),
     ([1, 2], "message"),
+    ({"id": "a", "monitor": "m", "command": {"op": "global", "spec": {"vectors": [{"layer": -1, "vector": "v"}]}}},
+     "command.spec.vectors[0].layer"),
+    ({"id": "a", "monitor": b"m", "command": {"op": "abort", "request": "r"}}, "monitor"),  # strict: no coercion
+    ({"id": "a", "command": {"op": "abort", "request": "r"}}, "monitor"),
+    ({"id": "a", "monitor": "m", "command": {"op": b"abort", "request": "r"}}, "command.op"),
+    ({"id": "a", "monitor": "m", "x y": 1, "command": {"op": "abort", "request": "r"}}, "message"),
 ])
 def test_rejections_name_the_field(obj, field):
     with pytest.raises(SteeringValidationError) as err:
@@ -57,6 +63,36 @@ def test_garbage_and_oversize_messages_are_rejected():
             decode_command(raw)
     with pytest.raises(SteeringValidationError, match="^message: .* exceeds"):
         decode_command(b"\x80" * 2000, max_bytes=1000)
+
+
+def test_command_head_is_read_before_validation():
+    from dynsteer.commands import command_head
+
+    assert command_head({"monitor": "m", "command": {"op": "global", "spec": 5}}) == ("m", "global")
+    assert command_head({"monitor": "m", "command": {"op": "launch"}}) == ("m", None)  # validation rejects it
+    assert command_head({"monitor": "m", "command": []}) == ("m", None)
+
+
+def test_shape_limits_hold_before_the_schema_and_name_the_field():
+    from dynsteer.config import Limits
+
+    entry = {"layer": 1, "vector": "v", "tier": "decode"}
+
+    def steer(n: int, **extra) -> bytes:
+        return msgspec.msgpack.encode({"id": "a", "monitor": "m", "command": {
+            "op": "steer", "request": "r", "spec": {"vectors": [entry] * n}, **extra}})
+
+    assert len(decode_command(steer(8)).command.spec.vectors) == 8
+    for raw in (steer(257), msgspec.msgpack.encode({"id": "a", "monitor": "m", "command": {
+            "op": "global", "spec": {"vectors": [entry] * 5500}}})):
+        with pytest.raises(SteeringValidationError, match=r"^command\.spec: .*max_entries = 256"):
+            decode_command(raw)
+    with pytest.raises(SteeringValidationError, match=r"^command\.spec: .*max_entries = 4"):
+        decode_command(steer(8), limits=Limits(max_entries=4))
+    assert decode_command(steer(300), limits=None).command.spec is not None  # None: unchecked
+    with pytest.raises(SteeringValidationError, match=r"^command: .*max_entries"):  # spec and policy together
+        decode_command(msgspec.msgpack.encode({"id": "a", "monitor": "m", "command": {
+            "op": "global", "spec": {"vectors": [entry] * 200}, "policy": {"monitors": [{}] * 100}}}))
 
 
 def test_prefill_tier_is_refused():

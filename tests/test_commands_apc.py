@@ -75,7 +75,8 @@ def _global_command(tiny_llama_path) -> None:
     import dynsteer
     from dynsteer.commands import GlobalCommand
 
-    cfg = DynsteerConfig(monitor=MonitorConfig.private())
+    # global is granted to nobody by default (MonitorConfig.grants)
+    cfg = DynsteerConfig(monitor=MonitorConfig.private(grants={"global": ("global",)}))
     prompts = [PROMPT, "once upon a time there was a", "in the beginning the"]
     vec = np.random.default_rng(2).standard_normal(128).astype(np.float32) * 8
     spec = SteeringSpec(vectors=[AddVector(layer=1, vector=vec)])

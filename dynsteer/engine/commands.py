@@ -12,6 +12,43 @@ request it names exactly as the workers will compile it, and takes it at that st
   KV computed under the command is never served to a request that would compute it differently;
 * ``abort`` finishes the request at the next output with a reason naming the monitor.
 
+Who may send what (DESIGN §10: a connected monitor is a peer, not the operator):
+
+* connection: ``ipc://`` (socket file 0600 in a 0700 directory: only this user's processes connect), or, for any
+  ``tcp://`` endpoint, CURVE with the operator's allowlist (``MonitorConfig.curve``): a client with another key
+  never completes its handshake, and nothing it sends is read.
+* identity: with CURVE, every message carries the public key its connection authenticated with (the ZAP
+  ``User-Id``, Z85). A command whose ``monitor`` that key may not use (``CurveKeys.name_allowed``: a key listed in
+  ``client_names`` uses only its names, and a name listed there only with its key) is rejected ``monitor: ...``.
+  Over ``ipc://`` the name is what the sender says: whoever can connect runs as this user and could as well take
+  the engine over, so there a name labels commands (abort reasons, overrides) and picks grants, and proves nothing.
+* grants: a command whose op its monitor is not granted (``MonitorConfig.granted``; ``global`` to nobody by
+  default) is rejected ``command.op: monitor 'x' is not granted 'global' (MonitorConfig.grants)``.
+
+Both are read from the message's head (``dynsteer.commands.command_head``) before anything else is validated: a
+refused command costs one msgpack decode of a bounded message and changes nothing.
+
+What one message and one step may cost the engine core:
+
+* size: the socket's ``MAXMSGSIZE`` is ``Limits.max_payload_bytes + COMMAND_ENVELOPE_BYTES``. libzmq reads a
+  frame's length first and drops the connection of a larger one, unbuffered and unanswered; other connections are
+  served on. A connection queues at most :func:`queue_depth` messages in the engine core (then libzmq stops reading
+  it and the sender waits).
+* shape: the ``command`` map passes a request payload's shape limits (``Limits.max_entries``, ``max_depth``, list
+  lengths) before schema validation, so an oversize ``steer`` or ``global`` is refused, naming ``command.spec``,
+  before anything is built or compiled from it.
+* per step: at most ``max_commands_per_step`` messages and ``max_command_bytes_per_step`` bytes are taken. A
+  message is charged its size, or what its compile costs when that is more: a ``steer``, ``threshold`` or ``rule``
+  compiles the request's whole decode configuration (the global spec, its own spec and policy, the command's spec)
+  here and on every worker, charged ``4 * hidden_size`` bytes per entry (a named vector costs what it would inline).
+  A ``global`` that gets to compilation spends the rest of the step (every worker recompiles every live request
+  under it): one per step at most. The message that would take the step over its budget, unless it is the step's
+  first, is held by the desk (one at most: nothing more is read that step) and taken first at the next step, whose
+  number its ack names. A burst of large commands is so spread over consecutive steps.
+
+Not bounded: ``MAXMSGSIZE`` bounds each frame, and libzmq delivers a multipart message whole, so a peer that may
+connect can still make the engine core buffer one message of many frames before the desk sees (and drops) it.
+
 The desk mirrors what commands are validated against in a :class:`~dynsteer.engine.apc.FrontendState` (admission's
 own state): named vectors and the global spec/policy, kept current by watching the engine core's ``collective_rpc``;
 probes and limits from the config.
@@ -29,8 +66,8 @@ import msgspec
 import zmq
 
 from dynsteer.commands import (Ack, AbortCommand, CommandEnvelope, GlobalCommand, SteerCommand, check_steer,
-                               decode_command, patch_policy)
-from dynsteer.config import DynsteerConfig
+                               command_head, decode_message, max_message_bytes, parse_command, patch_policy)
+from dynsteer.config import DynsteerConfig, MonitorConfig
 from dynsteer.engine.apc import build_frontend_state, command_event, global_change_event
 from dynsteer.payload import PAYLOAD_KEY, decode_payload
 from dynsteer.policy import admit_policy
@@ -57,9 +94,26 @@ class _Overrides:
 
 @dataclass
 class DeskStats:
-    received: int = 0
+    received: int = 0  # messages read off the socket (a held one once)
     applied: int = 0
-    rejected: int = 0
+    rejected: int = 0  # answered with a rejection (refused ones included)
+    refused: int = 0  # of those: the sender's key may not use the name, or the monitor is not granted the op
+    carried: int = 0  # messages held over to the next step by the byte budget
+    dropped: int = 0  # multipart messages (not a DEALER's): dropped unanswered
+
+
+@dataclass
+class _Message:
+    ident: bytes
+    raw: memoryview | None  # None: not a DEALER's single-frame message
+    key: str | None  # the Z85 public key the connection authenticated with (CURVE); None over ipc
+    size: int
+
+
+def queue_depth(cfg: MonitorConfig, max_message: int) -> int:
+    """Messages one connection may have queued in the engine core (the socket's ``RCVHWM``): a few steps' worth,
+    bounded by bytes as well as by count where messages may be large."""
+    return max(16, min(4 * cfg.max_commands_per_step, 4 * cfg.max_command_bytes_per_step // max_message))
 
 
 class CommandDesk:
@@ -71,11 +125,22 @@ class CommandDesk:
         self.state = build_frontend_state(vllm_config)
         self.overrides: dict[str, _Overrides] = {}
         self.stats = DeskStats()
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.max_message_bytes = max_message_bytes(self.state.limits)
+        self._carried: _Message | None = None
+        self._charge = 0  # what the command being handled cost beyond its bytes (see the module docstring)
+        # A context of its own: a CURVE binding runs its ZAP authenticator on the socket's context.
+        self._ctx = zmq.Context()
+        self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.RCVHWM, 4 * self.cfg.max_commands_per_step)
-        self._binding = bind(self.sock, self.cfg.command_endpoint, self.cfg.curve)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        self.sock.setsockopt(zmq.RCVHWM, queue_depth(self.cfg, self.max_message_bytes))
+        try:
+            self._binding = bind(self.sock, self.cfg.command_endpoint, self.cfg.curve)
+        except BaseException:
+            self.sock.close(0)
+            self._ctx.term()
+            raise
 
     # ---- mirror of the workers' state (collective_rpc) -------------------------------------------------------
     def observe(self, method: str, args: tuple) -> None:
@@ -94,40 +159,86 @@ class CommandDesk:
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def take(self, scheduler: Any, step: int) -> list[dict[str, Any]]:
-        """Drain waiting commands (at most ``max_commands_per_step``), apply their engine-core side and return what
-        the workers must apply at ``step``. Never blocks; a bad message is answered and dropped."""
+        """Take this step's commands (the held one first, then waiting ones within the step's count and byte
+        budget), apply their engine-core side and return what the workers must apply at ``step``. Never blocks;
+        every message but a multipart one is answered."""
         out: list[dict[str, Any]] = []
         if len(self.overrides) > 2 * len(scheduler.requests) + 64:
             self.overrides = {r: o for r, o in self.overrides.items() if r in scheduler.requests}
-        for _ in range(self.cfg.max_commands_per_step):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+        budget, spent = self.cfg.max_command_bytes_per_step, 0
+        for n in range(self.cfg.max_commands_per_step):
+            msg = self._carried if self._carried is not None else self._recv()
+            self._carried = None
+            if msg is None:
                 break
-            if len(frames) != 2:
-                continue  # not a DEALER's single-frame message: nothing to answer to reliably
-            ident, raw = frames[0].bytes, frames[1].buffer
-            self.stats.received += 1
-            cid = ""
+            if n and spent + msg.size > budget:
+                self._carried = msg  # over this step's budget: the next step's first
+                self.stats.carried += 1
+                break
+            spent += self._handle(scheduler, step, msg, out)
+        return out
+
+    def _recv(self) -> _Message | None:
+        try:
+            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        size = sum(len(f) for f in frames[1:])
+        if len(frames) != 2:
+            return _Message(frames[0].bytes, None, None, size)
+        key = None
+        if self.cfg.curve is not None:
             try:
-                env = decode_command(raw, max_bytes=self.state.limits.max_payload_bytes + 4096)
-                cid = env.id
-                wire = self._apply(scheduler, env)
-            except SteeringValidationError as exc:
-                self._answer(ident, Ack(id=cid or _id_of(raw), status="rejected", error=str(exc)))
-                self.stats.rejected += 1
-                continue
-            except Exception as exc:  # noqa: BLE001 - a command never takes the engine down
-                logger.exception("dynsteer: command failed in the engine core")
-                self._answer(ident, Ack(id=cid or _id_of(raw), status="rejected",
-                                        error=f"command: internal error ({exc!r})"))
-                self.stats.rejected += 1
-                continue
+                key = frames[1].get("User-Id")
+            except zmq.ZMQError:
+                key = None  # no ZAP identity on this message: refused below
+        return _Message(frames[0].bytes, frames[1].buffer, key, size)
+
+    def _handle(self, scheduler: Any, step: int, msg: _Message, out: list[dict[str, Any]]) -> int:
+        """Answer one message, adding what the workers apply to ``out``; returns what it is charged."""
+        self.stats.received += 1
+        if msg.raw is None:
+            self.stats.dropped += 1  # not a DEALER's single-frame message: nothing to answer to reliably
+            return msg.size
+        self._charge, cid = 0, ""
+        try:
+            obj = decode_message(msg.raw, self.max_message_bytes)
+            cid = _id_of(obj)
+            monitor, op = command_head(obj)
+            self._authorize(msg.key, monitor, op)
+            env = parse_command(obj, self.state.limits)
+            if env.monitor != monitor or env.command.op != op:  # command_head reads strictly: cannot happen
+                raise SteeringValidationError("message: the validated head differs from the one authorised")
+            wire = self._apply(scheduler, env)
+        except SteeringValidationError as exc:
+            self._answer(msg.ident, Ack(id=cid, status="rejected", error=str(exc)))
+            self.stats.rejected += 1
+        except Exception as exc:  # noqa: BLE001 - a command never takes the engine down
+            logger.exception("dynsteer: command failed in the engine core")
+            self._answer(msg.ident, Ack(id=cid, status="rejected", error=f"command: internal error ({exc!r})"))
+            self.stats.rejected += 1
+        else:
             if wire is not None:
                 out.append(wire)
             self.stats.applied += 1
-            self._answer(ident, Ack(id=env.id, status="applied", step=step))
-        return out
+            self._answer(msg.ident, Ack(id=env.id, status="applied", step=step))
+        return max(msg.size, self._charge)
+
+    def _authorize(self, key: str | None, monitor: str, op: str | None) -> None:
+        """Refuse a name the connection's CURVE key may not use, and an op the monitor is not granted."""
+        curve = self.cfg.curve
+        if curve is not None and (key is None or not curve.name_allowed(key, monitor)):
+            self.stats.refused += 1
+            own = None if key is None else curve.client_names.get(key)
+            why = ("the connection has no authenticated key" if key is None else
+                   f"this client key may use only {', '.join(map(repr, own))}" if own is not None else
+                   "the name is bound to another client key")
+            raise SteeringValidationError(f"monitor: {monitor!r} is not this connection's to use ({why}; "
+                                          f"MonitorConfig.curve.client_names)")
+        if op is not None and not self.cfg.granted(monitor, op):
+            self.stats.refused += 1
+            raise SteeringValidationError(f"command.op: monitor {monitor!r} is not granted {op!r} "
+                                          f"(MonitorConfig.grants)")
 
     def _apply(self, scheduler: Any, env: CommandEnvelope) -> dict[str, Any] | None:
         cmd = env.command
@@ -157,6 +268,8 @@ class CommandDesk:
             specs.append(("command.spec.", spec))
         pol = None if effective is None or not (effective.rules or effective.controller) else ("command.policy.",
                                                                                                effective)
+        entries = sum(_entries(s) for _, s in specs) + _policy_entries(effective)
+        self._charge = 4 * state.shape.hidden_size * entries  # charged whether or not it compiles
         decode = compile_phase(specs, "decode", state.shape, state.named, pol).digest.hex()
         from dynsteer.engine.scheduler import swap_decode_row  # the scheduler module imports this one
 
@@ -169,6 +282,7 @@ class CommandDesk:
     def _apply_global(self, scheduler: Any, env: CommandEnvelope, cmd: GlobalCommand) -> dict[str, Any]:
         """Validate a global change as the workers will compile it, update the mirror, fork live requests' hashes
         and salt requests admitted from now on (the frontend, which salts by the global it knows, does not see it)."""
+        self._charge = self.cfg.max_command_bytes_per_step  # the step's last command: see the module docstring
         spec = cmd.spec if cmd.spec is not None else SteeringSpec()
         admitted = self.state.check_global(spec, cmd.policy)  # raises naming the field
         self.state.set_global(spec, admitted)
@@ -201,16 +315,21 @@ class CommandDesk:
     def close(self) -> None:
         self.sock.close(0)
         self._binding.close()
+        self._ctx.term()
 
 
-def _id_of(raw: Any) -> str:
-    """The ``id`` of a message that failed validation, if one can be read (so the ack can be matched)."""
-    try:
-        obj = msgspec.msgpack.decode(raw)
-        cid = obj.get("id") if isinstance(obj, dict) else None
-        return cid if isinstance(cid, str) and 0 < len(cid) <= 128 else ""
-    except Exception:  # noqa: BLE001
-        return ""
+def _id_of(obj: dict[Any, Any]) -> str:
+    """The ``id`` of a decoded message, if it has a valid one (a rejection's ack carries it, to be matched)."""
+    cid = obj.get("id")
+    return cid if isinstance(cid, str) and 0 < len(cid) <= 128 else ""
+
+
+def _entries(spec: SteeringSpec | None) -> int:
+    return 0 if spec is None else len(spec.vectors) + len(spec.clamps) + len(spec.ablations)
+
+
+def _policy_entries(policy: Any) -> int:
+    return 0 if policy is None else len(policy.monitors) + sum(len(r.actions) for r in policy.rules)
 
 
 def _signature(text: str) -> str:

@@ -12,6 +12,11 @@ A safety monitor in a few lines (see ``examples/safety_monitor.py``)::
 
 Frames arrive as numpy views of the received buffers (no copy); ``frame.torch(place)`` wraps one as a tensor.
 Commands are applied by the engine at one step on every rank; :class:`~dynsteer.commands.Ack` names it.
+
+Over ``tcp://`` the engine requires CURVE: pass its server key and this monitor's key pair (``curve_server_public``,
+``curve_client_secret``, ``curve_client_public``); the operator lists the public key in ``MonitorConfig.curve`` and
+may bind names to it. A key the engine does not let in raises ``PermissionError`` at the first wait for an ack; a
+command too large for the engine's socket is refused here (the engine would drop the connection unanswered).
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ import numpy as np
 import zmq
 
 from dynsteer.commands import (AbortCommand, Ack, CommandEnvelope, GlobalCommand, RuleCommand, SteerCommand,
-                               ThresholdCommand, encode_command)
-from dynsteer.spec import SteeringSpec
+                               ThresholdCommand, encode_command, max_message_bytes)
+from dynsteer.config import Limits
+from dynsteer.spec import SteeringSpec, SteeringValidationError
 from dynsteer.streams.security import connect_curve, connect_options
 
 
@@ -89,40 +95,100 @@ class CommandError(RuntimeError):
 
 
 class CommandClient:
-    """Sends commands to the engine core's command endpoint and matches acks by id."""
+    """Sends commands to the engine core's command endpoint and matches acks by id.
+
+    Args:
+        endpoint: the engine's ``MonitorConfig.command_endpoint``.
+        monitor: this monitor's name (with CURVE, one the operator lets this key use).
+        curve_server_public / curve_client_secret / curve_client_public: CURVE keys (Z85), for ``tcp://``.
+        limits: the engine's ``DynsteerConfig.limits``, to refuse a command the engine would not take
+            (``max_payload_bytes``) before sending it.
+    """
 
     def __init__(self, endpoint: str, monitor: str, *, curve_server_public: str | None = None,
-                 curve_client_secret: str | None = None, curve_client_public: str | None = None) -> None:
+                 curve_client_secret: str | None = None, curve_client_public: str | None = None,
+                 limits: Limits | None = None) -> None:
+        keys = (curve_server_public, curve_client_secret, curve_client_public)
+        if any(k is not None for k in keys) and not all(k is not None for k in keys):
+            raise ValueError("curve: give curve_server_public, curve_client_secret and curve_client_public together")
         self.monitor = monitor
+        self.endpoint = endpoint
+        self.max_bytes = max_message_bytes(limits or Limits())
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         connect_options(self.sock, endpoint)
-        if curve_server_public is not None:
-            connect_curve(self.sock, curve_server_public, curve_client_secret or "", curve_client_public or "")
+        self._events: zmq.Socket | None = None
+        if curve_server_public is not None and curve_client_secret is not None and curve_client_public is not None:
+            connect_curve(self.sock, curve_server_public, curve_client_secret, curve_client_public)
+            # Handshake outcomes: a refused key is otherwise silent (the engine never sees a message).
+            self._events = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                                        | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sock.connect(endpoint)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._acks: dict[str, Ack] = {}
+        self.refused = False  # the engine refused this client's CURVE key at the last handshake
 
-    def send(self, command: Any) -> str:
-        """Send a command (a ``dynsteer.commands`` model); returns its id (see :meth:`wait`)."""
+    def send(self, command: Any, timeout_s: float = 30.0) -> str:
+        """Send a command (a ``dynsteer.commands`` model); returns its id (see :meth:`wait`).
+
+        Raises:
+            SteeringValidationError: ``message: ...`` when it is larger than the engine takes.
+            PermissionError: the engine refused this client's CURVE key.
+            TimeoutError: no connection to queue it on within ``timeout_s``.
+        """
         cid = f"{self._prefix}-{next(self._ids)}"
-        self.sock.send(encode_command(CommandEnvelope(id=cid, monitor=self.monitor, command=command)))
+        raw = encode_command(CommandEnvelope(id=cid, monitor=self.monitor, command=command))
+        if len(raw) > self.max_bytes:
+            raise SteeringValidationError(f"message: {len(raw)} bytes exceeds the engine's limit of {self.max_bytes} "
+                                          f"(Limits.max_payload_bytes + COMMAND_ENVELOPE_BYTES); the engine would "
+                                          f"drop the connection unanswered")
+        # A DEALER blocks a send while it has no connection (after a refused handshake, for one): never forever.
+        if not self._ready(zmq.POLLOUT, time.monotonic() + timeout_s):
+            raise TimeoutError(f"{self.endpoint}: no connection to send command {cid} on within {timeout_s} s")
+        self.sock.send(raw, zmq.NOBLOCK)
         return cid
 
     def wait(self, cid: str, timeout_s: float = 30.0) -> Ack:
-        """The ack of command ``cid`` (raises ``TimeoutError``; a rejection is returned, not raised)."""
+        """The ack of command ``cid`` (a rejection is returned, not raised).
+
+        Raises:
+            TimeoutError: no ack within ``timeout_s``.
+            PermissionError: the engine refused this client's CURVE key.
+        """
         deadline = time.monotonic() + timeout_s
         while cid not in self._acks:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
-                if cid in self._acks:
-                    break
+            if not self._ready(zmq.POLLIN, deadline):
                 raise TimeoutError(f"no ack for command {cid} within {timeout_s} s (is the engine running and "
                                    f"scheduling? commands are taken at the next step)")
-            ack = Ack.model_validate(msgspec.msgpack.decode(self.sock.recv()))
+            ack = Ack.model_validate(msgspec.msgpack.decode(self.sock.recv(zmq.NOBLOCK)))
             self._acks[ack.id] = ack
         return self._acks.pop(cid)
+
+    def _ready(self, flags: int, deadline: float) -> bool:
+        """Wait until the socket is ready for ``flags`` (``False``: the deadline passed first), watching handshakes.
+
+        Raises:
+            PermissionError: the engine refused this client's CURVE key at the last handshake.
+        """
+        from zmq.utils.monitor import recv_monitor_message
+
+        poller = zmq.Poller()
+        poller.register(self.sock, flags)
+        if self._events is not None:
+            poller.register(self._events, zmq.POLLIN)
+        while True:
+            while self._events is not None and self._events.poll(0):
+                self.refused = recv_monitor_message(self._events)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            if self.refused:
+                raise PermissionError(f"{self.endpoint}: the engine refused this client's CURVE key (not in its "
+                                      f"MonitorConfig.curve.client_public_keys)")
+            left = deadline - time.monotonic()
+            ready = dict(poller.poll(max(0, int(left * 1000) + 1)))
+            if self.sock in ready:
+                return True
+            if left <= 0:
+                return False
 
     def call(self, command: Any, timeout_s: float = 30.0) -> Ack:
         """Send and wait; raises :class:`CommandError` when rejected."""
@@ -132,6 +198,9 @@ class CommandClient:
         return ack
 
     def close(self) -> None:
+        if self._events is not None:
+            self.sock.disable_monitor()
+            self._events.close(0)
         self.sock.close(0)
 
 
@@ -144,6 +213,9 @@ class Monitor:
             abort reasons name it.
         streams: streams to subscribe to (declared by the engine, or in ``declare``).
         policy, max_pending, max_delay_ms, window, resume, declare: see ``StreamSubscriber``.
+        curve_server_public, curve_client_secret, curve_client_public: CURVE keys (Z85) for ``tcp://`` endpoints,
+            used for both channels.
+        limits: the engine's ``DynsteerConfig.limits`` (see :class:`CommandClient`).
     """
 
     def __init__(self, stream_endpoint: str, command_endpoint: str, name: str, streams: Sequence[str] = (),
@@ -152,8 +224,9 @@ class Monitor:
 
         curve = {k: subscriber[k] for k in ("curve_server_public", "curve_client_secret", "curve_client_public")
                  if k in subscriber}
+        limits = subscriber.pop("limits", None)
         self.name = name
-        self.commands = CommandClient(command_endpoint, name, **curve)
+        self.commands = CommandClient(command_endpoint, name, limits=limits, **curve)
         self.subscriber = StreamSubscriber(stream_endpoint, name, list(streams), **subscriber) if streams else None
 
     # ---- streams -------------------------------------------------------------------------------------------------
