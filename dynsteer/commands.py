@@ -32,7 +32,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Stric
 
 from dynsteer.config import CommandOp, Limits
 from dynsteer.payload import DEFAULT_LIMITS, check_shape
-from dynsteer.policy import DynamicSteeringPolicy
+from dynsteer.policy import DynamicSteeringPolicy, gate_param_problem
 from dynsteer.spec import Real, SteeringSpec, SteeringValidationError
 
 COMMAND_VERSION = 1
@@ -83,6 +83,9 @@ class ThresholdCommand(_Cmd):
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):
             raise ValueError(f"must be finite, got {v}")
+        problem = gate_param_problem("threshold", float(v))  # the same bound as an admitted monitor's
+        if problem is not None:
+            raise ValueError(problem)
         return v
 
 

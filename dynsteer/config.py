@@ -129,7 +129,9 @@ class MonitorConfig(BaseModel):
         grants: command operations each monitor may send, by monitor name; ``"*"`` applies to names not listed.
             ``global`` (replace the engine's global steering) is granted to nobody by default.
         max_commands_per_step: commands the engine core takes per scheduler step (the rest wait for the next).
-        max_command_bytes_per_step: bytes of commands the engine core takes per scheduler step (the rest wait).
+        max_command_bytes_per_step: the cost of the commands the engine core takes per scheduler step (the rest
+            wait): a command costs its size in bytes or the vectors it compiles (4 bytes per hidden element of each
+            entry), whichever is more; a ``global`` command ends its step's intake.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -175,3 +175,15 @@ def test_command_events_fold_forward_only():
     assert acted.fold_at(39) == "" and acted.fold_at(40) != first
     acted.report(60, 50, "sig")
     assert acted.fold_at(49) == acted.fold_at(40) and acted.fold_at(50) != acted.fold_at(49)
+
+
+def test_a_threshold_command_stays_within_the_float32_gate_bounds():
+    """A monitor cannot push a threshold the admitted policy could not have had (it would leave the float32 tables)."""
+    for bad in (1e300, -1e13):
+        obj = {"id": "a", "monitor": "m", "command": {"op": "threshold", "request": "r", "monitor": "x",
+                                                      "threshold": bad}}
+        with pytest.raises(SteeringValidationError) as err:
+            decode_command(msgspec.msgpack.encode(obj))
+        assert str(err.value).startswith("command.threshold: ") and "float32" in str(err.value), str(err.value)
+    ok = {"id": "a", "monitor": "m", "command": {"op": "threshold", "request": "r", "monitor": "x", "threshold": 1e9}}
+    assert decode_command(msgspec.msgpack.encode(ok)).command.threshold == 1e9
