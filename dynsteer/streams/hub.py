@@ -104,6 +104,9 @@ from dynsteer.streams.state import LossLedger, Message, Spilled, StreamState, Su
 logger = logging.getLogger("dynsteer")
 MAX_STREAMS_TOTAL = 4096  # bounds what the engine's declare() can make the hub hold
 _RECV_BATCH = 256  # client messages handled per loop turn, so sending is never starved
+# The I/O thread takes and releases the lock once per message sent or acked while holding the GIL, so a publish
+# blocked on the lock could lose the race for it turn after turn; every this many messages it lets the GIL go.
+_YIELD_EVERY = 16
 
 
 class StreamHub:
@@ -374,7 +377,9 @@ class StreamHub:
             self._wake_pending = False  # cleared before sending: a publish from now on wakes us again
 
     def _receive(self) -> None:
-        for _ in range(_RECV_BATCH):
+        for i in range(1, _RECV_BATCH + 1):
+            if i % _YIELD_EVERY == 0:
+                time.sleep(0)  # publish first (see _YIELD_EVERY)
             try:
                 parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -646,11 +651,15 @@ class StreamHub:
             ready = [sub for sub in self._subs.values() if sub.connected and sub.stalled_until <= now]
             for sub in ready:
                 sub.stalled_until = 0.0
+        sent = 0
         for sub in ready:
             for ss in list(sub.streams.values()):
                 while (item := self._take(ss)) is not None:
                     if not self._send(sub, ss, item):
                         break
+                    sent += 1
+                    if sent % _YIELD_EVERY == 0:
+                        time.sleep(0)  # publish first (see _YIELD_EVERY)
                 if sub.stalled_until or not sub.connected:
                     break
 
