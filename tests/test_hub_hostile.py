@@ -150,25 +150,21 @@ def test_a_never_acking_block_subscriber_delays_one_step_at_most_the_cap(hubs: C
     stall = peers(hub.endpoint)
     assert stall.hello("stall", streams, policy="block", max_pending=1, window=1, max_delay_ms=cap_ms)["op"] == \
         "welcome"
-    steps = []
     for step in range(6):
-        t0 = time.monotonic()
         for name in streams:  # one message per stream and step, as the engine publishes
             hub.publish(name, *big(step))
-        steps.append(time.monotonic() - t0)
         stall.send(Ping())  # alive, never acking
     stats = hub.stats()
     for name in streams:
         assert_identity({name: stats[name]})
     per_stream = [counters(stats, "stall", name) for name in streams]
-    # Step 0 fills it; step 1's first publish waits until the step's deadline, and from then on it is overdue:
-    # nothing waits for it again, in this step's other streams or in later steps.
+    # Step 0 fills it; step 1's first publish waits until the step's deadline (its start plus the cap: a wait ends
+    # only there or with room), and from then on it is overdue: no publish waits for it again, in this step's other
+    # streams or in later steps. So the whole run waited once, one cap. (Wall-clock bounds: benchmarks/hostile_hub.)
     assert [c["block_waits"] for c in per_stream] == [1, 0, 0, 0]
     assert [c["block_timeouts"] for c in per_stream] == [1, 0, 0, 0]
     assert all(c["overdue"] for c in per_stream)
-    assert per_stream[0]["blocked_ms_max"] >= cap_ms * 0.9
-    assert max(steps[2:]) < cap_ms / 1000  # loose: no wait at all after the overdue step
-    assert steps[1] < (cap_ms + 250) / 1000  # loose: one cap for the whole step, not one per stream
+    assert per_stream[0]["blocked_ms_max"] >= cap_ms * 0.99
 
 
 def test_block_deadline_is_shared_by_the_steps_streams(hubs: Callable[..., StreamHub],
@@ -265,16 +261,18 @@ def test_one_connection_speaks_for_one_name(hubs: Callable[..., StreamHub], peer
 
 
 def test_slots_go_to_connected_subscribers_first(hubs: Callable[..., StreamHub], peers: Callable[..., Peer]) -> None:
-    hub = hubs(max_subscribers=3, heartbeat_s=0.2, subscribers=("m0", "m1", "m2", "m3", "late"))
+    hub = hubs(max_subscribers=3, heartbeat_s=0.5, subscribers=("m0", "m1", "m2", "m3", "late"))
     crowd = [peers(hub.endpoint) for _ in range(3)]
     for i, peer in enumerate(crowd):
         assert peer.hello(f"m{i}")["op"] == "welcome"
-    # m0 goes silent, the others keep pinging: a new name takes the slot of the disconnected one.
-    for _ in range(8):
+
+    def m0_gone() -> bool:  # m0 is silent; the others keep pinging
         crowd[1].send(Ping())
         crowd[2].send(Ping())
-        time.sleep(0.1)
-    wait_until(lambda: not counters(hub.stats(), "m0")["connected"], what="m0's disconnect")
+        return not counters(hub.stats(), "m0")["connected"]
+
+    # A new name takes the slot of the disconnected one.
+    wait_until(m0_gone, what="m0's disconnect")
     assert counters(hub.stats(), "m1")["connected"] and counters(hub.stats(), "m2")["connected"]
     assert peers(hub.endpoint).hello("late")["op"] == "welcome"
     assert registered(hub) == {"m1", "m2", "late"}
