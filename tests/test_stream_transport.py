@@ -4,6 +4,7 @@ exact accounting, resume after SIGKILL, fuzzing of the client protocol, endpoint
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import stat
@@ -282,8 +283,8 @@ def test_resume_past_spilled_messages_settles_them(hubs: Callable[..., StreamHub
 
 
 def test_block_policy_bounded_wait_then_drop(hubs: Callable[..., StreamHub]) -> None:
-    hub = hubs()
     max_delay_ms = 20.0
+    hub = hubs(block_subscribers=("blocker",), max_block_delay_ms=max_delay_ms)
     sub = SubscriberThread(hub.endpoint, "blocker", delay_s=0.3, policy="block", max_pending=4, window=2,
                            max_delay_ms=max_delay_ms)
     sub.start()
@@ -303,7 +304,7 @@ def test_block_policy_bounded_wait_then_drop(hubs: Callable[..., StreamHub]) -> 
 
 
 def test_block_policy_keeping_up_drops_nothing(hubs: Callable[..., StreamHub]) -> None:
-    hub = hubs()
+    hub = hubs(block_subscribers=("fast",), max_block_delay_ms=2000.0)
     sub = SubscriberThread(hub.endpoint, "fast", delay_s=0.0, policy="block", max_pending=16, window=8,
                            max_delay_ms=2000.0)
     sub.start()
@@ -340,7 +341,18 @@ def seqs_in(path: Path) -> list[int]:
     return [int(line) for line in text.split("\n")[:-1]]  # a line without its newline was cut by the kill
 
 
-def test_sigkilled_subscriber_resumes_without_gaps(hubs: Callable[..., StreamHub], tmp_path: Path) -> None:
+@pytest.fixture
+def frozen_heap() -> Iterator[None]:
+    """The process's objects so far kept out of the collector's scans, as vLLM does after start-up: a full collection
+    of pytest's and earlier tests' heap (100+ ms here) would land in whichever publish allocated at the time."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+def test_sigkilled_subscriber_resumes_without_gaps(hubs: Callable[..., StreamHub], tmp_path: Path,
+                                                   frozen_heap: None) -> None:
     hub = hubs(replay_messages=1 << 20, replay_bytes=1 << 30, heartbeat_s=0.5)
     stop, durations, errors = threading.Event(), [], []
 
@@ -450,7 +462,7 @@ def test_refusals_name_the_field(hubs: Callable[..., StreamHub]) -> None:
         if spec.get("layer", 0) > 3:
             raise ValueError(f"layer {spec['layer']} does not exist")
 
-    hub = hubs(on_declare=on_declare, max_subscribers=2)
+    hub = hubs(on_declare=on_declare, max_subscribers=2, allow_declare=True)
     with pytest.raises(StreamError, match=r"^hello\.streams\[1\]: unknown stream 'x'"):
         StreamSubscriber(hub.endpoint, "m", ["a", "x"], hello_timeout_s=5)
     with pytest.raises(StreamError, match=r"^hello\.declare\['x'\]: layer 9 does not exist"):
@@ -570,12 +582,8 @@ def test_live_fuzz_hub_keeps_serving(hubs: Callable[..., StreamHub]) -> None:
             @given(st.lists(client_frames, min_size=1, max_size=3))
             def attack(frames: list[bytes]) -> None:
                 nonlocal seq
-                if len(frames) == 1:  # a frame that decodes must not block publishing or take over "good"
-                    try:
-                        msg = decode_client(frames[0])
-                    except WireError:
-                        msg = None
-                    assume(not (isinstance(msg, Hello) and (msg.policy == "block" or msg.name == "good")))
+                # whatever it sends (a block hello, a hello as "good"), it can neither stall publishing nor take
+                # over "good"
                 evil.send_multipart(frames)
                 meta, arrays = message(seq)
                 assert hub.publish("a", meta, arrays) == seq

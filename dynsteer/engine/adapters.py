@@ -168,8 +168,11 @@ def _attach_hub(rt: SteeringRuntime, cfg: DynsteerConfig, pp_rank: int) -> None:
     mon = cfg.monitor
     endpoint = mon.endpoint if pp_rank == 0 else stage_endpoint(mon.endpoint, pp_rank)
     hub = StreamHub(endpoint, curve=mon.curve, replay_bytes=mon.replay_bytes, replay_messages=mon.replay_messages,
-                    spill_dir=mon.spill_dir, spill_bytes=mon.spill_bytes,
-                    on_declare=rt.stream_validator(mon.allow_declare))
+                    spill_dir=mon.spill_dir, spill_bytes=mon.spill_bytes, spill_total_bytes=mon.spill_total_bytes,
+                    on_declare=rt.stream_validator(mon.allow_declare), allow_declare=mon.allow_declare,
+                    max_declared_streams=mon.max_declared_streams, subscribers=mon.subscribers,
+                    max_subscribers=mon.max_subscribers, subscriber_ttl_s=mon.subscriber_ttl_s,
+                    block_subscribers=mon.block_subscribers, max_block_delay_ms=mon.max_block_delay_ms)
     rt.attach_hub(hub, mon.streams)
     weakref.finalize(rt, hub.close)
 

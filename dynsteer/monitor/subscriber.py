@@ -10,7 +10,8 @@ Example::
 Call :meth:`StreamSubscriber.recv` (or iterate) at least every few heartbeats: pings are sent while it waits, and
 a hub that hears nothing for 3 of its heartbeats marks the subscriber disconnected (its messages then queue under
 its policy). If the hub restarts or the connection is replaced, the subscriber says hello again by itself, resuming
-at :attr:`StreamSubscriber.next_seq`.
+at :attr:`StreamSubscriber.next_seq`. A hello refused because another connection holds the name (a previous run of
+this monitor the hub has not yet seen go) is repeated until ``hello_timeout_s``.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from typing import Any
 import msgspec
 import zmq
 
-from dynsteer.monitor.wire import (Ack, Bye, Frame, Hello, Ping, Policy, StatsRequest, WireError, decode_client,
-                                   decode_server_header, encode_client, frame_from_header)
+from dynsteer.monitor.wire import (NAME_HELD, Ack, Bye, Frame, Hello, Ping, Policy, StatsRequest, WireError,
+                                   decode_client, decode_server_header, encode_client, frame_from_header)
 from dynsteer.streams.security import check_endpoint, connect_curve, connect_options
 
 logger = logging.getLogger("dynsteer")
+HELLO_RETRY_S = 0.2  # between hellos refused because the name is held (each one costs the hub a check)
 
 
 class StreamError(RuntimeError):
@@ -50,7 +52,8 @@ class StreamSubscriber:
         declare: streams this subscriber defines (name -> spec), validated by the hub.
         curve_server_public, curve_client_secret, curve_client_public: CURVE keys (Z85), all three or none.
         heartbeat_s: ping interval while waiting.
-        hello_timeout_s: how long to wait for the hub's welcome.
+        hello_timeout_s: how long to wait for the hub's welcome, retrying while another connection holds ``name``
+            (also for the hellos said again later).
 
     Raises:
         WireError: a bad argument (named like the hello field).
@@ -72,7 +75,7 @@ class StreamSubscriber:
                             max_delay_ms=max_delay_ms, window=window, resume=dict(resume) if resume else None,
                             declare=declare)
         decode_client(encode_client(self._hello))  # the hub's own checks, here, with the same field names
-        self.endpoint, self.name, self.heartbeat_s = endpoint, name, heartbeat_s
+        self.endpoint, self.name, self.heartbeat_s, self.hello_timeout_s = endpoint, name, heartbeat_s, hello_timeout_s
         self.next_seq: dict[str, int] = {}
         self.welcome: dict[str, dict[str, int]] = {}  # the hub's last welcome: per stream head and first
         self._expect: dict[str, int] = {}  # next seq accepted into the buffer (duplicates are below it)
@@ -85,6 +88,9 @@ class StreamSubscriber:
         self._stats: dict[str, Any] | None = None
         self._welcomed, self._closed = False, False
         self._resumed: dict[str, int] | None = None  # the resume of the last hello sent
+        self._hello_until = 0.0  # retry a hello refused for a held name until then
+        self._retry_at = 0.0  # when to send the refused hello again (0: no retry due)
+        self._held: StreamError | None = None  # the last refusal for a held name, raised if no welcome comes
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -94,8 +100,11 @@ class StreamSubscriber:
         self._sock.connect(endpoint)
         self._last_sent = time.monotonic()
         try:
+            self._hello_until = time.monotonic() + hello_timeout_s
             self._send_hello(self._hello.resume)
             if not self._wait(lambda: self._welcomed, hello_timeout_s):
+                if self._held is not None:
+                    raise self._held
                 raise TimeoutError(f"{endpoint}: no welcome from the stream hub within {hello_timeout_s:g}s (is it "
                                    f"running, and are the CURVE keys allowed?)")
         except BaseException:
@@ -172,10 +181,15 @@ class StreamSubscriber:
             if deadline is not None and now >= deadline:
                 return False
             self._flush_acks(force=True)  # about to wait: the hub may be holding messages back for these acks
+            if self._retry_at and now >= self._retry_at:
+                self._retry_at = 0.0
+                self._send_hello(self._resumed)
             if now - self._last_sent >= self.heartbeat_s:
                 self._send(encode_client(Ping()))
                 now = time.monotonic()
             wait = self._last_sent + self.heartbeat_s - now
+            if self._retry_at:
+                wait = min(wait, self._retry_at - now)
             if deadline is not None:
                 wait = min(wait, deadline - now)
             if self._sock.poll(max(0, int(wait * 1000) + 1), zmq.POLLIN):
@@ -210,11 +224,17 @@ class StreamSubscriber:
             if field == "hello" and self._welcomed and not self._closed:
                 logger.info("stream subscriber %s: the hub lost this connection (%s); saying hello again", self.name,
                             message)
+                self._hello_until = time.monotonic() + self.hello_timeout_s
                 self._send_hello(dict(self.next_seq))
+            elif field == "hello.name" and message.startswith(NAME_HELD) and time.monotonic() < self._hello_until:
+                self._held = StreamError(field, message)
+                self._retry_at = time.monotonic() + HELLO_RETRY_S
             else:
                 self._error = StreamError(field, message)
         elif op == "stats":
             self._stats = header.get("stats") if isinstance(header.get("stats"), dict) else {}
+        elif op == "ping":
+            pass  # the hub checking that this connection exists
         else:
             logger.warning("stream subscriber %s: ignoring a message with op %r", self.name, op)
 
@@ -235,7 +255,7 @@ class StreamSubscriber:
         # Frames of the previous connection still buffered come again from the resume point.
         self._buffer = deque(f for f in self._buffer if f.stream not in self._expect)
         self.welcome = {k: v for k, v in streams.items() if isinstance(v, dict)}
-        self._welcomed = True
+        self._welcomed, self._retry_at = True, 0.0
 
     def _send_hello(self, resume: dict[str, int] | None) -> None:
         self._resumed = resume

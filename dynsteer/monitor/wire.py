@@ -11,8 +11,12 @@ Client -> server, one frame each (the hub's ROUTER sees the connection's identit
 
 Server -> client: ``{"op": "welcome", "streams": {name: {"head", "first", "next"}}}`` (``next``: the first seq
 the hub will send this subscriber: its oldest unsettled message, else the head), ``{"op": "error", "field",
-"message"}``, ``{"op": "stats", "stats": {...}}`` and data messages ``[header, *arrays]`` with header
+"message"}``, ``{"op": "stats", "stats": {...}}``, ``{"op": "ping"}`` (the hub checking that the connection still
+exists; nothing to answer) and data messages ``[header, *arrays]`` with header
 ``{"op": "frame", "v": 1, "stream", "seq", "meta", "arrays": [{"dtype", "shape"}, ...]}``.
+
+A hello for a name that another live connection holds is refused with field ``hello.name`` and a message starting
+with :data:`NAME_HELD`; a subscriber may retry it (the name frees once the holder leaves or is disconnected).
 
 Clients are untrusted: :func:`decode_client` checks every field and bound, and every failure is a
 :class:`WireError` whose text starts with the field (``hello.max_pending: must be >= 1``).
@@ -40,6 +44,7 @@ MAX_NDIM = 32
 ARRAY_KINDS = frozenset("biufc")  # plain numbers: no objects, strings, records or datetimes
 Policy = Literal["drop", "block", "spill"]
 POLICIES: tuple[str, ...] = ("drop", "block", "spill")
+NAME_HELD = "held by another connection"
 
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode
@@ -57,9 +62,10 @@ class Hello(msgspec.Struct, frozen=True):
     """Register subscriber ``name`` (the same name after a restart is the same subscriber) for ``streams``.
 
     ``policy`` says what the hub does once ``max_pending`` messages of a stream wait for this subscriber (``drop``
-    the oldest; ``block`` the publisher up to ``max_delay_ms``, then drop; ``spill`` to disk). ``window``: most
-    un-acked messages in flight per stream. ``resume``: per stream, the next seq wanted (re-sent from the replay
-    buffer). ``declare``: streams this subscriber defines (name -> opaque spec), validated by the hub.
+    the oldest; ``block`` the engine step up to ``max_delay_ms``, then drop: only for names the operator allows, up
+    to the operator's cap; ``spill`` to disk). ``window``: most un-acked messages in flight per stream. ``resume``:
+    per stream, the next seq wanted (re-sent from the replay buffer). ``declare``: streams this subscriber defines
+    (name -> opaque spec; each also in ``streams``), if the hub lets subscribers declare streams.
     """
 
     name: str
@@ -325,3 +331,10 @@ def encode_error(field: str, message: str) -> bytes:
 
 def encode_stats(stats: Mapping[str, Any]) -> bytes:
     return encode({"op": "stats", "stats": stats})
+
+
+_PING = encode({"op": "ping"})
+
+
+def encode_ping() -> bytes:
+    return _PING

@@ -14,21 +14,53 @@ Semantics:
 * **Subscribers** are known by name: a restarted monitor with the same name is the same subscriber on a new
   connection, and what the old connection had in flight is re-sent. ``bye`` unregisters; a hello's stream list
   replaces the previous one (streams left out are unregistered for it). A subscriber silent for more than
-  ``3 * heartbeat_s``, or whose connection is gone, is marked disconnected: it stays registered, its messages queue
-  under its policy, and nothing is sent to it until it speaks again.
+  ``3 * heartbeat_s``, or whose connection is gone (a send to it fails), is *disconnected*: it stays registered,
+  its messages queue under its policy, nothing is sent to it, and its connection must say hello again (anything
+  else gets an ``error`` for field ``hello``; :class:`~dynsteer.monitor.subscriber.StreamSubscriber` says hello
+  again by itself).
+* **Names** (a monitor is a peer, not the operator): a hello must use a name in ``subscribers`` (``None``: any) and,
+  with CURVE, one that ``curve.name_allowed`` grants the key the connection authenticated with (``hello.name``
+  otherwise); every later message of that connection must come with the same key. A name held by a connected
+  subscriber cannot be taken by a hello from another connection (``hello.name: held by another connection``; the
+  hub first sends the holder a ``ping``, so a connection that is gone frees the name at once); it is free once the
+  holder says ``bye`` or is disconnected. One connection speaks for one name: a hello under a new name releases the
+  previous one as ``bye`` would. At most ``max_subscribers`` are registered: a hello for a new name then releases
+  the disconnected subscriber silent longest, and is refused (``hello.name``) only if all are connected. A
+  disconnected subscriber is released ``subscriber_ttl_s`` after it was disconnected.
+* **Declared streams**: the engine's (:meth:`StreamHub.declare`) and, only with ``allow_declare``, subscribers'
+  (a hello's ``declare``, each also in its ``streams``, checked by ``on_declare``; ``hello.declare`` otherwise).
+  At most ``max_declared_streams`` subscriber-declared streams exist at once (``hello.declare[name]`` past it); one
+  is removed once no subscriber is registered for it (:attr:`StreamHub.version` goes up, as for every change of
+  :meth:`StreamHub.streams`). A refused hello changes nothing: no stream, registration or version.
 * **Accounting** per (stream, subscriber), exact at every instant under the hub's lock:
   ``published = delivered + dropped + spilled + pending``. ``published``: messages of the stream from the
   subscriber's registration on (or from an earlier resume seq, see below); ``delivered``: acked; ``dropped``: lost
   for it; ``spilled``: on disk only; ``pending``: held in memory, sent or not. Cumulative: ``dropped_total``,
-  ``spilled_total``, ``replayed``, ``block_waits``, ``blocked_ms_max`` (longest wait of one publish for it).
+  ``spilled_total``, ``replayed``, ``block_waits``, ``blocked_ms_max`` (longest wait of one publish for it),
+  ``block_timeouts`` (waits for it that ended at its deadline). Per subscriber (all streams): ``overdue``,
+  ``unsent_bytes``, ``inflight_bytes`` (see below).
 * **Policies** (per subscriber; ``max_pending`` bounds its pending messages per stream, resume replays aside):
-  ``drop`` drops the oldest unsent ones; ``block`` makes ``publish`` wait until it has fewer than ``max_pending``,
-  at most ``max_delay_ms`` from the start of that publish call whatever the number of blocking subscribers, then
-  drops like ``drop`` (disconnected subscribers are not waited for); ``spill`` moves the oldest unsent ones past
-  ``max_pending``, and those the replay buffer evicted unsent, to an on-disk ring of ``spill_bytes`` (full: dropped)
-  and sends them back in order before newer ones. Messages in flight (at most ``window``) stay in memory. If the
-  disk cannot keep up (more than ``max_pending + 256`` waiting in memory, the oldest already out of the replay
-  buffer), ``publish`` drops the oldest unsent ones (counted), so memory stays bounded.
+  ``drop`` drops the oldest unsent ones. ``block`` (only names in ``block_subscribers``, with ``max_delay_ms`` at
+  most ``max_block_delay_ms``, else the hello is refused: ``hello.policy`` / ``hello.max_delay_ms``) makes
+  ``publish`` wait until it has fewer than ``max_pending``, then drops like ``drop``. The wait is bounded per engine
+  step, all streams together: publishes in a row whose ``meta["step"]`` (an int) is the same share the step's start
+  (its first publish's start; a publish without one is a step of its own), and none waits for a subscriber past that
+  start plus its ``max_delay_ms``, whatever the number of blocking subscribers and streams. A subscriber whose wait
+  timed out is *overdue*: publishes do not wait for it until it acks progress (an ack that settles a message;
+  releasing its name does not clear it), so one that never acks delays at most one step, by at most
+  ``max_block_delay_ms``. Disconnected subscribers are not waited for. ``spill`` moves the oldest unsent ones past
+  ``max_pending``, and those the replay buffer evicted unsent, to an on-disk ring of ``spill_bytes``, all rings of
+  the hub together at most ``spill_total_bytes`` (a push past either is dropped, counted), and sends them back in
+  order before newer ones. Messages in flight (at most ``window``) stay in memory. If the disk cannot keep up (more
+  than ``max_pending + 256`` waiting in memory, the oldest already out of the replay buffer), ``publish`` drops the
+  oldest unsent ones (counted), so memory stays bounded.
+* **Memory per subscriber** (all its streams together), bounded in bytes whatever ``max_pending`` and ``window``
+  say: ``inflight_bytes`` (messages in flight or to re-send) stop new sends at ``max_held_bytes`` until acks come
+  (one message always may go); ``unsent_bytes`` (its unsent messages that no replay buffer holds any more: behind a
+  slow subscriber, re-opened by a resume, or waiting for the disk) past ``max_held_bytes`` make ``publish`` drop the
+  oldest of them (counted), whatever the policy (a ``spill`` subscriber's reach the ring first unless the disk
+  lags). So beyond the replay buffers a subscriber keeps at most ``2 * max_held_bytes`` plus two messages alive, and
+  the hub ``max_subscribers`` times that.
 * **Flow control**: at most ``window`` un-acked messages in flight per stream and subscriber; sends never block
   (a full pipe postpones that subscriber).
 * **Resume** (hello with ``resume={stream: next_seq}``): pending and spilled messages before ``next_seq`` count as
@@ -56,55 +88,84 @@ import shutil
 import tempfile
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
 import zmq
 
-from dynsteer.monitor.wire import (MAX_CLIENT_BYTES, NAME_PATTERN, Ack, Bye, Hello, StatsRequest, WireError,
-                                   check_array, decode_client, encode_error, encode_header, encode_stats,
-                                   encode_welcome)
+from dynsteer.monitor.wire import (MAX_CLIENT_BYTES, MAX_DELAY_MS, NAME_HELD, NAME_PATTERN, Ack, Bye, Hello,
+                                   StatsRequest, WireError, check_array, decode_client, encode_error, encode_header,
+                                   encode_ping, encode_stats, encode_welcome)
 from dynsteer.streams.security import CurveKeys, bind
-from dynsteer.streams.spill import SpillRing
+from dynsteer.streams.spill import SpillBudget, SpillRing
 from dynsteer.streams.state import LossLedger, Message, Spilled, StreamState, Subscriber, SubStream, stream_stats
 
 logger = logging.getLogger("dynsteer")
-MAX_STREAMS_TOTAL = 4096  # subscribers can declare streams: bound what they can make the hub hold
+MAX_STREAMS_TOTAL = 4096  # bounds what the engine's declare() can make the hub hold
 _RECV_BATCH = 256  # client messages handled per loop turn, so sending is never starved
+# The I/O thread takes and releases the lock once per message sent or acked while holding the GIL, so a publish
+# blocked on the lock could lose the race for it turn after turn; every this many messages it lets the GIL go.
+_YIELD_EVERY = 16
 
 
 class StreamHub:
     """Publishes messages to subscribers over ZeroMQ (see the module docstring for the semantics).
 
+    Defaults are :class:`dynsteer.config.MonitorConfig`'s.
+
     Args:
         endpoint: where to listen (:func:`dynsteer.streams.security.check_endpoint`); ``:0`` picks a free port.
-        curve: CURVE keys and client allowlist (required for non-loopback TCP).
+        curve: CURVE keys, client allowlist and the names each client key may use (required for TCP).
         replay_bytes, replay_messages: bounds of each stream's replay buffer.
         spill_dir: folder for ``spill`` subscribers' rings (default: a private temp folder, removed on close).
-        spill_bytes: bound of each (stream, subscriber) spill ring.
-        heartbeat_s: a subscriber silent for 3 times this is marked disconnected.
+        spill_bytes: bound of each (stream, subscriber) spill ring (0: nothing is spilled, all is dropped).
+        spill_total_bytes: bound of all spill rings together.
+        heartbeat_s: a subscriber silent for 3 times this is disconnected.
         on_declare: validates a stream declared by a subscriber's hello (raise ValueError to refuse it); runs on
             the hub's I/O thread.
-        max_subscribers: most registered subscribers.
+        allow_declare: whether subscribers may declare streams at all.
+        max_declared_streams: most subscriber-declared streams at once (the engine's do not count).
+        subscribers: names a hello may use (``None``: any).
+        max_subscribers: most registered subscribers (connected or disconnected).
+        subscriber_ttl_s: a disconnected subscriber is released this long after it was disconnected.
+        block_subscribers: names allowed the ``block`` policy.
+        max_block_delay_ms: the most ``block`` subscribers may make one engine step wait, all streams together.
+        max_held_bytes: per subscriber, bound of its bytes in flight, and of its unsent messages that only it keeps
+            in memory.
     """
 
     def __init__(self, endpoint: str, *, curve: CurveKeys | None = None, replay_bytes: int = 256 << 20,
                  replay_messages: int = 4096, spill_dir: str | None = None, spill_bytes: int = 1 << 30,
-                 heartbeat_s: float = 2.0, on_declare: Callable[[str, dict[str, Any]], None] | None = None,
-                 max_subscribers: int = 64) -> None:
-        if replay_bytes < 0 or replay_messages < 1 or spill_bytes < 1 or heartbeat_s <= 0 or max_subscribers < 1:
-            raise ValueError("StreamHub: replay_messages, spill_bytes, max_subscribers >= 1, replay_bytes >= 0 and "
-                             "heartbeat_s > 0 are required")
+                 spill_total_bytes: int = 4 << 30, heartbeat_s: float = 2.0,
+                 on_declare: Callable[[str, dict[str, Any]], None] | None = None, allow_declare: bool = False,
+                 max_declared_streams: int = 16, subscribers: Collection[str] | None = None,
+                 max_subscribers: int = 64, subscriber_ttl_s: float = 300.0, block_subscribers: Collection[str] = (),
+                 max_block_delay_ms: float = 50.0, max_held_bytes: int = 64 << 20) -> None:
+        if (replay_bytes < 0 or replay_messages < 1 or spill_bytes < 0 or spill_total_bytes < 0 or heartbeat_s <= 0
+                or max_declared_streams < 0 or max_subscribers < 1 or subscriber_ttl_s <= 0
+                or not 0 <= max_block_delay_ms <= MAX_DELAY_MS or max_held_bytes < 0):
+            raise ValueError("StreamHub: replay_messages, max_subscribers >= 1; replay_bytes, spill_bytes, "
+                             "spill_total_bytes, max_declared_streams, max_held_bytes >= 0; heartbeat_s, "
+                             f"subscriber_ttl_s > 0 and 0 <= max_block_delay_ms <= {MAX_DELAY_MS:g} are required")
         self._replay_bytes, self._replay_messages = replay_bytes, replay_messages
         self._spill_dir, self._spill_bytes = spill_dir, spill_bytes
+        self._spill_budget = SpillBudget(spill_total_bytes)  # the I/O thread's alone, like the rings
         self._own_spill_dir: str | None = None  # the temp folder made when spill_dir is None
-        self._heartbeat_s, self._on_declare, self._max_subscribers = heartbeat_s, on_declare, max_subscribers
+        self._heartbeat_s, self._on_declare = heartbeat_s, on_declare
+        self._curve = curve
+        self._allow_declare, self._max_declared = allow_declare, max_declared_streams
+        self._names = frozenset(subscribers) if subscribers is not None else None
+        self._max_subscribers, self._ttl_s = max_subscribers, subscriber_ttl_s
+        self._block_names, self._max_block_delay_ms = frozenset(block_subscribers), max_block_delay_ms
+        self._max_held_bytes = max_held_bytes
         self._cond = threading.Condition(threading.Lock())  # the one lock: every counter and queue
         self._streams: dict[str, StreamState] = {}
         self._subs: dict[str, Subscriber] = {}
         self._by_identity: dict[bytes, str] = {}
+        self._overdue: set[str] = set()  # released while overdue: still overdue if it comes back (block names only)
+        self._step: int | None = None  # the engine step being published, and when its first publish started
+        self._step_start = 0.0
         self._losses = LossLedger()
         self._errors = 0
         self._block_waiters = 0
@@ -139,23 +200,22 @@ class StreamHub:
     # ---- engine side ----------------------------------------------------------------------------------------------
 
     def declare(self, stream: str, spec: dict[str, Any] | None = None) -> None:
-        """Make ``stream`` known (subscribers can name it); re-declaring replaces its spec."""
+        """Make ``stream`` known (subscribers can name it); re-declaring replaces its spec, and makes a
+        subscriber-declared stream the engine's (kept without subscribers, not counted as declared by them)."""
         if not isinstance(stream, str) or NAME_PATTERN.fullmatch(stream) is None:
             raise ValueError(f"declare: {stream!r} is not a stream name (1 to 128 of A-Z a-z 0-9 . _ -)")
+        spec = dict(spec or {})
         with self._cond:
-            self._declare_locked(stream, dict(spec or {}))
-
-    def _declare_locked(self, stream: str, spec: dict[str, Any]) -> None:
-        st = self._streams.get(stream)
-        if st is None:
-            if len(self._streams) >= MAX_STREAMS_TOTAL:
-                raise ValueError(f"declare: the hub holds its maximum of {MAX_STREAMS_TOTAL} streams")
-            self._streams[stream] = StreamState(stream, spec)
-        elif st.spec == spec:
-            return
-        else:
-            st.spec = spec
-        self.version += 1
+            st = self._streams.get(stream)
+            if st is None:
+                if len(self._streams) >= MAX_STREAMS_TOTAL:
+                    raise ValueError(f"declare: the hub holds its maximum of {MAX_STREAMS_TOTAL} streams")
+                self._streams[stream] = StreamState(stream, spec)
+            elif st.spec == spec and not st.by_subscriber:
+                return
+            else:
+                st.spec, st.by_subscriber = spec, False
+            self.version += 1
 
     def streams(self) -> dict[str, dict[str, Any]]:
         """Declared streams (by the engine or by subscribers) and their specs."""
@@ -170,20 +230,30 @@ class StreamHub:
     def publish(self, stream: str, meta: dict[str, Any], arrays: Sequence[np.ndarray]) -> int:
         """File one message of ``stream`` for every subscriber and return its seq.
 
-        Cheap and non-blocking, except for ``block`` subscribers over their limit (at most their ``max_delay_ms``).
+        Cheap and non-blocking, except for ``block`` subscribers over their limit (at most their ``max_delay_ms``
+        from the start of the step's first publish, ``meta["step"]`` telling which publishes share a step).
         ``arrays`` are kept by reference and must not be mutated afterwards; ``meta`` must be msgpack-able, and its
         ``req_ids`` (a list of strings) feed :meth:`request_losses`.
         """
         arrays = [check_array(a, f"publish.arrays[{i}]") for i, a in enumerate(arrays)]
         raw_ids = meta.get("req_ids") or ()
         req_ids = tuple(r for r in raw_ids if isinstance(r, str)) if isinstance(raw_ids, (list, tuple)) else ()
+        step = meta.get("step")
         with self._cond:
             if self._closed:
                 raise RuntimeError("publish: the stream hub is closed")
             st = self._streams.get(stream)
             if st is None:
                 raise ValueError(f"publish: unknown stream {stream!r} (declare it first)")
-            self._wait_for_block_subscribers(st)
+            start = time.monotonic()
+            if not isinstance(step, int) or isinstance(step, bool):
+                self._step, step_start = None, start
+            elif step != self._step:
+                self._step, self._step_start = step, start
+                step_start = start
+            else:
+                step_start = self._step_start
+            self._wait_for_block_subscribers(st, start, step_start)
             seq = st.head
             msg = Message(seq, encode_header(stream, seq, meta, arrays), arrays, sum(a.nbytes for a in arrays),
                           req_ids)
@@ -191,28 +261,34 @@ class StreamHub:
             st.append(msg, self._replay_bytes, self._replay_messages)
             for ss in st.subs.values():
                 ss.enqueue(msg, self._losses)
+                if ss.sub.unsent_bytes > ss.sub.max_held_bytes:
+                    ss.sub.shed(self._losses)
             self._wake_locked()
         return seq
 
-    def _wait_for_block_subscribers(self, st: StreamState) -> None:
-        """Wait (lock released meanwhile) while a connected ``block`` subscriber is at its limit, each at most its
-        ``max_delay_ms`` from now; record each one's wait."""
-        blocking = [ss for ss in st.subs.values() if ss.sub.policy == "block"]
-        if not blocking:
+    def _wait_for_block_subscribers(self, st: StreamState, start: float, step_start: float) -> None:
+        """Wait (lock released meanwhile) while a connected ``block`` subscriber that is not overdue is at its limit,
+        each at most until ``step_start`` plus its ``max_delay_ms``; record each one's wait, and make those whose
+        deadline came overdue."""
+        waiting = {ss: step_start + ss.sub.max_delay_ms / 1000 for ss in st.subs.values()
+                   if ss.sub.policy == "block" and not ss.sub.overdue}
+        if not waiting:
             return
-        start = time.monotonic()
-        waiting = {ss: start + ss.sub.max_delay_ms / 1000 for ss in blocking}
         self._block_waiters += 1
         try:
             for turn in itertools.count():
                 now = time.monotonic()
                 for ss, deadline in list(waiting.items()):
-                    if (ss.load < ss.sub.max_pending or not ss.sub.connected or now >= deadline
-                            or st.subs.get(ss.sub.name) is not ss):
+                    room = (ss.load < ss.sub.max_pending or not ss.sub.connected or ss.sub.overdue
+                            or st.subs.get(ss.sub.name) is not ss)
+                    if room or now >= deadline:
                         del waiting[ss]
                         if turn:  # it made this publish wait
                             ss.block_waits += 1
                             ss.blocked_ms_max = max(ss.blocked_ms_max, (now - start) * 1000)
+                        if not room:
+                            ss.block_timeouts += 1
+                            ss.sub.overdue = True
                 if not waiting:
                     return
                 self._cond.wait(min(waiting.values()) - now)
@@ -226,9 +302,11 @@ class StreamHub:
             return self._losses.get(req_id)
 
     def stats(self) -> dict[str, Any]:
-        """``{stream: {"head", "first", "subscribers": {name: counters}}, "_errors": n}`` (one consistent instant)."""
+        """``{stream: {"head", "first", "subscribers": {name: counters}}, "_errors": n, "_spill_bytes": n}`` (one
+        consistent instant; ``_spill_bytes``: what all spill rings hold)."""
         with self._cond:
-            return {**stream_stats(self._streams.values()), "_errors": self._errors}
+            return {**stream_stats(self._streams.values()), "_errors": self._errors,
+                    "_spill_bytes": self._spill_budget.used}
 
     def close(self) -> None:
         """Stop the I/O thread, close the socket and delete spill files (pending messages are not flushed)."""
@@ -299,16 +377,20 @@ class StreamHub:
             self._wake_pending = False  # cleared before sending: a publish from now on wakes us again
 
     def _receive(self) -> None:
-        for _ in range(_RECV_BATCH):
+        for i in range(1, _RECV_BATCH + 1):
+            if i % _YIELD_EVERY == 0:
+                time.sleep(0)  # publish first (see _YIELD_EVERY)
             try:
-                parts = self._router.recv_multipart(zmq.NOBLOCK)
+                parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            identity = parts[0]
+            identity = parts[0].bytes
             try:
                 if len(parts) != 2:
                     raise WireError("message", f"expected one frame, got {len(parts) - 1}")
-                self._handle(identity, decode_client(parts[1]))
+                # ZAP (the CURVE authenticator) sets User-Id to the Z85 public key the connection authenticated with
+                key = parts[1].get("User-Id") if self._curve is not None else None
+                self._handle(identity, decode_client(parts[1].buffer), key)
             except WireError as exc:
                 self._reply_error(identity, exc.field, exc.message)
             except Exception:
@@ -326,29 +408,32 @@ class StreamHub:
             self._errors += 1
         self._reply(identity, encode_error(field, message))
 
-    def _handle(self, identity: bytes, msg: Any) -> None:
+    def _handle(self, identity: bytes, msg: Any, key: str | None) -> None:
         if isinstance(msg, StatsRequest):
             self._reply(identity, encode_stats(self.stats()))
             return
         if isinstance(msg, Hello):
-            self._hello(identity, msg)
+            self._hello(identity, msg, key)
             return
         with self._cond:
             name = self._by_identity.get(identity)
             sub = self._subs.get(name) if name is not None else None
+            if sub is not None and sub.key != key:  # a routing id reused by another client: not the same peer
+                sub = None
             if sub is not None:
                 sub.last_seen = time.monotonic()
-                sub.connected = True  # the same connection speaking again (it was only silent)
         if sub is None:
             if not isinstance(msg, Bye):
-                raise WireError("hello", "this connection has not said hello (or the hub restarted): send hello")
+                raise WireError("hello", "this connection has not said hello, was disconnected, or the hub "
+                                         "restarted: send hello")
             return
         if isinstance(msg, Ack):
             with self._cond:
                 ss = sub.streams.get(msg.stream)
                 if ss is None:
                     raise WireError("ack.stream", f"subscriber {sub.name!r} is not subscribed to {msg.stream!r}")
-                ss.ack(msg.seq)
+                if ss.ack(msg.seq):
+                    sub.overdue = False  # progress: its block waits count again
                 if self._block_waiters:
                     self._cond.notify_all()
         elif isinstance(msg, Bye):
@@ -356,46 +441,110 @@ class StreamHub:
                 self._unregister(sub)
                 self._cond.notify_all()
 
-    def _hello(self, identity: bytes, hello: Hello) -> None:
+    def _hello(self, identity: bytes, hello: Hello, key: str | None) -> None:
+        """Check ``hello`` against the operator's rules and the hub's state, then register it: a refusal raises
+        WireError before anything changed."""
+        name = hello.name
+        if self._names is not None and name not in self._names:
+            raise WireError("hello.name", f"{name!r} is not one of the subscriber names the operator allows "
+                                          f"(MonitorConfig.subscribers)")
+        if self._curve is not None and (key is None or not self._curve.name_allowed(key, name)):
+            raise WireError("hello.name", f"this client's CURVE key may not use the name {name!r} "
+                                          f"(CurveKeys.client_names)")
+        if hello.policy == "block":
+            if name not in self._block_names:
+                raise WireError("hello.policy", f"'block' lets a subscriber hold the engine's steps; {name!r} is not "
+                                                f"one of the operator's MonitorConfig.block_subscribers")
+            if hello.max_delay_ms > self._max_block_delay_ms:
+                raise WireError("hello.max_delay_ms", f"{hello.max_delay_ms:g} is above the operator's cap of "
+                                                      f"{self._max_block_delay_ms:g} ms per engine step "
+                                                      f"(MonitorConfig.max_block_delay_ms)")
         declared = dict(hello.declare or {})
+        if declared and not self._allow_declare:
+            raise WireError("hello.declare", "this hub does not let subscribers declare streams "
+                                             "(MonitorConfig.allow_declare)")
+        for stream in declared:
+            if stream not in hello.streams:
+                raise WireError(f"hello.declare[{stream!r}]", "not one of hello.streams (a declared stream lives "
+                                                              "while subscribers are registered for it)")
         with self._cond:
-            known = {name: st.spec for name, st in self._streams.items()}
-        for i, stream in enumerate(hello.streams):
-            if stream not in known and stream not in declared:
-                raise WireError(f"hello.streams[{i}]", f"unknown stream {stream!r}")
-        for stream, spec in declared.items():
-            if stream in known:
-                if known[stream] != spec:
-                    raise WireError(f"hello.declare[{stream!r}]", "already declared with a different spec")
-                continue
+            new = self._check_streams(hello, declared)
+        for stream in new:
             if self._on_declare is not None:
                 try:
-                    self._on_declare(stream, spec)  # outside the lock: user code
+                    self._on_declare(stream, declared[stream])  # outside the lock: user code
                 except ValueError as exc:
                     raise WireError(f"hello.declare[{stream!r}]", str(exc)) from None
         with self._cond:
-            if hello.name not in self._subs and len(self._subs) >= self._max_subscribers:
-                raise WireError("hello.name", f"the hub has its maximum of {self._max_subscribers} subscribers")
-            for stream, spec in declared.items():
-                try:
-                    self._declare_locked(stream, spec)
-                except ValueError as exc:
-                    raise WireError(f"hello.declare[{stream!r}]", str(exc)) from None
-            welcome = self._register(identity, hello)
+            new = self._check_streams(hello, declared)  # again: the engine may have declared meanwhile
+            sub = self._subs.get(name)
+            if sub is not None and sub.connected and sub.identity != identity and self._alive(sub):
+                raise WireError("hello.name", f"{NAME_HELD} (free once it says bye or is silent for "
+                                              f"{3 * self._heartbeat_s:g} s)")
+            previous = self._by_identity.get(identity)
+            previous = previous if previous != name else None
+            victim = None
+            if sub is None and len(self._subs) - (previous is not None) >= self._max_subscribers:
+                victim = min((s for s in self._subs.values() if not s.connected), key=lambda s: s.last_seen,
+                             default=None)
+                if victim is None:
+                    raise WireError("hello.name", f"the hub has its maximum of {self._max_subscribers} subscribers, "
+                                                  f"all connected")
+            # Nothing is refused from here on. The new registration goes first, so a stream it shares with those
+            # released below keeps a subscriber and is not removed.
+            for stream in new:
+                self._streams[stream] = StreamState(stream, declared[stream], by_subscriber=True)
+                self.version += 1
+            welcome = self._register(identity, hello, key)
+            for old in (victim, self._subs.get(previous) if previous is not None else None):
+                if old is not None:
+                    self._unregister(old)
             self._cond.notify_all()
         self._reply(identity, encode_welcome(welcome))
 
-    def _register(self, identity: bytes, hello: Hello) -> dict[str, dict[str, int]]:
+    def _check_streams(self, hello: Hello, declared: dict[str, dict[str, Any]]) -> list[str]:
+        """Refuse unknown streams and conflicting or excess declarations; return the streams ``hello`` would add."""
+        for i, stream in enumerate(hello.streams):
+            if stream not in self._streams and stream not in declared:
+                raise WireError(f"hello.streams[{i}]", f"unknown stream {stream!r}")
+        new = []
+        for stream, spec in declared.items():
+            st = self._streams.get(stream)
+            if st is None:
+                new.append(stream)
+            elif st.spec != spec:
+                raise WireError(f"hello.declare[{stream!r}]", "already declared with a different spec")
+        if new:
+            count = sum(st.by_subscriber for st in self._streams.values())
+            if count + len(new) > self._max_declared:
+                raise WireError(f"hello.declare[{new[max(0, self._max_declared - count)]!r}]",
+                                f"subscribers may declare at most {self._max_declared} streams at once, and "
+                                f"{count} exist (MonitorConfig.max_declared_streams)")
+            if len(self._streams) + len(new) > MAX_STREAMS_TOTAL:
+                raise WireError(f"hello.declare[{new[0]!r}]", f"the hub holds its maximum of {MAX_STREAMS_TOTAL} "
+                                                              f"streams")
+        return new
+
+    def _alive(self, sub: Subscriber) -> bool:
+        """Whether ``sub``'s connection still exists: a ping to it must not fail (else it is disconnected now)."""
+        try:
+            self._router.send_multipart([sub.identity, encode_ping()], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EAGAIN:
+                return True  # there, with a full pipe
+            self._disconnect(sub)
+            return False
+        return True
+
+    def _register(self, identity: bytes, hello: Hello, key: str | None) -> dict[str, dict[str, int]]:
         sub = self._subs.get(hello.name)
         if sub is None:
-            sub = self._subs[hello.name] = Subscriber(hello.name)
-        if sub.identity and self._by_identity.get(sub.identity) == sub.name:
-            del self._by_identity[sub.identity]
-        previous = self._subs.get(self._by_identity.get(identity, ""))
-        if previous is not None and previous is not sub:  # this connection spoke for another name until now
-            previous.connected, previous.identity = False, b""
+            sub = self._subs[hello.name] = Subscriber(hello.name, self._max_held_bytes)
+            sub.overdue = hello.name in self._overdue
+        self._forget_identity(sub)
         self._by_identity[identity] = sub.name
-        sub.identity, sub.connected, sub.last_seen, sub.stalled_until = identity, True, time.monotonic(), 0.0
+        sub.identity, sub.key, sub.connected, sub.last_seen, sub.stalled_until = (identity, key, True,
+                                                                                time.monotonic(), 0.0)
         sub.policy, sub.max_pending, sub.max_delay_ms, sub.window = (hello.policy, hello.max_pending,
                                                                      hello.max_delay_ms, hello.window)
         for stream in [s for s in sub.streams if s not in hello.streams]:
@@ -412,26 +561,50 @@ class StreamHub:
             if sub.policy != "spill":
                 ss.trim(self._losses)
             welcome[stream] = {"head": st.head, "first": st.first, "next": ss.next_unsettled()}
+        sub.shed(self._losses)
         return welcome
 
     def _leave(self, sub: Subscriber, stream: str) -> None:
         ss = sub.streams.pop(stream)
         ss.release()
-        del ss.stream.subs[sub.name]
+        st = ss.stream
+        del st.subs[sub.name]
+        if st.by_subscriber and not st.subs:  # nobody left to want it: the worker stops capturing it
+            del self._streams[stream]
+            self.version += 1
 
     def _unregister(self, sub: Subscriber) -> None:
         for stream in list(sub.streams):
             self._leave(sub, stream)
-        self._by_identity.pop(sub.identity, None)
+        self._forget_identity(sub)
         del self._subs[sub.name]
+        if sub.overdue:
+            self._overdue.add(sub.name)  # bounded: only block_subscribers become overdue
+        else:
+            self._overdue.discard(sub.name)
+
+    def _forget_identity(self, sub: Subscriber) -> None:
+        if sub.identity and self._by_identity.get(sub.identity) == sub.name:
+            del self._by_identity[sub.identity]
+        sub.identity = b""
+
+    def _disconnect(self, sub: Subscriber) -> None:
+        """Nothing more is sent to ``sub`` until a hello; its name is free for another connection."""
+        if not sub.connected:
+            return
+        sub.connected, sub.disconnected_at = False, time.monotonic()
+        self._forget_identity(sub)
+        self._cond.notify_all()  # block publishers stop waiting for it
 
     def _check_heartbeats(self) -> None:
-        limit = time.monotonic() - 3 * self._heartbeat_s
+        now = time.monotonic()
+        silent, expired = now - 3 * self._heartbeat_s, now - self._ttl_s
         with self._cond:
-            for sub in self._subs.values():
-                if sub.connected and sub.last_seen < limit:
-                    sub.connected = False
-                    self._cond.notify_all()  # block publishers stop waiting for it
+            for sub in list(self._subs.values()):
+                if sub.connected and sub.last_seen < silent:
+                    self._disconnect(sub)
+                elif not sub.connected and sub.disconnected_at < expired:
+                    self._unregister(sub)
 
     # ---- spilling and sending (I/O thread; it alone touches the rings and the socket) -----------------------------
 
@@ -448,22 +621,17 @@ class StreamHub:
                         break
                     if time.monotonic() > until:
                         return True
-                    # Only this thread takes mem's head of a spilling subscriber; publish's lag cap spares it.
+                    # Only this thread takes mem's head of a spilling subscriber; publish's caps spare it.
                     msg = ss.spilling = ss.mem[0]
-                try:
-                    ring = ss.ring if ss.ring is not None else self._new_ring(ss)
-                    stored = ring.push(msg.seq, msg.frames())  # outside the lock: disk must not stall publish
-                except OSError as exc:  # no spill folder: the message is lost, the hub goes on
-                    logger.warning("stream hub: cannot spill for %s (%s); dropping", ss.sub.name, exc)
-                    stored = False
+                stored = False
+                if self._spill_bytes:
+                    try:
+                        ring = ss.ring if ss.ring is not None else self._new_ring(ss)
+                        stored = ring.push(msg.seq, msg.frames())  # outside the lock: disk must not stall publish
+                    except OSError as exc:  # no spill folder: the message is lost, the hub goes on
+                        logger.warning("stream hub: cannot spill for %s (%s); dropping", ss.sub.name, exc)
                 with self._cond:
-                    ss.mem.popleft()
-                    ss.spilling = None
-                    if stored:
-                        ss.spilled += 1
-                        ss.spilled_total += 1
-                    else:
-                        ss.drop(msg, self._losses)
+                    ss.spill_done(msg, stored, self._losses)
         return False
 
     def _new_ring(self, ss: SubStream) -> SpillRing:
@@ -473,7 +641,8 @@ class StreamHub:
                 self._own_spill_dir = tempfile.mkdtemp(prefix="dynsteer-spill-")
             base = self._own_spill_dir
         os.makedirs(base, mode=0o700, exist_ok=True)
-        ss.ring = SpillRing(tempfile.mkdtemp(prefix=f"{ss.sub.name}.{ss.stream.name}.", dir=base), self._spill_bytes)
+        ss.ring = SpillRing(tempfile.mkdtemp(prefix=f"{ss.sub.name}.{ss.stream.name}.", dir=base), self._spill_bytes,
+                            budget=self._spill_budget)
         return ss.ring
 
     def _send_all(self) -> None:
@@ -482,11 +651,15 @@ class StreamHub:
             ready = [sub for sub in self._subs.values() if sub.connected and sub.stalled_until <= now]
             for sub in ready:
                 sub.stalled_until = 0.0
+        sent = 0
         for sub in ready:
             for ss in list(sub.streams.values()):
                 while (item := self._take(ss)) is not None:
                     if not self._send(sub, ss, item):
                         break
+                    sent += 1
+                    if sent % _YIELD_EVERY == 0:
+                        time.sleep(0)  # publish first (see _YIELD_EVERY)
                 if sub.stalled_until or not sub.connected:
                     break
 
@@ -497,19 +670,13 @@ class StreamHub:
             if source is None:
                 return None
             if source != "ring":
-                queues: dict[str, deque[Any]] = {"resend": ss.resend, "replay_q": ss.replay_q, "mem": ss.mem}
-                item = queues[source].popleft()
-                ss.inflight.append(item)
-                return item
+                return ss.take(source)
         assert ss.ring is not None
         peeked = ss.ring.peek()  # disk read outside the lock
         assert peeked is not None
         with self._cond:
             ss.ring.pop()
-            ss.spilled -= 1
-            item = Spilled(*peeked)
-            ss.inflight.append(item)
-        return item
+            return ss.take_spilled(*peeked)
 
     def _send(self, sub: Subscriber, ss: SubStream, item: Message | Spilled) -> bool:
         try:
@@ -522,6 +689,5 @@ class StreamHub:
                 if exc.errno == zmq.EAGAIN:
                     sub.stalled_until = time.monotonic() + 0.005
                 else:  # EHOSTUNREACH: the connection is gone; wait for a new hello
-                    sub.connected = False
-                    self._cond.notify_all()
+                    self._disconnect(sub)
             return False

@@ -4,9 +4,10 @@ Messages (each a sequence number and a list of byte frames) are appended to segm
 :data:`SEGMENT_BYTES`; a record is ``<seq u64><n u32>``, ``n`` frame lengths (u64) and the frames. The queue's order
 is exactly the order of :meth:`SpillRing.push`. A segment is deleted once every record in it was popped, and all files
 go when the ring empties, so the disk holds at most ``max_bytes`` of queued records plus one partly consumed segment.
-Nothing survives :meth:`SpillRing.close` (or a crash: the files are scratch space, not a journal).
+Rings may share a :class:`SpillBudget`, which bounds their queued records together. Nothing survives
+:meth:`SpillRing.close` (or a crash: the files are scratch space, not a journal).
 
-Not thread-safe: one thread (the hub's I/O thread) owns a ring.
+Not thread-safe: one thread (the hub's I/O thread) owns a ring and its budget.
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ class _Entry(NamedTuple):
     size: int
 
 
+class SpillBudget:
+    """Bytes of queued records that several rings may hold together (a hub's ``spill_total_bytes``)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError("spill budget: max_bytes must be >= 0")
+        self.max_bytes, self.used = max_bytes, 0
+
+
 class SpillRing:
     """Append-only FIFO of ``(seq, frames)`` records on disk under ``directory`` (created ``0700``).
 
@@ -39,13 +49,15 @@ class SpillRing:
         directory: a folder for this ring alone (its segment files are ``seg-<n>``).
         max_bytes: most bytes of queued records; :meth:`push` refuses a record that would pass it.
         segment_bytes: a new segment file is started once the current one holds this much.
+        budget: shared with other rings; :meth:`push` also refuses a record that would pass it.
     """
 
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int,
-                 segment_bytes: int = SEGMENT_BYTES) -> None:
+                 segment_bytes: int = SEGMENT_BYTES, budget: SpillBudget | None = None) -> None:
         if max_bytes < 1 or segment_bytes < 1:
             raise ValueError("spill ring: max_bytes and segment_bytes must be >= 1")
         self.directory, self.max_bytes, self.segment_bytes = os.fspath(directory), max_bytes, segment_bytes
+        self.budget = budget
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         os.chmod(self.directory, 0o700)  # activations on disk: ours alone, whatever the umask
         self._index: deque[_Entry] = deque()
@@ -77,11 +89,14 @@ class SpillRing:
         return (e.seq for e in self._index)
 
     def push(self, seq: int, frames: Sequence[Any]) -> bool:
-        """Append a record; False (nothing stored) if it would pass ``max_bytes`` or the disk refuses it."""
+        """Append a record; False (nothing stored) if it would pass ``max_bytes`` or the budget, or the disk refuses
+        it."""
         views = [memoryview(f).cast("B") if not isinstance(f, bytes) else f for f in frames]
         head = _RECORD.pack(seq, len(views)) + b"".join(_LENGTH.pack(len(v)) for v in views)
         size = len(head) + sum(len(v) for v in views)
         if self._nbytes + size > self.max_bytes:
+            return False
+        if self.budget is not None and self.budget.used + size > self.budget.max_bytes:
             return False
         if self._write_segment < 0 or self._write_offset >= self.segment_bytes:
             self._open_segment()
@@ -93,7 +108,7 @@ class SpillRing:
             return False
         self._index.append(_Entry(seq, self._write_segment, self._write_offset, size))
         self._write_offset += size
-        self._nbytes += size
+        self._charge(size)
         return True
 
     def peek(self) -> tuple[int, list[memoryview]] | None:
@@ -116,7 +131,7 @@ class SpillRing:
     def pop(self) -> None:
         """Drop the oldest record (deleting its segment once nothing in it is queued)."""
         entry = self._index.popleft()
-        self._nbytes -= entry.size
+        self._charge(-entry.size)
         self._peeked = None
         next_segment = self._index[0].segment if self._index else None
         if next_segment != entry.segment and (entry.segment != self._write_segment or next_segment is None):
@@ -129,11 +144,17 @@ class SpillRing:
         for segment in list(self._fds):
             self._remove_segment(segment)
         self._index.clear()
-        self._nbytes, self._peeked, self._write_segment = 0, None, -1
+        self._charge(-self._nbytes)
+        self._peeked, self._write_segment = None, -1
         try:
             os.rmdir(self.directory)
         except OSError:
             pass
+
+    def _charge(self, size: int) -> None:
+        self._nbytes += size
+        if self.budget is not None:
+            self.budget.used += size
 
     def _path(self, segment: int) -> str:
         return os.path.join(self.directory, f"seg-{segment:08d}")

@@ -14,6 +14,13 @@ Where a message that a subscriber still owes an ack for lives, oldest first:
 Sending takes ``resend`` first, then whichever of ``replay_q``, ring and ``mem`` has the lowest seq, so each
 subscriber sees a stream in strictly increasing seq order. Each queue is sorted, so a cumulative ack settles a
 prefix of each.
+
+Memory a subscriber holds is tracked in bytes, per subscriber over all its streams: ``inflight_bytes`` are those of
+``inflight`` and ``resend`` (whether or not the replay buffer still holds them; read-back spilled messages
+included); ``unsent_bytes`` are those of its messages in ``replay_q`` and ``mem`` that the replay buffer no longer
+holds (it alone keeps them alive). Every move into or out of those queues goes through the ``_unsent_*`` /
+``_inflight_*`` helpers of :class:`SubStream`, and the replay buffer's evictions charge the subscribers named in
+:attr:`Message.unsent_by`, so both are exact at every instant.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class Message:
     nbytes: int
     req_ids: tuple[str, ...]
     dropped_by: set[str] = field(default_factory=set)  # subscribers for which it is currently lost
+    unsent_by: set[str] = field(default_factory=set)  # subscribers for which it waits unsent in replay_q or mem
     loss_counted: bool = False  # whether LossLedger counted it
     _buffers: list[memoryview] | None = None
 
@@ -59,6 +67,10 @@ class Spilled:
 
     seq: int
     data: list[Any]
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(len(f) for f in self.data)
 
     def frames(self) -> list[Any]:
         return self.data
@@ -101,10 +113,14 @@ class LossLedger:
 
 
 class StreamState:
-    """A declared stream: its next seq and its replay buffer (contiguous seqs ``first .. head-1``)."""
+    """A declared stream: its next seq and its replay buffer (contiguous seqs ``first .. head-1``).
 
-    def __init__(self, name: str, spec: dict[str, Any]) -> None:
-        self.name, self.spec = name, spec
+    ``by_subscriber``: declared by a subscriber's hello (not the engine); such a stream lives while some subscriber
+    is registered for it.
+    """
+
+    def __init__(self, name: str, spec: dict[str, Any], by_subscriber: bool = False) -> None:
+        self.name, self.spec, self.by_subscriber = name, spec, by_subscriber
         self.head = 0
         self.replay: deque[Message] = deque()
         self.replay_bytes = 0
@@ -124,24 +140,46 @@ class StreamState:
         self.replay.append(msg)
         self.replay_bytes += msg.nbytes
         while len(self.replay) > 1 and (len(self.replay) > max_messages or self.replay_bytes > max_bytes):
-            self.replay_bytes -= self.replay.popleft().nbytes
+            old = self.replay.popleft()
+            self.replay_bytes -= old.nbytes
+            for name in old.unsent_by:  # from now on only these subscribers keep it alive
+                self.subs[name].sub.unsent_bytes += old.nbytes
 
     def replay_from(self, seq: int) -> Iterator[Message]:
         return itertools.islice(self.replay, max(0, seq - self.first), None)
 
 
 class Subscriber:
-    """A monitor, known by name; its connection (ZeroMQ identity) changes when it restarts."""
+    """A monitor, known by name; its connection (ZeroMQ identity) changes when it restarts.
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    ``max_held_bytes`` bounds its ``inflight_bytes`` (no new message is sent past it) and its ``unsent_bytes`` (see
+    :meth:`shed`). ``overdue``: a ``block`` wait for it timed out and it has not acked anything since, so publishes
+    do not wait for it.
+    """
+
+    def __init__(self, name: str, max_held_bytes: int) -> None:
+        self.name, self.max_held_bytes = name, max_held_bytes
         self.identity = b""
+        self.key: str | None = None  # the CURVE public key (Z85) its hello came with
         self.policy: Policy = "drop"
         self.max_pending, self.max_delay_ms, self.window = 1024, 50.0, 64
         self.connected = False
         self.last_seen = 0.0
+        self.disconnected_at = 0.0
         self.stalled_until = 0.0  # its pipe was full: no sends before this monotonic time
+        self.overdue = False
+        self.unsent_bytes = 0
+        self.inflight_bytes = 0
         self.streams: dict[str, SubStream] = {}
+
+    def shed(self, ledger: LossLedger) -> None:
+        """Bring ``unsent_bytes`` down to ``max_held_bytes`` (give or take the message being spilled): drop the
+        oldest of its unsent messages that only it keeps alive."""
+        for ss in self.streams.values():
+            while self.unsent_bytes > self.max_held_bytes and (msg := ss.take_unsent_evicted()) is not None:
+                ss.drop(msg, ledger)
+            if self.unsent_bytes <= self.max_held_bytes:
+                return
 
 
 class SubStream:
@@ -158,7 +196,7 @@ class SubStream:
         self.start = stream.head
         self.published = self.delivered = self.dropped = self.spilled = 0
         self.spilled_total = self.dropped_total = self.replayed = 0
-        self.block_waits, self.blocked_ms_max = 0, 0.0
+        self.block_waits, self.blocked_ms_max, self.block_timeouts = 0, 0.0, 0
         self.inflight: deque[Item] = deque()
         self.resend: deque[Item] = deque()
         self.replay_q: deque[Item] = deque()
@@ -194,10 +232,39 @@ class SubStream:
 
     # ---- transitions ----------------------------------------------------------------------------------------------
 
+    def _unsent_in(self, msg: Message) -> None:
+        """``msg`` enters ``replay_q`` or ``mem``."""
+        msg.unsent_by.add(self.sub.name)
+        if msg.seq < self.stream.first:  # else the replay buffer's eviction charges it
+            self.sub.unsent_bytes += msg.nbytes
+
+    def _unsent_out(self, msg: Message) -> None:
+        msg.unsent_by.discard(self.sub.name)
+        if msg.seq < self.stream.first:
+            self.sub.unsent_bytes -= msg.nbytes
+
+    def _inflight_in(self, item: Item) -> None:
+        """``item`` enters ``inflight`` from a queue of unsent messages."""
+        self.sub.inflight_bytes += item.nbytes
+
+    def _inflight_out(self, item: Item) -> None:
+        """``item`` leaves ``inflight`` or ``resend`` for good."""
+        self.sub.inflight_bytes -= item.nbytes
+
+    def _settle(self, queue: deque[Any]) -> Item:
+        """Take the head of one of the four queues out of this subscriber's memory."""
+        item = queue.popleft()
+        if queue is self.inflight or queue is self.resend:
+            self._inflight_out(item)
+        else:
+            self._unsent_out(item)
+        return item
+
     def enqueue(self, msg: Message, ledger: LossLedger) -> None:
         """A new message of the stream; ``drop`` and ``block`` then hold at most ``max_pending``."""
         self.published += 1
         self.mem.append(msg)
+        self._unsent_in(msg)
         if self.sub.policy != "spill":
             self.trim(ledger)
         else:
@@ -211,33 +278,82 @@ class SubStream:
     def cap_spill_lag(self, ledger: LossLedger) -> None:
         """Bound memory when the disk cannot keep up: drop the oldest unsent messages once more than
         ``max_pending + SPILL_LAG`` wait and the oldest has left the replay buffer (it holds memory of its own)."""
-        while self.load > self.sub.max_pending + SPILL_LAG and self.mem and self.mem[0].seq < self.stream.first:
-            if self.mem[0] is self.spilling:  # being written right now: the next one goes instead
-                if len(self.mem) < 2 or self.mem[1].seq >= self.stream.first:
-                    return
-                msg = self.mem[1]
-                del self.mem[1]
-            else:
-                msg = self.mem.popleft()
-            self.drop(msg, ledger)
+        while self.load > self.sub.max_pending + SPILL_LAG and (i := self._mem_evicted()) is not None:
+            self.drop(self._pop_mem(i), ledger)
+
+    def take_unsent_evicted(self) -> Message | None:
+        """Take out of ``replay_q`` or ``mem`` the oldest unsent message the replay buffer evicted, if any."""
+        i = self._mem_evicted()
+        if self.replay_q and self.replay_q[0].seq < self.stream.first and (
+                i is None or self.replay_q[0].seq < self.mem[i].seq):
+            return self.replay_q.popleft()
+        return self._pop_mem(i) if i is not None else None
+
+    def _mem_evicted(self) -> int | None:
+        """Index in ``mem`` of its oldest message out of the replay buffer, passing over the one being written to
+        the ring (the I/O thread takes that one out itself)."""
+        i = 1 if self.mem and self.mem[0] is self.spilling else 0
+        return i if len(self.mem) > i and self.mem[i].seq < self.stream.first else None
+
+    def _pop_mem(self, i: int) -> Message:
+        if i == 0:
+            return self.mem.popleft()
+        msg = self.mem[i]
+        del self.mem[i]
+        return msg
 
     def drop(self, msg: Message, ledger: LossLedger) -> None:
-        """``msg`` (already out of every queue) is lost for this subscriber."""
+        """``msg`` (taken out of ``replay_q`` or ``mem``) is lost for this subscriber."""
+        self._unsent_out(msg)
         self.dropped += 1
         self.dropped_total += 1
         ledger.lost(msg, self.sub.name)
 
-    def ack(self, seq: int) -> None:
-        """Settle everything up to ``seq`` as delivered, wherever it waits (the I/O thread: it owns the ring)."""
+    def spill_done(self, msg: Message, stored: bool, ledger: LossLedger) -> None:
+        """``msg``, the head of ``mem``, was written to the ring (``stored``) or could not be (then it is lost)."""
+        self.spilling = None
+        if not self.mem or self.mem[0] is not msg:
+            return  # settled meanwhile (publish's caps pass over it, so only a bug gets here): counted already
+        self.mem.popleft()
+        if stored:
+            self._unsent_out(msg)
+            self.spilled += 1
+            self.spilled_total += 1
+        else:
+            self.drop(msg, ledger)
+
+    def take(self, source: str) -> Item:
+        """Move the head of ``source`` (``resend``, ``replay_q``, ``mem``) into ``inflight``."""
+        queue = {"resend": self.resend, "replay_q": self.replay_q, "mem": self.mem}[source]
+        item = queue.popleft()
+        self.inflight.append(item)
+        if source != "resend":  # a re-send was in flight already
+            self._unsent_out(item)
+            self._inflight_in(item)
+        return item
+
+    def take_spilled(self, seq: int, data: list[Any]) -> Spilled:
+        """The ring's head, read back (then popped by the caller), goes into ``inflight``."""
+        self.spilled -= 1
+        item = Spilled(seq, data)
+        self.inflight.append(item)
+        self._inflight_in(item)
+        return item
+
+    def ack(self, seq: int) -> int:
+        """Settle everything up to ``seq`` as delivered, wherever it waits (the I/O thread: it owns the ring); return
+        how many messages that settled."""
+        before = self.delivered
         for queue in self._queues():
             while queue and queue[0].seq <= seq:
-                queue.popleft()
+                self._settle(queue)
                 self.delivered += 1
         ring = self.ring
         while ring is not None and ring.head_seq is not None and ring.head_seq <= seq:
             ring.pop()
             self.spilled -= 1
             self.delivered += 1
+        return self.delivered - before
 
     def reconnect(self) -> None:
         """A new connection: whatever was in flight goes out again, first."""
@@ -257,6 +373,8 @@ class SubStream:
             return None
         if self.resend:
             return "resend"
+        if self.sub.inflight_bytes >= self.sub.max_held_bytes and self.sub.inflight_bytes:
+            return None  # its memory budget is in flight: wait for acks
         heads = [(q[0].seq, name) for name, q in (("replay_q", self.replay_q), ("mem", self.mem)) if q]
         if self.ring is not None and self.ring.head_seq is not None:
             heads.append((self.ring.head_seq, "ring"))
@@ -296,6 +414,8 @@ class SubStream:
                 self.delivered -= 1
             reopened.append(msg)
         self.replayed += len(reopened)
+        for msg in reopened:
+            self._unsent_in(msg)
         if reopened:
             self.replay_q = deque(sorted(itertools.chain(self.replay_q, reopened), key=lambda m: m.seq))
 
@@ -304,7 +424,8 @@ class SubStream:
         for msg in self.stream.replay:
             msg.dropped_by.discard(self.sub.name)
         for q in self._queues():
-            q.clear()
+            while q:
+                self._settle(q)
         if self.ring is not None:
             self.ring.close()
             self.ring = None
@@ -314,6 +435,8 @@ class SubStream:
                 "spilled": self.spilled, "pending": self.pending, "inflight": len(self.inflight),
                 "spilled_total": self.spilled_total, "dropped_total": self.dropped_total, "replayed": self.replayed,
                 "block_waits": self.block_waits, "blocked_ms_max": round(self.blocked_ms_max, 3),
+                "block_timeouts": self.block_timeouts, "overdue": self.sub.overdue,
+                "unsent_bytes": self.sub.unsent_bytes, "inflight_bytes": self.sub.inflight_bytes,
                 "connected": self.sub.connected, "policy": self.sub.policy, "start": self.start}
 
 
