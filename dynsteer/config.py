@@ -117,6 +117,8 @@ class MonitorConfig(BaseModel):
         spill_dir / spill_bytes: where ``spill`` subscribers' backlog goes (default: a private temp dir), bounded
             per (stream, subscriber).
         spill_total_bytes: bound of every spill ring of a hub together.
+        max_held_bytes: per subscriber, bound of its bytes in flight and of its unsent messages that only it keeps
+            (the replay buffer evicted them): a subscriber that stops reading pins at most about twice this.
         curve: CURVE keys; required for every ``tcp://`` endpoint.
         subscribers: subscriber names the hub accepts (``None``: any name).
         max_subscribers: most subscribers registered at once (connected or waiting to resume); when it is reached,
@@ -146,6 +148,7 @@ class MonitorConfig(BaseModel):
     spill_dir: str | None = None
     spill_bytes: StrictInt = Field(default=1 << 30, ge=0)
     spill_total_bytes: StrictInt = Field(default=4 << 30, ge=0)
+    max_held_bytes: StrictInt = Field(default=64 << 20, ge=1 << 16)
     curve: CurveKeys | None = None
     subscribers: tuple[str, ...] | None = None
     max_subscribers: StrictInt = Field(default=64, ge=1, le=4096)

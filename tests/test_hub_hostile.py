@@ -426,3 +426,34 @@ def test_in_flight_bytes_are_bounded_whatever_the_window(hubs: Callable[..., Str
     c = counters(hub.stats(), "hog")
     assert (c["spilled"], c["unsent_bytes"], c["inflight_bytes"], c["delivered"]) == (0, 0, 0, 200)
     assert hub.stats()["_spill_bytes"] == 0
+
+
+def test_a_stream_removed_during_a_step_is_skipped_quietly_by_the_worker() -> None:
+    """A subscriber-declared stream whose last subscriber leaves between planning and publishing is no error; a
+    publish that fails for a stream that still exists is counted."""
+    from types import SimpleNamespace
+
+    from dynsteer.spec import ModelShape
+    from dynsteer.steering.runtime import SteeringRuntime
+    from dynsteer.steering.tables import SteeringTables
+
+    class Hub:
+        def __init__(self, streams: dict[str, Any]) -> None:
+            self._streams = streams
+
+        def streams(self) -> dict[str, Any]:
+            return self._streams
+
+        def publish(self, stream: str, meta: dict[str, Any], arrays: Any) -> int:
+            raise ValueError(f"publish: unknown stream {stream!r} (declare it first)")
+
+    rt = SteeringRuntime(ModelShape(num_layers=2, hidden_size=4), SteeringTables([(0, "post_block")], 4, num_rows=2,
+                                                                                 max_clamps=0, max_tokens=4))
+    sel = SimpleNamespace(name="gone", step=3, req=np.array([0]), req_ids=("r",), places=[(0, "post_block")],
+                          positions=np.array([5]), dtype="float32")
+    rt.hub = Hub({})
+    rt._publish(sel, {(0, "post_block"): np.zeros((1, 4), np.float32)})
+    assert rt.stats.stream_errors == 0
+    rt.hub = Hub({"gone": {}})
+    rt._publish(sel, {(0, "post_block"): np.zeros((1, 4), np.float32)})
+    assert rt.stats.stream_errors == 1

@@ -172,7 +172,8 @@ def _attach_hub(rt: SteeringRuntime, cfg: DynsteerConfig, pp_rank: int) -> None:
                     on_declare=rt.stream_validator(mon.allow_declare), allow_declare=mon.allow_declare,
                     max_declared_streams=mon.max_declared_streams, subscribers=mon.subscribers,
                     max_subscribers=mon.max_subscribers, subscriber_ttl_s=mon.subscriber_ttl_s,
-                    block_subscribers=mon.block_subscribers, max_block_delay_ms=mon.max_block_delay_ms)
+                    block_subscribers=mon.block_subscribers, max_block_delay_ms=mon.max_block_delay_ms,
+                    max_held_bytes=mon.max_held_bytes)
     rt.attach_hub(hub, mon.streams)
     weakref.finalize(rt, hub.close)
 

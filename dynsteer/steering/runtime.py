@@ -531,6 +531,8 @@ class SteeringRuntime:
         try:
             self.hub.publish(sel.name, meta, arrays)
         except Exception as exc:  # noqa: BLE001 - a stream never aborts generation; the loss is logged and counted
+            if isinstance(exc, ValueError) and sel.name not in self.hub.streams():
+                return  # a subscriber-declared stream whose last subscriber left since the step was planned
             self.stats.stream_errors += 1
             logger.error("dynsteer: stream %r: publishing step %d failed: %r", sel.name, sel.step, exc)
 
