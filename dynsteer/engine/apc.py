@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from cachetools import LRUCache
 
 from dynsteer.capture.consumers import consumer_class
 from dynsteer.config import CONFIG_KEY, DynsteerConfig, Limits
+from dynsteer.memo import BoundedMemo, body_digest
 from dynsteer.payload import PAYLOAD_KEY, config_fingerprint, decode_payload, payload_body
 from dynsteer.policy import admit_policy
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
@@ -46,18 +46,19 @@ class FrontendState:
     probes: dict[str, Any] = field(default_factory=dict)  # registered probe files, loaded
     controllers: Any = field(default_factory=set)  # names of registered custom controllers
     capacity: int = 63  # table rows requests can take (max_rows - 1)
-    # Admission results per (named-vector version, global configuration, packed payload): validation compiles
-    # every vector, which for a large batch of requests would otherwise dominate LLM.generate's submission loop
-    # (and requests trickling into the engine core start their prefill in several steps instead of one).
-    # Bounded by bytes: a key holds the whole payload string.
-    _memo: LRUCache = field(init=False, repr=False)
+    # Admission results per (named-vector version, global configuration, digest of the packed payload body):
+    # validation compiles every vector, which for a large batch of requests would otherwise dominate
+    # LLM.generate's submission loop (and requests trickling into the engine core start their prefill in several
+    # steps instead of one). Keyed by a digest and charged what each entry holds (dynsteer.memo), so a client's
+    # payloads never stay in memory, and the memo within Limits.cache_bytes.
+    _memo: BoundedMemo = field(init=False, repr=False)
     version: int = 0  # bumped whenever a named vector changes: keys the admission memo
     # content fingerprint of the global spec and policy (keys the memo too): setting a global and clearing it again
     # leaves earlier admissions valid, so they stay cached
     global_key: bytes = b""
 
     def __post_init__(self) -> None:
-        self._memo = LRUCache(maxsize=self.limits.cache_bytes, getsizeof=lambda entry: entry[0])
+        self._memo = BoundedMemo(self.limits.cache_bytes)
         self.global_key = config_fingerprint(self.global_spec, self.global_policy)
 
     def register(self, name: str, vector: np.ndarray) -> None:
@@ -98,25 +99,34 @@ class FrontendState:
             part of the decode fingerprint: the workers report where it acted, and the engine core folds that into
             the hashes of the blocks from there on (:func:`patch_block_hashing`, DESIGN §5).
         """
-        cacheable = payload is None or isinstance(payload, str)  # JSON-object payloads are not hashable
-        # tags differ per request; the configuration does not
-        key = (self.version, self.global_key, payload_body(payload))
-        hit = self._memo.get(key) if cacheable else None
-        cached = None if hit is None else hit[1]
+        key = self.memo_key(payload)
+        cached = None if key is None else self._memo.get(key)
         if cached is None:
-            try:
-                cached = self._admit(payload)
-            except SteeringValidationError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a 400 naming the payload, never a 500 or a dead server
-                raise SteeringValidationError(f"extra_args.{PAYLOAD_KEY}: cannot be admitted ({exc!r})") from None
-            size = 256 + (len(key[1]) if isinstance(key[1], str) else 0)
-            if cacheable and size <= self.limits.cache_bytes:
-                self._memo[key] = (size, cached)
+            cached = self.admit_uncached(payload)
+            if key is not None:
+                self._memo.put(key, cached)
         prefill, decode, rows, dynamic, recompute_prompt = cached
         if recompute_prompt:  # prompt capture, or a prompt-mean monitor
             prefill = f"{prefill}recompute-{uuid.uuid4().hex}"
         return prefill, decode, rows, dynamic
+
+    def memo_key(self, payload: Any) -> tuple[int, bytes, bytes] | None:
+        """The memo key of ``payload`` under the current configuration (None for a JSON-object payload: not
+        memoised); tags differ per request, the configuration does not."""
+        if payload is None:
+            return self.version, self.global_key, b""
+        if not isinstance(payload, str):
+            return None
+        return self.version, self.global_key, body_digest(payload_body(payload))
+
+    def admit_uncached(self, payload: Any) -> tuple[str, str, str, bool, bool]:
+        """:meth:`_admit` with any unexpected failure reported as a validation error naming the payload."""
+        try:
+            return self._admit(payload)
+        except SteeringValidationError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a 400 naming the payload, never a 500 or a dead server
+            raise SteeringValidationError(f"extra_args.{PAYLOAD_KEY}: cannot be admitted ({exc!r})") from None
 
     def _admit(self, payload: Any) -> tuple[str, str, str, bool, bool]:
         specs = [("global.", self.global_spec)]
