@@ -95,14 +95,11 @@ def decode_payload(obj: Any, field: str = f"extra_args.{PAYLOAD_KEY}",
     """Decode and schema-validate a payload within ``limits``; raises :class:`SteeringValidationError` naming the
     bad field (the payload itself when it is oversize, too deep or has too many entries)."""
     if isinstance(obj, str):
-        packed, _, tag = obj.partition(_TAG_SEP)
-        if len(obj) > limits.max_payload_bytes:
-            raise SteeringValidationError(f"{field}: payload of {len(obj)} bytes exceeds the engine's limit "
-                                          f"max_payload_bytes = {limits.max_payload_bytes}")
+        packed, tag = check_envelope(obj, field, limits)
         decoded = _decode_packed(packed, field, limits)
-        if not tag:
+        if tag is None:
             return decoded
-        return RequestPayload(decoded.spec, _check_tag(tag, field), decoded.capture, decoded.policy, decoded.trace)
+        return RequestPayload(decoded.spec, tag, decoded.capture, decoded.policy, decoded.trace)
     if not isinstance(obj, dict):
         raise SteeringValidationError(f"{field}: expected a packed string or an object, got {type(obj).__name__}")
     try:
@@ -113,6 +110,17 @@ def decode_payload(obj: Any, field: str = f"extra_args.{PAYLOAD_KEY}",
         raise SteeringValidationError(f"{field}: payload of {size} bytes exceeds the engine's limit "
                                       f"max_payload_bytes = {limits.max_payload_bytes}")
     return _decode_body(obj, field, limits)
+
+
+def check_envelope(payload: str, field: str = f"extra_args.{PAYLOAD_KEY}",
+                   limits: Limits = DEFAULT_LIMITS) -> tuple[str, str | None]:
+    """A packed payload's body and tag, checked on every use, memo hits included: its size within
+    ``limits.max_payload_bytes``, its tag (if any) a safe name (it names capture files)."""
+    packed, _, tag = payload.partition(_TAG_SEP)
+    if len(payload) > limits.max_payload_bytes:
+        raise SteeringValidationError(f"{field}: payload of {len(payload)} bytes exceeds the engine's limit "
+                                      f"max_payload_bytes = {limits.max_payload_bytes}")
+    return packed, (_check_tag(tag, field) if tag else None)
 
 
 # Decoded bodies by (digest of the body, field, limits): a batch usually repeats a few configurations, and

@@ -21,7 +21,7 @@ import numpy as np
 from dynsteer.capture.consumers import consumer_class
 from dynsteer.config import CONFIG_KEY, DynsteerConfig, Limits
 from dynsteer.memo import BoundedMemo, body_digest
-from dynsteer.payload import PAYLOAD_KEY, config_fingerprint, decode_payload, payload_body
+from dynsteer.payload import PAYLOAD_KEY, check_envelope, config_fingerprint, decode_payload
 from dynsteer.policy import admit_policy
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
 from dynsteer.steering.compile import compile_phase
@@ -98,6 +98,8 @@ class FrontendState:
             the forward for cached tokens, and there would be nothing to capture for them. A dynamic policy is not
             part of the decode fingerprint: the workers report where it acted, and the engine core folds that into
             the hashes of the blocks from there on (:func:`patch_block_hashing`, DESIGN §5).
+
+        The payload's size and tag are checked on every call, memo hit or not.
         """
         key = self.memo_key(payload)
         cached = None if key is None else self._memo.get(key)
@@ -112,12 +114,14 @@ class FrontendState:
 
     def memo_key(self, payload: Any) -> tuple[int, bytes, bytes] | None:
         """The memo key of ``payload`` under the current configuration (None for a JSON-object payload: not
-        memoised); tags differ per request, the configuration does not."""
+        memoised). Checks the payload's envelope, so a memo hit too rejects an oversize payload or a bad tag (the
+        tag stays outside the body, the memo's key)."""
         if payload is None:
             return self.version, self.global_key, b""
         if not isinstance(payload, str):
             return None
-        return self.version, self.global_key, body_digest(payload_body(payload))
+        packed, _ = check_envelope(payload, f"extra_args.{PAYLOAD_KEY}", self.limits)
+        return self.version, self.global_key, body_digest(packed)
 
     def admit_uncached(self, payload: Any) -> tuple[str, str, str, bool, bool]:
         """:meth:`_admit` with any unexpected failure reported as a validation error naming the payload."""
