@@ -9,10 +9,12 @@ decode-only steering keeps its cache hits.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import hashlib
 import uuid
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +33,11 @@ DECODE_KEY = "dynsteer_decode_fp"  # set by admission, read by the engine core's
 DYNAMIC_KEY = "dynsteer_dynamic"  # set by admission when a dynamic policy steers the request's decode tokens
 ACTED_TAG = "dynsteer:acted:"
 ROWS_KEY = "dynsteer_rows"  # set by admission: the table rows a request takes, read by the scheduler (it waits)
+
+
+# An admission made off the event loop for the request this task is adding (engine.admission): its memo key and
+# result, used by process_inputs when the memo could not keep it (an entry over the budget, or evicted meanwhile).
+HANDED: ContextVar[tuple[Any, Any] | None] = ContextVar("dynsteer_handed_admission", default=None)
 
 
 @dataclass
@@ -52,6 +59,8 @@ class FrontendState:
     # steps instead of one). Keyed by a digest and charged what each entry holds (dynsteer.memo), so a client's
     # payloads never stay in memory, and the memo within Limits.cache_bytes.
     _memo: BoundedMemo = field(init=False, repr=False)
+    # admissions under way off the event loop, by memo key (engine.admission; the loop's thread only)
+    _pending: dict = field(init=False, repr=False, default_factory=dict)
     version: int = 0  # bumped whenever a named vector changes: keys the admission memo
     # content fingerprint of the global spec and policy (keys the memo too): setting a global and clearing it again
     # leaves earlier admissions valid, so they stay cached
@@ -104,9 +113,13 @@ class FrontendState:
         key = self.memo_key(payload)
         cached = None if key is None else self._memo.get(key)
         if cached is None:
-            cached = self.admit_uncached(payload)
-            if key is not None:
-                self._memo.put(key, cached)
+            handed = HANDED.get()
+            if handed is not None and handed[0] == key:
+                cached = handed[1]
+            else:
+                cached = self.admit_uncached(payload)
+                if key is not None:
+                    self._memo.put(key, cached)
         prefill, decode, rows, dynamic, recompute_prompt = cached
         if recompute_prompt:  # prompt capture, or a prompt-mean monitor
             prefill = f"{prefill}recompute-{uuid.uuid4().hex}"
@@ -123,6 +136,10 @@ class FrontendState:
         packed, _ = check_envelope(payload, f"extra_args.{PAYLOAD_KEY}", self.limits)
         return self.version, self.global_key, body_digest(packed)
 
+    def holds(self, key: Any) -> bool:
+        """Whether the memo holds an admission under ``key``."""
+        return key in self._memo
+
     def admit_uncached(self, payload: Any) -> tuple[str, str, str, bool, bool]:
         """:meth:`_admit` with any unexpected failure reported as a validation error naming the payload."""
         try:
@@ -131,6 +148,21 @@ class FrontendState:
             raise
         except Exception as exc:  # noqa: BLE001 - a 400 naming the payload, never a 500 or a dead server
             raise SteeringValidationError(f"extra_args.{PAYLOAD_KEY}: cannot be admitted ({exc!r})") from None
+
+    def snapshot(self) -> "FrontendState":
+        """A copy that admits as this state does now, whatever changes later (named vectors are copied; the rest
+        is immutable or fixed at engine start); it shares the memo. Admission off the event loop runs on one, so a
+        result always matches the key taken with it, even when a vector or the global changes meanwhile."""
+        snap = copy.copy(self)
+        snap.named = dict(self.named)
+        return snap
+
+    def fill(self, key: Any, payload: Any) -> tuple[str, str, str, bool, bool]:
+        """Admit ``payload`` and remember the result under ``key`` (taken with this state); returns it, raises as
+        :meth:`admit` does."""
+        result = self.admit_uncached(payload)
+        self._memo.put(key, result)
+        return result
 
     def _admit(self, payload: Any) -> tuple[str, str, str, bool, bool]:
         specs = [("global.", self.global_spec)]
