@@ -33,6 +33,7 @@ ENTRY_OVERHEAD = 384
 _MANAGED_DICT = 1 << 4  # Py_TPFLAGS_MANAGED_DICT: instance attributes may live in an array getsizeof misses
 
 _SCALARS = {int, float, str, bytes}
+_ALIGN, _SMALL = 16, 512  # pymalloc's alignment and largest size class (CPython 3.11, 64-bit)
 
 # Never an entry's own: classes, modules, code and callables reach the whole program.
 _SHARED = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
@@ -45,10 +46,17 @@ def body_digest(body: str) -> bytes:
     return hashlib.blake2b(body.encode("utf-8", "surrogatepass"), digest_size=32).digest()
 
 
+def _block(size: int) -> int:
+    """What an allocation of ``size`` bytes takes: pymalloc rounds small objects up to its alignment, glibc's
+    malloc adds a size word to larger blocks (numpy buffers, long strings) and rounds them likewise."""
+    return (size + _ALIGN - 1) & -_ALIGN if size <= _SMALL else (size + 8 + _ALIGN - 1) & -_ALIGN
+
+
 def resident_bytes(obj: Any) -> int:
     """Bytes ``obj`` and everything it references keep allocated: Python objects as ``sys.getsizeof`` counts them
     (containers, strings, ints, floats, model and dataclass instances with their ``__dict__``), and numpy arrays
-    with the buffer they view (a decoded vector's ``bytes``, counted once). A long list of scalars is summed without
+    with the buffer they view (a decoded vector's ``bytes``, counted once), each rounded up as the allocator does
+    (a 28-byte int takes 32). A long list of scalars is summed without
     walking it (each int counted as large as the largest). Classes, modules and callables are shared, never
     counted; other objects shared with others are counted in full (an upper bound)."""
     seen: set[int] = set()
@@ -59,18 +67,22 @@ def resident_bytes(obj: Any) -> int:
         if o is None or o is True or o is False or id(o) in seen or isinstance(o, _SHARED):
             continue
         seen.add(id(o))
-        total += sys.getsizeof(o)  # an array that owns its data counts it here
+        size = sys.getsizeof(o)
         if isinstance(o, np.ndarray):
-            if o.base is not None:
+            if o.base is None:  # it owns its data: a block of its own
+                total += _block(size - o.nbytes) + _block(o.nbytes)
+            else:
+                total += _block(size)
                 stack.append(o.base)
             continue
+        total += _block(size)
         if type(o) in (tuple, list) and len(o) > 16:  # a list of scalars (capture positions): counted in C
             kinds = set(map(type, o))
             if kinds == {int}:
-                total += len(o) * sys.getsizeof(max(max(o), -min(o)))  # none larger than the largest
+                total += len(o) * _block(sys.getsizeof(max(max(o), -min(o))))  # none larger than the largest
                 continue
             if kinds <= _SCALARS:
-                total += sum(map(sys.getsizeof, o))
+                total += sum(map(sys.getsizeof, o)) + (_ALIGN - 1) * len(o)
                 continue
         if type(o).__flags__ & _MANAGED_DICT:
             o.__dict__  # noqa: B018 - as a dict (sized with its values) rather than values getsizeof cannot see
