@@ -32,7 +32,7 @@ ENTRY_OVERHEAD = 384
 
 _MANAGED_DICT = 1 << 4  # Py_TPFLAGS_MANAGED_DICT: instance attributes may live in an array getsizeof misses
 
-_SCALARS = {int, float, str, bytes}
+_SCALARS = frozenset({int, float, str, bytes})
 _ALIGN, _SMALL = 16, 512  # pymalloc's alignment and largest size class (CPython 3.11, 64-bit)
 
 # Never an entry's own: classes, modules, code and callables reach the whole program.
@@ -56,19 +56,25 @@ def resident_bytes(obj: Any) -> int:
     """Bytes ``obj`` and everything it references keep allocated: Python objects as ``sys.getsizeof`` counts them
     (containers, strings, ints, floats, model and dataclass instances with their ``__dict__``), and numpy arrays
     with the buffer they view (a decoded vector's ``bytes``, counted once), each rounded up as the allocator does
-    (a 28-byte int takes 32). A long list of scalars is summed without
-    walking it (each int counted as large as the largest). Classes, modules and callables are shared, never
-    counted; other objects shared with others are counted in full (an upper bound)."""
+    (a 28-byte int takes 32). A long list of scalars is summed without walking it (each int counted as large as
+    the largest). Classes, modules and callables are shared, never counted; other objects shared with others are
+    counted in full (an upper bound)."""
     seen: set[int] = set()
     total = 0
     stack = [obj]
     while stack:
         o = stack.pop()
-        if o is None or o is True or o is False or id(o) in seen or isinstance(o, _SHARED):
+        kind = type(o)
+        if kind in _SCALARS:  # the most frequent case, and nothing to walk
+            if id(o) not in seen:
+                seen.add(id(o))
+                total += _block(sys.getsizeof(o))
+            continue
+        if o is None or kind is bool or id(o) in seen or isinstance(o, _SHARED):
             continue
         seen.add(id(o))
         size = sys.getsizeof(o)
-        if isinstance(o, np.ndarray):
+        if kind is np.ndarray:
             if o.base is None:  # it owns its data: a block of its own
                 total += _block(size - o.nbytes) + _block(o.nbytes)
             else:
@@ -76,7 +82,7 @@ def resident_bytes(obj: Any) -> int:
                 stack.append(o.base)
             continue
         total += _block(size)
-        if type(o) in (tuple, list) and len(o) > 16:  # a list of scalars (capture positions): counted in C
+        if (kind is tuple or kind is list) and len(o) > 16:  # a list of scalars (capture positions): counted in C
             kinds = set(map(type, o))
             if kinds == {int}:
                 total += len(o) * _block(sys.getsizeof(max(max(o), -min(o))))  # none larger than the largest
@@ -84,7 +90,7 @@ def resident_bytes(obj: Any) -> int:
             if kinds <= _SCALARS:
                 total += sum(map(sys.getsizeof, o)) + (_ALIGN - 1) * len(o)
                 continue
-        if type(o).__flags__ & _MANAGED_DICT:
+        if kind.__flags__ & _MANAGED_DICT:
             o.__dict__  # noqa: B018 - as a dict (sized with its values) rather than values getsizeof cannot see
         stack.extend(gc.get_referents(o))
     return total
