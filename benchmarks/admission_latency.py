@@ -141,7 +141,8 @@ def main() -> int:
     from dynsteer.testing.tiny_models import tiny_model
 
     model = tiny_model("llama")
-    payloads = [heavy_payload(seed, args.vectors) for seed in range(400)]  # made before timing: client CPU stays out of it
+    # made before timing: the client's own CPU stays out of the figures
+    payloads = [heavy_payload(seed, args.vectors) for seed in range(400)]
     sha = subprocess.run(["git", "-C", str(args.code), "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True).stdout.strip()
     log = Path(tempfile.gettempdir()) / f"admission_latency-{args.label}-server.log"
