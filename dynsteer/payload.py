@@ -13,17 +13,16 @@ import base64
 import binascii
 import hashlib
 import re
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
-from cachetools import LRUCache
 from pydantic import ValidationError
 
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.config import Limits
+from dynsteer.memo import BoundedMemo, body_digest
 from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import SteeringSpec, SteeringValidationError
 
@@ -96,14 +95,11 @@ def decode_payload(obj: Any, field: str = f"extra_args.{PAYLOAD_KEY}",
     """Decode and schema-validate a payload within ``limits``; raises :class:`SteeringValidationError` naming the
     bad field (the payload itself when it is oversize, too deep or has too many entries)."""
     if isinstance(obj, str):
-        packed, _, tag = obj.partition(_TAG_SEP)
-        if len(obj) > limits.max_payload_bytes:
-            raise SteeringValidationError(f"{field}: payload of {len(obj)} bytes exceeds the engine's limit "
-                                          f"max_payload_bytes = {limits.max_payload_bytes}")
+        packed, tag = check_envelope(obj, field, limits)
         decoded = _decode_packed(packed, field, limits)
-        if not tag:
+        if tag is None:
             return decoded
-        return RequestPayload(decoded.spec, _check_tag(tag, field), decoded.capture, decoded.policy, decoded.trace)
+        return RequestPayload(decoded.spec, tag, decoded.capture, decoded.policy, decoded.trace)
     if not isinstance(obj, dict):
         raise SteeringValidationError(f"{field}: expected a packed string or an object, got {type(obj).__name__}")
     try:
@@ -116,18 +112,27 @@ def decode_payload(obj: Any, field: str = f"extra_args.{PAYLOAD_KEY}",
     return _decode_body(obj, field, limits)
 
 
-_memo_lock = threading.Lock()
-_memo: LRUCache = LRUCache(maxsize=DEFAULT_LIMITS.cache_bytes, getsizeof=lambda entry: entry[0])
+def check_envelope(payload: str, field: str = f"extra_args.{PAYLOAD_KEY}",
+                   limits: Limits = DEFAULT_LIMITS) -> tuple[str, str | None]:
+    """A packed payload's body and tag, checked on every use, memo hits included: its size within
+    ``limits.max_payload_bytes``, its tag (if any) a safe name (it names capture files)."""
+    packed, _, tag = payload.partition(_TAG_SEP)
+    if len(payload) > limits.max_payload_bytes:
+        raise SteeringValidationError(f"{field}: payload of {len(payload)} bytes exceeds the engine's limit "
+                                      f"max_payload_bytes = {limits.max_payload_bytes}")
+    return packed, (_check_tag(tag, field) if tag else None)
+
+
+# Decoded bodies by (digest of the body, field, limits): a batch usually repeats a few configurations, and
+# validating vectors is the costly part. Bounded by what the decoded objects keep resident (dynsteer.memo).
+_memo: BoundedMemo[RequestPayload] = BoundedMemo(DEFAULT_LIMITS.cache_bytes)
 
 
 def _decode_packed(packed: str, field: str, limits: Limits) -> RequestPayload:
-    # Memoised per body (a batch usually repeats a few configurations, and validating vectors is the costly part),
-    # bounded by bytes: the key holds the whole payload string.
-    key = (packed, field, limits)
-    with _memo_lock:
-        hit = _memo.get(key)
+    key = (body_digest(packed), field, limits)
+    hit = _memo.get(key)
     if hit is not None:
-        return hit[1]
+        return hit
     if not packed.startswith(_PREFIX):
         raise SteeringValidationError(f"{field}: packed payload must start with {_PREFIX!r}")
     try:
@@ -135,12 +140,8 @@ def _decode_packed(packed: str, field: str, limits: Limits) -> RequestPayload:
     except (binascii.Error, msgspec.DecodeError, ValueError, RecursionError) as exc:
         raise SteeringValidationError(f"{field}: malformed packed payload ({type(exc).__name__}: {exc})") from None
     decoded = _decode_body(body, field, limits)
-    size = 2 * len(packed) + 256  # the key string and, about as much again, the decoded vectors
-    if size <= limits.cache_bytes:
-        with _memo_lock:
-            if _memo.maxsize != limits.cache_bytes:
-                _memo.maxsize = limits.cache_bytes  # type: ignore[misc]  # one engine config per process
-            _memo[key] = (size, decoded)
+    _memo.resize(limits.cache_bytes)  # one engine configuration per process
+    _memo.put(key, decoded)
     return decoded
 
 

@@ -1,15 +1,17 @@
 """Admission memos (frontend and worker) are keyed by the global configuration's content, not by a counter: a
 global set and cleared again (``with steerer.steering(...)``) leaves earlier admissions cached, while a request
-admitted under another global still gets that global's fingerprints and rows (no engine)."""
+admitted under another global still gets that global's fingerprints and rows; a memo hit still checks the request's
+own tag (no engine)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import dynsteer.steering.runtime as runtime_mod
 from dynsteer.engine.apc import FrontendState
 from dynsteer.payload import config_fingerprint, encode_payload
-from dynsteer.spec import AddVector, ModelShape, SteeringSpec
+from dynsteer.spec import AddVector, ModelShape, SteeringSpec, SteeringValidationError
 from dynsteer.steering.compile import compile_phase
 from dynsteer.steering.runtime import SteeringRuntime
 from dynsteer.steering.tables import SteeringTables
@@ -101,3 +103,12 @@ def test_worker_keeps_live_requests_rows_exact_across_global_toggles():
         np.testing.assert_array_equal(rt.tables.vec_at((2, "post_block"), row).numpy(),
                                       _vec(2) if spec is GLOBAL else np.zeros(H))
 
+
+
+def test_tag_is_checked_on_a_memo_hit():
+    state = FrontendState(SHAPE, capacity=8)
+    state.admit(PAYLOAD)
+    state.admit(f"{PAYLOAD}~run-1.a_b")  # same body, a good tag: a hit
+    for bad in ("../../etc/passwd", "a" * 200, "-leading-dash"):
+        with pytest.raises(SteeringValidationError, match=r"^extra_args\.dynsteer\.tag: "):
+            state.admit(f"{PAYLOAD}~{bad}")  # the body is cached; the tag is this request's own

@@ -9,19 +9,21 @@ decode-only steering keeps its cache hits.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import hashlib
 import uuid
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from cachetools import LRUCache
 
 from dynsteer.capture.consumers import consumer_class
 from dynsteer.config import CONFIG_KEY, DynsteerConfig, Limits
-from dynsteer.payload import PAYLOAD_KEY, config_fingerprint, decode_payload, payload_body
+from dynsteer.memo import BoundedMemo, body_digest
+from dynsteer.payload import PAYLOAD_KEY, check_envelope, config_fingerprint, decode_payload
 from dynsteer.policy import admit_policy
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
 from dynsteer.steering.compile import compile_phase
@@ -31,6 +33,11 @@ DECODE_KEY = "dynsteer_decode_fp"  # set by admission, read by the engine core's
 DYNAMIC_KEY = "dynsteer_dynamic"  # set by admission when a dynamic policy steers the request's decode tokens
 ACTED_TAG = "dynsteer:acted:"
 ROWS_KEY = "dynsteer_rows"  # set by admission: the table rows a request takes, read by the scheduler (it waits)
+
+
+# An admission made off the event loop for the request this task is adding (engine.admission): its memo key and
+# result, used by process_inputs when the memo could not keep it (an entry over the budget, or evicted meanwhile).
+HANDED: ContextVar[tuple[Any, Any] | None] = ContextVar("dynsteer_handed_admission", default=None)
 
 
 @dataclass
@@ -48,18 +55,21 @@ class FrontendState:
     # names of the configured capture consumers (None: not known, e.g. a state built by hand; then unchecked)
     consumers: frozenset[str] | None = None
     capacity: int = 63  # table rows requests can take (max_rows - 1)
-    # Admission results per (named-vector version, global configuration, packed payload): validation compiles
-    # every vector, which for a large batch of requests would otherwise dominate LLM.generate's submission loop
-    # (and requests trickling into the engine core start their prefill in several steps instead of one).
-    # Bounded by bytes: a key holds the whole payload string.
-    _memo: LRUCache = field(init=False, repr=False)
+    # Admission results per (named-vector version, global configuration, digest of the packed payload body):
+    # validation compiles every vector, which for a large batch of requests would otherwise dominate
+    # LLM.generate's submission loop (and requests trickling into the engine core start their prefill in several
+    # steps instead of one). Keyed by a digest and charged what each entry holds (dynsteer.memo), so a client's
+    # payloads never stay in memory, and the memo within Limits.cache_bytes.
+    _memo: BoundedMemo = field(init=False, repr=False)
+    # admissions under way off the event loop, by memo key (engine.admission; the loop's thread only)
+    _pending: dict = field(init=False, repr=False, default_factory=dict)
     version: int = 0  # bumped whenever a named vector changes: keys the admission memo
     # content fingerprint of the global spec and policy (keys the memo too): setting a global and clearing it again
     # leaves earlier admissions valid, so they stay cached
     global_key: bytes = b""
 
     def __post_init__(self) -> None:
-        self._memo = LRUCache(maxsize=self.limits.cache_bytes, getsizeof=lambda entry: entry[0])
+        self._memo = BoundedMemo(self.limits.cache_bytes)
         self.global_key = config_fingerprint(self.global_spec, self.global_policy)
 
     def check_register(self, name: str, field: str = "name") -> None:
@@ -109,26 +119,62 @@ class FrontendState:
             the forward for cached tokens, and there would be nothing to capture for them. A dynamic policy is not
             part of the decode fingerprint: the workers report where it acted, and the engine core folds that into
             the hashes of the blocks from there on (:func:`patch_block_hashing`, DESIGN §5).
+
+        The payload's size and tag are checked on every call, memo hit or not.
         """
-        cacheable = payload is None or isinstance(payload, str)  # JSON-object payloads are not hashable
-        # tags differ per request; the configuration does not
-        key = (self.version, self.global_key, payload_body(payload))
-        hit = self._memo.get(key) if cacheable else None
-        cached = None if hit is None else hit[1]
+        key = self.memo_key(payload)
+        cached = None if key is None else self._memo.get(key)
         if cached is None:
-            try:
-                cached = self._admit(payload)
-            except SteeringValidationError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a 400 naming the payload, never a 500 or a dead server
-                raise SteeringValidationError(f"extra_args.{PAYLOAD_KEY}: cannot be admitted ({exc!r})") from None
-            size = 256 + (len(key[1]) if isinstance(key[1], str) else 0)
-            if cacheable and size <= self.limits.cache_bytes:
-                self._memo[key] = (size, cached)
+            handed = HANDED.get()
+            if handed is not None and handed[0] == key:
+                cached = handed[1]
+            else:
+                cached = self.admit_uncached(payload)
+                if key is not None:
+                    self._memo.put(key, cached)
         prefill, decode, rows, dynamic, recompute_prompt = cached
         if recompute_prompt:  # prompt capture, or a prompt-mean monitor
             prefill = f"{prefill}recompute-{uuid.uuid4().hex}"
         return prefill, decode, rows, dynamic
+
+    def memo_key(self, payload: Any) -> tuple[int, bytes, bytes] | None:
+        """The memo key of ``payload`` under the current configuration (None for a JSON-object payload: not
+        memoised). Checks the payload's envelope, so a memo hit too rejects an oversize payload or a bad tag (the
+        tag stays outside the body, the memo's key)."""
+        if payload is None:
+            return self.version, self.global_key, b""
+        if not isinstance(payload, str):
+            return None
+        packed, _ = check_envelope(payload, f"extra_args.{PAYLOAD_KEY}", self.limits)
+        return self.version, self.global_key, body_digest(packed)
+
+    def holds(self, key: Any) -> bool:
+        """Whether the memo holds an admission under ``key``."""
+        return key in self._memo
+
+    def admit_uncached(self, payload: Any) -> tuple[str, str, str, bool, bool]:
+        """:meth:`_admit` with any unexpected failure reported as a validation error naming the payload."""
+        try:
+            return self._admit(payload)
+        except SteeringValidationError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a 400 naming the payload, never a 500 or a dead server
+            raise SteeringValidationError(f"extra_args.{PAYLOAD_KEY}: cannot be admitted ({exc!r})") from None
+
+    def snapshot(self) -> "FrontendState":
+        """A copy that admits as this state does now, whatever changes later (named vectors are copied; the rest
+        is immutable or fixed at engine start); it shares the memo. Admission off the event loop runs on one, so a
+        result always matches the key taken with it, even when a vector or the global changes meanwhile."""
+        snap = copy.copy(self)
+        snap.named = dict(self.named)
+        return snap
+
+    def fill(self, key: Any, payload: Any) -> tuple[str, str, str, bool, bool]:
+        """Admit ``payload`` and remember the result under ``key`` (taken with this state); returns it, raises as
+        :meth:`admit` does."""
+        result = self.admit_uncached(payload)
+        self._memo.put(key, result)
+        return result
 
     def _admit(self, payload: Any) -> tuple[str, str, str, bool, bool]:
         specs = [("global.", self.global_spec)]

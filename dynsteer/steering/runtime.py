@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
-from cachetools import LRUCache
 
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.capture.spool import WRITER
@@ -23,6 +22,7 @@ from dynsteer.config import Limits
 from dynsteer.controllers.registry import ControllerFault, ControllerRegistry
 from dynsteer.policy import admit_policy
 from dynsteer.steering.staging import StagingRing
+from dynsteer.memo import BoundedMemo, body_digest
 from dynsteer.payload import PAYLOAD_KEY, config_fingerprint, decode_payload, payload_body
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
 from dynsteer.steering.compile import EMPTY, RowContent, SiteKey, compile_phase
@@ -60,7 +60,7 @@ class RequestEntry:
     decode: RowContent = EMPTY
     rows: tuple[int, int] = (0, 0)
     error: str | None = None
-    payload_key: str | None = None  # the packed payload body (no tag), when the request sent one (memo key)
+    payload_key: bytes | None = None  # digest of the packed payload body (no tag), if the request sent one (memo key)
     policy: Any = None  # the request's own DynamicSteeringPolicy (overrides the global one)
     dyn: DynState | None = None
     trace: bool = False  # keep the trace for the caller (payload's ``trace`` flag)
@@ -138,7 +138,8 @@ class SteeringRuntime:
         # None leaves captures' consumers unchecked (a runtime built outside an engine)
         self.consumer_names: frozenset[str] | None = None
         self._staging = StagingRing(tables.row_index)
-        self._compiled: LRUCache = LRUCache(maxsize=self.limits.cache_bytes, getsizeof=_compiled_size)
+        # compiled rows by (global configuration, payload body digest), charged what they hold (dynsteer.memo)
+        self._compiled: BoundedMemo[list[RowContent]] = BoundedMemo(self.limits.cache_bytes)
         self._global_key = config_fingerprint(self.global_spec, self.global_policy)
         self._high_water = 0
         g = tables.gate_buffers
@@ -247,7 +248,7 @@ class SteeringRuntime:
             except Exception as exc:  # noqa: BLE001 - the frontend validates too; this catches what bypassed it
                 error = self._stop(req_id, exc)
         entry = RequestEntry(prompt_len=prompt_len, spec=spec, tag=tag, error=error, policy=policy, trace=trace,
-                             payload_key=payload_body(payload) if isinstance(payload, str) else None,
+                             payload_key=body_digest(payload_body(payload)) if isinstance(payload, str) else None,
                              cmd_spec=self._cmd_specs.get(req_id), cmd_policy=self._cmd_policies.get(req_id))
         for cmd in self._deferred.pop(req_id, ()):
             try:
@@ -713,8 +714,8 @@ class SteeringRuntime:
             pol = None if policy is None else (f"extra_args.{PAYLOAD_KEY}.policy.", policy)
             cached = [compile_phase(specs, "prefill", self.shape, self.named, pol),
                       compile_phase([*specs, *decode_extra], "decode", self.shape, self.named, pol)]
-            if key is not None and _compiled_size(cached) <= self.limits.cache_bytes:
-                self._compiled[key] = cached
+            if key is not None:
+                self._compiled.put(key, cached)
         return cached
 
     def _assign_rows(self, req_id: str, entry: RequestEntry) -> None:
@@ -723,7 +724,7 @@ class SteeringRuntime:
             entry.prefill, entry.decode, entry.rows = EMPTY, EMPTY, (0, 0)
             return
         specs = [("global.", self.global_spec)]
-        key: Any = ""
+        key: Any = b""  # the global configuration alone
         if entry.spec is not None and not entry.spec.is_empty():
             specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", entry.spec))
             key = entry.payload_key
@@ -804,14 +805,3 @@ def _stream_mask(spec: Any, entries: list[RequestEntry]) -> np.ndarray:
         return np.array([e.dyn is not None for e in entries], bool).reshape(len(entries))
     prefix = spec.tag_prefix or ""
     return np.array([e.tag is not None and e.tag.startswith(prefix) for e in entries], bool).reshape(len(entries))
-
-
-def _compiled_size(contents: list[RowContent]) -> int:
-    """Bytes a memoised compilation holds (its vectors and clamp directions), for the byte-bounded memo."""
-    total = 256
-    for content in contents:
-        for prog in content.sites.values():
-            total += 0 if prog.vec is None else prog.vec.nbytes
-            total += sum(c.direction.nbytes for c in prog.clamps)
-            total += sum(m.probe.nbytes for m in prog.monitors.values()) + sum(v.nbytes for v in prog.dyn.values())
-    return total
