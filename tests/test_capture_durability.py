@@ -24,6 +24,7 @@ from dynsteer.capture.consumers import LAYOUTS, FilesystemConsumer, MemoryConsum
 from dynsteer.capture.reader import CaptureReader
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.capture.store import CaptureRecord, check_tag
+from dynsteer.memo import resident_bytes
 from dynsteer.spec import SteeringValidationError
 
 SPEC = CaptureSpec(layers=(0, 2), sites=("post_attn",), positions="all")
@@ -347,6 +348,14 @@ def test_record_size_counts_positions_and_rows():
     assert _record("a").nbytes == 5 * 8 + 2 * 5 * 8 * 4  # int64 positions + two float32 [5, 8] places
 
 
+def _held(rec: CaptureRecord) -> int:
+    """What the memory consumer charges a record: its rows and positions, and what its capture spec keeps."""
+    return rec.nbytes + resident_bytes(rec.spec)
+
+
+HELD = _held(_record("a"))
+
+
 def test_memory_consumer_expires_records_nobody_takes(clock, caplog):
     mem = MemoryConsumer(ttl_s=10.0)
     mem.on_finish(_record("a"))
@@ -356,7 +365,7 @@ def test_memory_consumer_expires_records_nobody_takes(clock, caplog):
     with caplog.at_level(logging.ERROR, logger="dynsteer"):
         assert mem.take("a") is None
     assert mem.take("b").tag == "b"
-    assert (mem.expired, mem.expired_bytes, mem.evicted, mem.bytes) == (1, 360, 0, 0)
+    assert (mem.expired, mem.expired_bytes, mem.evicted, mem.bytes) == (1, HELD, 0, 0)
     assert any("not taken within ttl_s" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
     mem.on_finish(_record("c"))
     clock.t += 10.5
@@ -364,25 +373,36 @@ def test_memory_consumer_expires_records_nobody_takes(clock, caplog):
 
 
 def test_memory_consumer_evicts_oldest_past_its_byte_budget(clock, caplog):
-    mem = MemoryConsumer(max_bytes=1000)
+    mem = MemoryConsumer(max_bytes=2 * HELD + HELD // 2)
     with caplog.at_level(logging.ERROR, logger="dynsteer"):
-        for tag in ("a", "b", "c"):  # 360 bytes each: the third passes the budget
+        for tag in ("a", "b", "c"):  # the third passes the budget
             mem.on_finish(_record(tag))
     assert list(mem.records) == ["b", "c"]
-    assert (mem.evicted, mem.evicted_bytes, mem.bytes, mem.expired) == (1, 360, 720, 0)
+    assert (mem.evicted, mem.evicted_bytes, mem.bytes, mem.expired) == (1, HELD, 2 * HELD, 0)
     assert any("evicted the oldest record a" in r.getMessage() for r in caplog.records)
     again = _record("b")
     mem.on_finish(again)  # a repeated tag replaces its record (counted once) and becomes the newest
-    assert list(mem.records) == ["c", "b"] and mem.bytes == 720 and mem.take("b") is again
-    big = _record("big", n=40)
+    assert list(mem.records) == ["c", "b"] and mem.bytes == 2 * HELD and mem.take("b") is again
+    big = _record("big", n=200)
     mem.on_finish(big)  # alone larger than the budget: dropped too, and not claimed as delivered
     assert "big" not in mem.records and "memory" not in big.deliveries and mem.bytes == 0
     assert mem.evicted == 3  # c, then big itself
+
+
+def test_memory_consumer_charges_what_a_records_capture_spec_keeps(clock):
+    """A request asking for many explicit positions that capture nothing still costs its spec: records nobody takes
+    (HTTP requests) cannot pin memory beyond the budget through their position lists."""
+    heavy = CaptureSpec(layers=SPEC.layers, sites=SPEC.sites, positions=tuple(range(10_000, 70_000)))
+    mem = MemoryConsumer(max_bytes=8 << 20)
+    for i in range(40):  # each spec alone keeps over 2 MB of Python ints
+        mem.on_finish(CaptureRecord(tag=f"h{i}", req_id=f"h{i}", spec=heavy, prompt_len=3))
+    assert mem.evicted > 30 and mem.bytes <= 8 << 20
+    assert resident_bytes(heavy) > 2 << 20
 
 
 def test_memory_consumer_still_bounds_the_record_count(clock):
     mem = MemoryConsumer(max_records=2)
     for tag in ("a", "b", "c"):
         mem.on_finish(_record(tag))
-    assert list(mem.records) == ["b", "c"] and mem.evicted == 1 and mem.bytes == 720
+    assert list(mem.records) == ["b", "c"] and mem.evicted == 1 and mem.bytes == 2 * HELD
     assert mem.records["c"].deliveries == {"memory": "delivered"}

@@ -35,6 +35,7 @@ import numpy as np
 from filelock import FileLock
 
 from dynsteer.capture.store import CaptureRecord, Place, check_tag, place_key
+from dynsteer.memo import resident_bytes
 
 logger = logging.getLogger("dynsteer")
 ENTRY_POINT_GROUP = "dynsteer.capture_consumers"
@@ -98,7 +99,9 @@ class MemoryConsumer:
     Args:
         max_records: records held at most.
         ttl_s: seconds a record waits to be taken before it is dropped.
-        max_bytes: bytes of captured data held at most (a record larger than this alone is dropped too).
+        max_bytes: bytes held at most: captured data, and what each record keeps of its request (its capture
+            spec: a long explicit position list weighs more than the rows it may capture); a record larger than
+            this alone is dropped too.
     """
 
     name = "memory"
@@ -113,7 +116,7 @@ class MemoryConsumer:
 
     def on_finish(self, record: CaptureRecord) -> None:
         self._pop(record.tag)  # a repeated tag replaces the old record, which moves to the back
-        size = record.nbytes
+        size = record.nbytes + resident_bytes(record.spec)
         self.records[record.tag] = record
         self._held[record.tag] = (time.monotonic(), size)
         self.bytes += size
