@@ -118,3 +118,28 @@ def test_routes_outside_the_dev_set_are_left_alone():
 
     with TestClient(app, client=REMOTE) as client:
         assert client.get("/health").status_code == 200
+
+
+def test_plain_vllm_serve_with_dynsteer_loaded_refuses_dynsteer_state_changes_over_collective_rpc():
+    """Under plain ``vllm serve`` (no steering routes, no key rule of dynsteer's) the plugin still keeps
+    ``/collective_rpc`` from changing steering behind the frontend's admission state."""
+    import vllm.entrypoints.serve as serve
+
+    from dynsteer.engine.server import patch_dev_routes
+
+    patch_dev_routes(serve)  # what the general plugin does when vLLM's API server imports the module
+    patch_dev_routes(serve)  # idempotent
+    app = FastAPI()
+    serve.register_vllm_dev_api_routers(app)
+    engine = Engine()
+    app.state.engine_client = engine
+    with TestClient(app, client=LOCAL) as client:
+        for method, args in STATE_CHANGES:
+            reply = rpc(client, method, args)
+            assert reply.status_code == 403, (method, reply.text)
+            assert reply.json()["error"]["message"].startswith(f"method: '{method}' is not callable"), reply.text
+        assert rpc(client, "dynsteer_describe").status_code == 200
+        assert rpc(client, "get_model_inspection").status_code == 200
+        assert client.post("/reset_prefix_cache").status_code == 200  # vLLM's own dev routes are vLLM's business
+    assert [c[:2] for c in engine.calls] == [("collective_rpc", "dynsteer_describe"),
+                                             ("collective_rpc", "get_model_inspection"), ("reset_prefix_cache",)]

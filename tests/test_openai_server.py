@@ -11,12 +11,13 @@ import pytest
 
 import dynsteer
 from dynsteer import AddVector, SteeringSpec
-from tests.conftest import openai_server
+from tests.conftest import env, openai_server
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_path, tmp_path_factory):
-    with openai_server(tiny_llama_path, tmp_path_factory.mktemp("server") / "server.log") as url:
+    with env(VLLM_SERVER_DEV_MODE="1"), \
+            openai_server(tiny_llama_path, tmp_path_factory.mktemp("server") / "server.log") as url:
         yield url, str(tiny_llama_path)
 
 
@@ -52,3 +53,18 @@ def test_bad_payload_is_a_400_naming_the_field(server):
     status, body = complete(server, {"dynsteer": "ds1:not-base64!"})
     assert status == 400 and "malformed packed payload" in body
     assert complete(server)[0] == 200  # the server keeps serving
+
+
+def test_dev_mode_collective_rpc_cannot_change_steering_under_plain_vllm_serve(server):
+    """With dynsteer merely loaded (no steering routes), vLLM's dev-mode RPC still cannot set global steering
+    behind the frontend's admission state (dynsteer's general plugin guards the route)."""
+    url, _ = server
+    v = (np.random.default_rng(0).standard_normal(128) * 8).astype(np.float32)
+    status, base = complete(server)
+    payload = dynsteer.encode_payload(SteeringSpec(vectors=[AddVector(layer=1, vector=v)]))
+    body = json.dumps({"method": "dynsteer_set_global", "args": [payload]}).encode()
+    req = urllib.request.Request(f"{url}/collective_rpc", data=body, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    assert err.value.code == 403 and "method: 'dynsteer_set_global' is not callable" in err.value.read().decode()
+    assert complete(server) == (200, base)  # nothing changed

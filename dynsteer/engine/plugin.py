@@ -88,3 +88,10 @@ def register() -> None:
     when_imported("vllm.v1.request", lambda m: apc.patch_request(m.Request))
     when_imported("vllm.v1.core.sched.scheduler", lambda m: scheduler.patch_scheduler(m.Scheduler))
     when_imported("vllm.v1.engine.core", lambda m: commands.patch_engine_core(m.EngineCore))
+    when_imported("vllm.entrypoints.serve", _guard_dev_routes)  # API servers only: keeps fastapi out of workers
+
+
+def _guard_dev_routes(module: ModuleType) -> None:
+    from dynsteer.engine.server import patch_dev_routes
+
+    patch_dev_routes(module)

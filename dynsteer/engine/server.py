@@ -30,6 +30,7 @@ only ``/v1/steering/*`` changes steering.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import ipaddress
 import json
@@ -94,8 +95,7 @@ class SteeringEndpoints:
     # ---- vLLM's endpoint-plugin protocol -----------------------------------------------------------------------------
     def attach_router(self, app: Any) -> None:
         # vLLM registers its development routes (VLLM_SERVER_DEV_MODE) before endpoint plugins: guard them here
-        dev = [r for r in app.router.routes
-               if getattr(getattr(r, "endpoint", None), "__module__", "").startswith(DEV_ROUTE_MODULES)]
+        dev = _dev_routes(app)
         if dev:
             app.add_middleware(DevRouteGuard, endpoints=self, routes=dev)
         app.include_router(self.router())
@@ -265,13 +265,39 @@ RPC_ALLOWED = frozenset({"dynsteer_describe"})
 _MAX_RPC_BODY = 1 << 20
 
 
+def _dev_routes(app: Any) -> list[Any]:
+    """The app's routes that vLLM's development routers registered."""
+    return [r for r in app.router.routes
+            if getattr(getattr(r, "endpoint", None), "__module__", "").startswith(DEV_ROUTE_MODULES)]
+
+
+def patch_dev_routes(module: Any) -> None:
+    """In any vLLM API server with dynsteer loaded (plain ``vllm serve`` too, where no steering routes exist):
+    ``/collective_rpc`` refuses dynsteer's state-changing methods (:class:`DevRouteGuard` without a key rule; under
+    ``dynsteer serve`` the endpoint plugin adds the key rule). ``module``: ``vllm.entrypoints.serve``, whose
+    ``register_vllm_dev_api_routers`` vLLM's ``build_app`` looks up when the app is built."""
+    orig = module.register_vllm_dev_api_routers
+    if getattr(orig, "_dynsteer_guarded", False):
+        return
+
+    @functools.wraps(orig)
+    def register_vllm_dev_api_routers(app: Any) -> None:
+        orig(app)
+        routes = _dev_routes(app)
+        if routes:
+            app.add_middleware(DevRouteGuard, endpoints=None, routes=routes)
+
+    register_vllm_dev_api_routers._dynsteer_guarded = True  # type: ignore[attr-defined]
+    module.register_vllm_dev_api_routers = register_vllm_dev_api_routers
+
+
 class DevRouteGuard:
     """ASGI middleware holding vLLM's development routes to the steering routes' rule (:meth:`SteeringEndpoints.
-    refusal`), and refusing ``dynsteer_*`` methods other than :data:`RPC_ALLOWED` on ``/collective_rpc`` (module
-    docstring). A route counts when Starlette's own matching says so, so root paths and methods are read as the
-    router reads them."""
+    refusal`; skipped with ``endpoints=None``, where no steering routes exist), and refusing ``dynsteer_*`` methods
+    other than :data:`RPC_ALLOWED` on ``/collective_rpc`` (module docstring). A route counts when Starlette's own
+    matching says so, so root paths and methods are read as the router reads them."""
 
-    def __init__(self, app: Any, endpoints: SteeringEndpoints, routes: Sequence[Any]) -> None:
+    def __init__(self, app: Any, endpoints: SteeringEndpoints | None, routes: Sequence[Any]) -> None:
         self.app, self.endpoints, self.routes = app, endpoints, list(routes)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -280,13 +306,14 @@ class DevRouteGuard:
         route = next((r for r in self.routes if r.matches(scope)[0] != Match.NONE), None)
         if route is None:
             return await self.app(scope, receive, send)
-        state = getattr(scope["app"].state, "dynsteer", None)
-        if state is None:  # before the plugin's init_state: nothing to check against, so nothing is served
-            return await _error(send, 503, "the server is starting")
-        request = Request(scope)  # headers and client as the steering routes read them (the body is not read)
-        refusal = self.endpoints.refusal(state["keys"], request.headers.get("authorization"), request.client)
-        if refusal is not None:
-            return await _error(send, *refusal)
+        if self.endpoints is not None:
+            state = getattr(scope["app"].state, "dynsteer", None)
+            if state is None:  # before the plugin's init_state: nothing to check against, so nothing is served
+                return await _error(send, 503, "the server is starting")
+            request = Request(scope)  # headers and client as the steering routes read them (the body is not read)
+            refusal = self.endpoints.refusal(state["keys"], request.headers.get("authorization"), request.client)
+            if refusal is not None:
+                return await _error(send, *refusal)
         if getattr(route, "path", None) == RPC_ROUTE:
             body = b""
             while True:
