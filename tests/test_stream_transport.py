@@ -709,3 +709,29 @@ def test_spill_ring_matches_a_deque(tmp_path: Path, ops: list[tuple[str, Any]]) 
             assert len(files) <= len({e.segment for e in ring._index}) + 1
     ring.close()
     assert not directory.exists()
+
+
+@pytest.mark.timeout(30)  # a scrape that waited out the 60 s timeout for a closed hub fails here
+def test_metrics_scrape_skips_closed_hubs_and_asks_live_ones_at_once(ipc_dir: Path) -> None:
+    """A process that made several engines scrapes each live hub once and never waits for a closed one (a closed
+    hub removes its socket file; the file of a later server bound at the same path is left alone)."""
+    from dynsteer.streams.metrics import StreamMetricsCollector
+
+    live, gone = StreamHub(f"ipc://{ipc_dir}/live"), StreamHub(f"ipc://{ipc_dir}/gone")
+    live.declare("a", {})
+    gone_path = ipc_dir / "gone"
+    assert gone_path.exists()
+    gone.close()
+    assert not gone_path.exists()
+    try:
+        answers = StreamMetricsCollector(timeout_ms=60_000).query_all([gone.endpoint, live.endpoint])
+        assert answers[gone.endpoint] is None and "a" in answers[live.endpoint]
+    finally:
+        live.close()
+    # a closed binding leaves another server's socket at the same path alone
+    again = StreamHub(f"ipc://{ipc_dir}/gone")
+    try:
+        gone._binding.close()  # the old hub's binding, closed twice
+        assert gone_path.exists()
+    finally:
+        again.close()

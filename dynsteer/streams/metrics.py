@@ -8,7 +8,9 @@ accounting: ``published = delivered + dropped + spilled + pending`` per stream a
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from typing import Any, Iterator
 
 import msgspec
@@ -31,20 +33,46 @@ class StreamMetricsCollector:
 
     def query(self, endpoint: str) -> dict[str, Any] | None:
         """The hub's stats, or None when it does not answer in time (a scrape never hangs)."""
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        return self.query_all([endpoint])[endpoint]
+
+    def query_all(self, endpoints: list[str]) -> dict[str, dict[str, Any] | None]:
+        """Every hub's stats (None for those that do not answer), asked at once: a scrape waits at most one
+        timeout, however many engines this process made (and closed) so far."""
+        ctx = zmq.Context.instance()
+        socks: dict[str, zmq.Socket] = {}
+        out: dict[str, dict[str, Any] | None] = {e: None for e in endpoints}
         try:
-            connect_options(sock, endpoint)
-            sock.connect(endpoint)
-            sock.send(encode_client(StatsRequest()))
-            if not sock.poll(self.timeout_ms):
-                return None
-            reply = msgspec.msgpack.decode(sock.recv())
-            return reply.get("stats") if isinstance(reply, dict) else None
-        except zmq.ZMQError:
-            return None
+            for endpoint in endpoints:
+                if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@") and \
+                        not os.path.exists(endpoint[len("ipc://"):]):
+                    continue  # its hub is closed (a closed hub removes its socket file): nothing to wait for
+                sock = socks[endpoint] = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                try:
+                    connect_options(sock, endpoint)
+                    sock.connect(endpoint)
+                    sock.send(encode_client(StatsRequest()), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    continue
+            poller = zmq.Poller()
+            for sock in socks.values():
+                poller.register(sock, zmq.POLLIN)
+            by_sock = {sock: e for e, sock in socks.items()}
+            deadline = time.monotonic() + self.timeout_ms / 1000
+            waiting = len(socks)
+            while waiting and (left := deadline - time.monotonic()) > 0:
+                for sock, _ in poller.poll(max(1, int(left * 1000))):
+                    poller.unregister(sock)
+                    waiting -= 1
+                    try:
+                        reply = msgspec.msgpack.decode(sock.recv(zmq.NOBLOCK))
+                    except (zmq.ZMQError, msgspec.DecodeError):
+                        continue
+                    out[by_sock[sock]] = reply.get("stats") if isinstance(reply, dict) else None
         finally:
-            sock.close(0)
+            for sock in socks.values():
+                sock.close(0)
+        return out
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -67,8 +95,8 @@ class StreamMetricsCollector:
             "spilled": GaugeMetricFamily("dynsteer_stream_spilled", "Messages waiting on disk", labels=labels),
             "pending": GaugeMetricFamily("dynsteer_stream_pending", "Messages waiting in memory", labels=labels),
         }
-        for endpoint in list(self.endpoints):
-            stats = self.query(endpoint)
+        answers = self.query_all(list(self.endpoints))
+        for endpoint, stats in answers.items():
             up.add_metric([endpoint], 0.0 if stats is None else 1.0)
             for stream, st in (stats or {}).items():
                 if stream.startswith("_") or not isinstance(st, dict):

@@ -113,15 +113,28 @@ def check_endpoint(endpoint: str, curve: bool, field: str = "endpoint") -> None:
 
 @dataclass(frozen=True)
 class Binding:
-    """What :func:`bind` set up: the actual endpoint, and the authenticator thread to stop with the socket."""
+    """What :func:`bind` set up: the actual endpoint, the authenticator thread to stop with the socket, and (ipc) the
+    socket file it made."""
 
     endpoint: str
     authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
+    socket_file: tuple[str, int] | None = None  # (path, inode) of the ipc socket file bind made
 
     def close(self) -> None:
-        """Stop the CURVE authenticator (if any); call after closing the socket."""
+        """Stop the CURVE authenticator (if any) and remove the ipc socket file; call after closing the socket.
+
+        libzmq leaves the file behind, and a client connecting to it then waits out its timeout instead of failing
+        at once (a metrics scrape of an engine that is gone). The file is removed only while it is still the one
+        bind made: a later server may have bound the same path since."""
         if self.authenticator is not None:
             self.authenticator.stop()
+        if self.socket_file is not None:
+            path, inode = self.socket_file
+            try:
+                if os.stat(path).st_ino == inode:
+                    os.unlink(path)
+            except OSError:
+                pass
 
     stop = close  # the name ThreadAuthenticator uses, for callers that keep the binding as "the authenticator"
 
@@ -146,6 +159,7 @@ def bind(sock: zmq.Socket, endpoint: str, curve: CurveKeys | None) -> Binding:
     """
     check_endpoint(endpoint, curve is not None)
     authenticator = None
+    socket_file = None
     if curve is not None:
         # The authenticator must run before the bind, or the first handshakes would go unchecked.
         authenticator = zmq.auth.thread.ThreadAuthenticator(sock.context)
@@ -162,6 +176,7 @@ def bind(sock: zmq.Socket, endpoint: str, curve: CurveKeys | None) -> Binding:
             sock.bind(endpoint)
             if not path.startswith("@"):
                 os.chmod(path, 0o600)
+                socket_file = (path, os.stat(path).st_ino)
         else:
             if "[" in endpoint:
                 sock.ipv6 = True
@@ -171,7 +186,7 @@ def bind(sock: zmq.Socket, endpoint: str, curve: CurveKeys | None) -> Binding:
         if authenticator is not None:
             authenticator.stop()
         raise
-    return Binding(actual, authenticator)
+    return Binding(actual, authenticator, socket_file)
 
 
 def _prepare_ipc_dir(directory: str) -> None:
