@@ -61,7 +61,8 @@ def dynsteer_set_capture(self: Any, spec: dict[str, Any] | None) -> None:
         raise ValueError("capture: this engine has no capture places; set DynsteerConfig(capture_sites=...)")
     parsed = None if spec is None else CaptureSpec.model_validate(spec)
     if parsed is not None:
-        parsed.check(rt.shape, rt.capture.engine_places, consumers=rt.consumers)
+        # the configured names, on every rank (only the rank that emits builds the consumers themselves)
+        parsed.check(rt.shape, rt.capture.engine_places, consumers=rt.consumer_names)
     rt.capture.global_spec = parsed
 
 
