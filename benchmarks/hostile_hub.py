@@ -73,7 +73,7 @@ class Stall(threading.Thread):
         self.ready, self.stop = threading.Event(), threading.Event()
 
     def run(self) -> None:
-        from dynsteer.monitor.wire import Bye, Hello, Ping, encode_client
+        from dynsteer.transport.wire import Bye, Hello, Ping, encode_client
 
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
@@ -105,7 +105,7 @@ def _reply(sock: zmq.Socket, timeout_s: float = 10.0) -> dict[str, Any]:
 
 def hub_stats(endpoint: str) -> dict[str, Any]:
     """``StreamHub.stats()`` over the wire (any connection may ask)."""
-    from dynsteer.monitor.wire import StatsRequest, encode_client
+    from dynsteer.transport.wire import StatsRequest, encode_client
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -121,7 +121,7 @@ def hub_stats(endpoint: str) -> dict[str, Any]:
 
 def refused_declares(endpoint: str, count: int) -> dict[str, int]:
     """Send ``count`` hellos each declaring a new stream; the hub's replies by field (``welcome`` if accepted)."""
-    from dynsteer.monitor.wire import Hello, encode_client
+    from dynsteer.transport.wire import Hello, encode_client
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

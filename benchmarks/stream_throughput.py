@@ -51,7 +51,7 @@ print(json.dumps({"frames": frames, "bytes": nbytes, "gaps": gaps, "seconds": (l
 
 def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
     from dynsteer.streams.hub import StreamHub
-    from dynsteer.streams.security import default_endpoint
+    from dynsteer.transport.security import default_endpoint
 
     endpoint = args.endpoint or default_endpoint(f"bench-{policy}")
     spill_dir = tempfile.mkdtemp(prefix="dynsteer-bench-spill-")

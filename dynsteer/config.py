@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from dynsteer.spec import NAME_PATTERN, SITES, Site
-from dynsteer.streams.security import CurveKeys, check_endpoint, default_endpoint
+from dynsteer.transport.security import CurveKeys, check_endpoint, default_endpoint
 
 CONFIG_KEY = "dynsteer"
 CommandOp = Literal["abort", "steer", "threshold", "rule", "global"]

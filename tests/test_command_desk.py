@@ -23,7 +23,7 @@ from dynsteer.engine.commands import CommandDesk
 from dynsteer.engine.scheduler import SchedulerState
 from dynsteer.monitor.client import CommandClient
 from dynsteer.spec import AddVector, ModelShape, SteeringSpec, SteeringValidationError
-from dynsteer.streams.security import CurveKeys, connect_curve
+from dynsteer.transport.security import CurveKeys, connect_curve
 
 H = 256
 SHAPE = ModelShape(num_layers=4, hidden_size=H, max_gates=2)

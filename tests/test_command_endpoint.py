@@ -24,7 +24,7 @@ from dynsteer.commands import AbortCommand, CommandEnvelope, GlobalCommand, Stee
 from dynsteer.config import DynsteerConfig, Limits, MonitorConfig
 from dynsteer.monitor.client import CommandClient
 from dynsteer.spec import AddVector, SteeringSpec
-from dynsteer.streams.security import CurveKeys, connect_curve
+from dynsteer.transport.security import CurveKeys, connect_curve
 from tests.conftest import make_llm
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning"]

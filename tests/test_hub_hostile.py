@@ -19,9 +19,9 @@ import pytest
 import zmq
 
 from dynsteer.monitor.subscriber import StreamError, StreamSubscriber
-from dynsteer.monitor.wire import Ack, Bye, Hello, Ping, encode_client
+from dynsteer.transport.wire import Ack, Bye, Hello, Ping, encode_client
 from dynsteer.streams.hub import StreamHub
-from dynsteer.streams.security import CurveKeys, connect_curve
+from dynsteer.transport.security import CurveKeys, connect_curve
 from tests.test_stream_transport import assert_identity, counters, message, wait_until
 
 MSG_BYTES = 4096  # what one message of big() carries

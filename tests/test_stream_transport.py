@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from dynsteer.monitor.subscriber import StreamError, StreamSubscriber
-from dynsteer.monitor.wire import (Ack, Hello, WireError, decode_client, decode_frame, encode_client, encode_frame)
+from dynsteer.transport.wire import (Ack, Hello, WireError, decode_client, decode_frame, encode_client, encode_frame)
 from dynsteer.streams.hub import StreamHub
-from dynsteer.streams.security import CurveKeys, check_endpoint
+from dynsteer.transport.security import CurveKeys, check_endpoint
 from dynsteer.streams.spill import SpillRing
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import torch
 from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec
 from dynsteer.kernels.controller_reference import (Layout, control_reference, controller_row, readback_reference,
                                                    update_reference)
-from dynsteer.kernels.graphed import bucket
+from dynsteer.device.graphs import bucket
 from dynsteer.steering.dynamic import DynState, StepTokens, policy_slots
 from tests.conftest import run_interpreted
 
@@ -357,7 +357,7 @@ def _drive(graphed: bool, batches: list[int], seed: int = 0, plain_at: frozenset
     slots while the device is kept ~1 ms behind the host each step (nothing synchronises), and ``pending`` receives
     the read-backs left pending after each step."""
     from dynsteer.steering.dynamic import DynamicDriver
-    from dynsteer.steering.staging import HostRing
+    from dynsteer.device.staging import HostRing
 
     N = 64
     bufs = [torch.zeros(G, N, device="cuda") for _ in range(4)]

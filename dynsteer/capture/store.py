@@ -32,7 +32,7 @@ from dynsteer.capture.select import PositionLedger, select_positions
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.capture.spool import WRITER, Spool, SpoolError, spool_dir
 from dynsteer.spec import NAME_PATTERN, Site, SteeringValidationError
-from dynsteer.steering.staging import StagingRing
+from dynsteer.device.staging import StagingRing
 
 logger = logging.getLogger("dynsteer")
 Place = tuple[int, Site]

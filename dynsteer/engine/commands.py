@@ -73,7 +73,7 @@ from dynsteer.payload import PAYLOAD_KEY, decode_payload
 from dynsteer.policy import admit_policy
 from dynsteer.spec import SteeringSpec, SteeringValidationError
 from dynsteer.steering.compile import compile_phase
-from dynsteer.streams.security import bind
+from dynsteer.transport.security import bind
 
 logger = logging.getLogger("dynsteer")
 

@@ -35,7 +35,7 @@ from dynsteer.commands import (AbortCommand, Ack, CommandEnvelope, GlobalCommand
                                ThresholdCommand, encode_command, max_message_bytes)
 from dynsteer.config import Limits
 from dynsteer.spec import SteeringSpec, SteeringValidationError
-from dynsteer.streams.security import connect_curve, connect_options
+from dynsteer.transport.security import connect_curve, connect_options
 
 
 @dataclass

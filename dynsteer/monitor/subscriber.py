@@ -25,9 +25,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from dynsteer.monitor.wire import (NAME_HELD, Ack, Bye, Frame, Hello, Ping, Policy, StatsRequest, WireError,
+from dynsteer.transport.wire import (NAME_HELD, Ack, Bye, Frame, Hello, Ping, Policy, StatsRequest, WireError,
                                    decode_client, decode_server_header, encode_client, frame_from_header)
-from dynsteer.streams.security import check_endpoint, connect_curve, connect_options
+from dynsteer.transport.security import check_endpoint, connect_curve, connect_options
 
 logger = logging.getLogger("dynsteer")
 HELLO_RETRY_S = 0.2  # between hellos refused because the name is held (each one costs the hub a check)

@@ -34,11 +34,11 @@ import numpy as np
 import torch
 
 from dynsteer.controllers.registry import ControllerFault
-from dynsteer.kernels.graphed import bucket
+from dynsteer.device.graphs import bucket
+from dynsteer.device.readback import ReadbackStore
+from dynsteer.device.staging import HostRing, StagingRing
 from dynsteer.spec import ModelShape, SteeringValidationError, resolve_vector
 from dynsteer.steering.compile import Clamp, MonitorProgram, SiteKey, SiteProgram, max_abs
-from dynsteer.steering.readback import ReadbackStore
-from dynsteer.steering.staging import HostRing, StagingRing
 
 if TYPE_CHECKING:
     from dynsteer.policy import DynamicSteeringPolicy
@@ -668,7 +668,7 @@ class DynamicDriver:
         # whose values are not taken).
         self.graphed = self.cuda and graphed and not runs_reference(gates)
         if self.graphed:
-            from dynsteer.kernels.graphed import GraphedLaunch
+            from dynsteer.device.graphs import GraphedLaunch
 
             control_at, update_at, readback_at = (GraphedLaunch(control_at, N, dev), GraphedLaunch(update_at, N, dev),
                                                   GraphedLaunch(readback_at, N, dev))

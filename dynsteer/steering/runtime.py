@@ -21,7 +21,7 @@ from dynsteer.capture.store import CaptureCollector, CaptureRecord
 from dynsteer.config import Limits
 from dynsteer.controllers.registry import ControllerFault, ControllerRegistry
 from dynsteer.policy import admit_policy
-from dynsteer.steering.staging import StagingRing
+from dynsteer.device.staging import StagingRing
 from dynsteer.memo import BoundedMemo, body_digest
 from dynsteer.payload import PAYLOAD_KEY, config_fingerprint, decode_payload, payload_body
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector

@@ -1,7 +1,7 @@
 """The stream hub: publishes each engine step's captured activations, per stream, to monitor processes.
 
 A worker calls :meth:`StreamHub.publish` once per step and stream; monitors connect with
-:class:`dynsteer.monitor.subscriber.StreamSubscriber` (wire format: :mod:`dynsteer.monitor.wire`). ``publish`` only
+:class:`dynsteer.monitor.subscriber.StreamSubscriber` (wire format: :mod:`dynsteer.transport.wire`). ``publish`` only
 files the message (arrays by reference, no copy, no serialization of arrays, no socket call but a wake-up); the hub's
 own I/O thread owns the ROUTER socket and does all sending, receiving and spilling.
 
@@ -94,10 +94,10 @@ from typing import Any
 import numpy as np
 import zmq
 
-from dynsteer.monitor.wire import (MAX_CLIENT_BYTES, MAX_DELAY_MS, NAME_HELD, NAME_PATTERN, Ack, Bye, Hello,
+from dynsteer.transport.wire import (MAX_CLIENT_BYTES, MAX_DELAY_MS, NAME_HELD, NAME_PATTERN, Ack, Bye, Hello,
                                    StatsRequest, WireError, check_array, decode_client, encode_error, encode_header,
                                    encode_ping, encode_stats, encode_welcome)
-from dynsteer.streams.security import CurveKeys, bind
+from dynsteer.transport.security import CurveKeys, bind
 from dynsteer.streams.spill import SpillBudget, SpillRing
 from dynsteer.streams.state import LossLedger, Message, Spilled, StreamState, Subscriber, SubStream, stream_stats
 
@@ -115,7 +115,7 @@ class StreamHub:
     Defaults are :class:`dynsteer.config.MonitorConfig`'s.
 
     Args:
-        endpoint: where to listen (:func:`dynsteer.streams.security.check_endpoint`); ``:0`` picks a free port.
+        endpoint: where to listen (:func:`dynsteer.transport.security.check_endpoint`); ``:0`` picks a free port.
         curve: CURVE keys, client allowlist and the names each client key may use (required for TCP).
         replay_bytes, replay_messages: bounds of each stream's replay buffer.
         spill_dir: folder for ``spill`` subscribers' rings (default: a private temp folder, removed on close).

@@ -16,8 +16,8 @@ from typing import Any, Iterator
 import msgspec
 import zmq
 
-from dynsteer.monitor.wire import StatsRequest, encode_client
-from dynsteer.streams.security import connect_options
+from dynsteer.transport.wire import StatsRequest, encode_client
+from dynsteer.transport.security import connect_options
 
 logger = logging.getLogger("dynsteer")
 _lock = threading.Lock()

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from dynsteer.monitor.wire import Policy, array_buffers
+from dynsteer.transport.wire import Policy, array_buffers
 from dynsteer.streams.spill import SpillRing
 
 
