@@ -46,6 +46,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.routing import Match
 
+from dynsteer._version import __version__
 from dynsteer.engine.apc import FrontendState, frontend_state
 from dynsteer.payload import decode_payload, encode_payload
 from dynsteer.spec import SteeringValidationError, check_name, check_vector
@@ -229,14 +230,13 @@ class SteeringEndpoints:
         return {"policy": None if admitted is None else admitted.model_dump(mode="json", exclude_none=True)}
 
     def capabilities(self, engine: Any) -> dict[str, Any]:
-        import dynsteer
         from dynsteer.config import DynsteerConfig
 
         front = self.front(engine)
         shape = front.shape
         cfg = DynsteerConfig.from_additional(engine.vllm_config.additional_config)
         layers = list(range(shape.num_layers)) if shape.layers is None else list(shape.layers)
-        return {"dynsteer": dynsteer.__version__, "model": shape.model_id, "architecture": shape.architecture,
+        return {"dynsteer": __version__, "model": shape.model_id, "architecture": shape.architecture,
                 "num_layers": shape.num_layers, "hidden_size": shape.hidden_size, "sites": list(shape.sites),
                 "layers": layers, "tiers": ["base", "prefill", "decode"], "max_clamps": shape.max_clamps,
                 "max_gates": shape.max_gates, "dynamic": shape.max_gates > 0, "max_rows": cfg.max_rows,
