@@ -22,7 +22,7 @@ from typing import Any
 
 from dynsteer.sweep.grid import point_label
 from dynsteer.sweep.config import BASELINE, SweepConfig
-from dynsteer.sweep.runner import SweepResult
+from dynsteer.sweep.types import SweepResult
 from dynsteer.sweep.summary import format_value, summary_columns
 
 __all__ = ["PLOT_METRICS", "render_report", "write_report"]

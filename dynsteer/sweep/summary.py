@@ -7,13 +7,11 @@ import csv
 import io
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dynsteer.sweep import metrics as M
 from dynsteer.sweep.config import SweepConfig
-
-if TYPE_CHECKING:
-    from dynsteer.sweep.runner import Variant
+from dynsteer.sweep.types import Variant
 
 __all__ = ["SUMMARY_METRICS", "VARIANT_COLUMNS", "format_value", "summarize", "summary_columns", "summary_csv_text"]
 
