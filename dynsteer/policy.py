@@ -228,7 +228,7 @@ class Monitor(_Model):
             target_class: the class whose probability is the gate: 1 (the probe's positive class, the gate is
                 ``predict_proba[:, 1]``) or 0 (the gate is ``predict_proba[:, 0]``: direction and threshold negated).
         """
-        from dynsteer.probes.fileformat import load_probe
+        from dynsteer.probefile.fileformat import load_probe
 
         if target_class not in (0, 1):
             raise ValueError(f"target_class must be 0 or 1, got {target_class!r}")
@@ -238,7 +238,7 @@ class Monitor(_Model):
     @classmethod
     def from_probe(cls, probe: Any, *, name: str, calibrated: bool = False, target_class: int = 1,
                    reads: str = "token") -> "Monitor":
-        """An inline monitor equal to a loaded :class:`dynsteer.probes.fileformat.Probe` (see :meth:`from_probe_file`)."""
+        """An inline monitor equal to a loaded :class:`dynsteer.probefile.Probe` (see :meth:`from_probe_file`)."""
         p = probe.gate_params(calibrated=calibrated)
         sign = 1.0 if target_class == 1 else -1.0  # σ(−z) = 1 − σ(z)
         return cls(name=name, layer=probe.layer, site=probe.site, direction=sign * p.probe, sharpness=p.sharpness,
@@ -279,8 +279,8 @@ class Monitor(_Model):
         return m
 
     def gate_params(self) -> Any:
-        """The :class:`dynsteer.probes.gate.GateParams` of this monitor (loads ``probe_file`` if needed)."""
-        from dynsteer.probes.gate import GateParams
+        """The :class:`dynsteer.probefile.gate.GateParams` of this monitor (loads ``probe_file`` if needed)."""
+        from dynsteer.probefile.gate import GateParams
 
         m = self.resolve()
         assert m.direction is not None and m.sharpness is not None and m.threshold is not None
@@ -293,7 +293,7 @@ class Monitor(_Model):
 
     def gate(self, x: Any) -> np.ndarray:
         """``σ(sharpness · (x·direction − threshold))`` in float64 (host-side reference; no prefill masking)."""
-        from dynsteer.probes.gate import gate
+        from dynsteer.probefile.gate import gate
 
         return gate(np.asarray(x, dtype=np.float64), self.gate_params())
 

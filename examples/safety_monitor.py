@@ -10,7 +10,7 @@ import sys
 
 from dynsteer.monitor.client import Monitor
 from dynsteer.monitor.probe_monitor import run_probe_monitor
-from dynsteer.probes.fileformat import load_probe
+from dynsteer.probefile import load_probe
 from dynsteer.spec import AddVector, SteeringSpec
 
 probe_file, stream_ep, command_ep = sys.argv[1:4]

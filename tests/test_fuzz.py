@@ -47,7 +47,7 @@ def _unit(seed: int) -> np.ndarray:
 
 
 def _probe():
-    from dynsteer.probes.fileformat import Probe, ProbeMeta
+    from dynsteer.probefile.fileformat import Probe, ProbeMeta
 
     return Probe(weight=_unit(9), meta=ProbeMeta(model_id="fuzz", hidden_size=H, layer=1, bias=0.1))
 

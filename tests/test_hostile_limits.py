@@ -35,7 +35,7 @@ def unit(seed: int) -> np.ndarray:
 
 
 def probe(weight: np.ndarray, bias: float = 0.0, layer: int = 1):
-    from dynsteer.probes.fileformat import Probe, ProbeMeta
+    from dynsteer.probefile.fileformat import Probe, ProbeMeta
 
     return Probe(weight=weight.astype(np.float32), meta=ProbeMeta(model_id="t", hidden_size=H, layer=layer,
                                                                  bias=bias))
@@ -156,7 +156,7 @@ def test_probe_derived_gate_parameters_are_bounded_and_real_probes_pass():
 
 
 def test_probe_file_gate_parameters_are_checked_in_the_callers_process(tmp_path):
-    from dynsteer.probes.fileformat import save_probe
+    from dynsteer.probefile.fileformat import save_probe
 
     path = save_probe(tmp_path / "huge.safetensors", unit(5) * 1e10, bias=0.0, model_id="t", layer=1)
     pol = DynamicSteeringPolicy(monitors=[Monitor(name="m", layer=1, probe_file=str(path))],
@@ -229,7 +229,7 @@ def test_a_registered_probe_out_of_float32_range_fails_start_up_naming_its_entry
     """Registered probes are checked where the engine loads them, not when a request first names one."""
     from dynsteer.config import DynsteerConfig
     from dynsteer.engine.adapters import load_probes
-    from dynsteer.probes.fileformat import save_probe
+    from dynsteer.probefile.fileformat import save_probe
 
     good = save_probe(tmp_path / "good.safetensors", unit(5) * 300.0, bias=-4.0, model_id="t", layer=1)
     huge = save_probe(tmp_path / "huge.safetensors", unit(5) * 1e10, bias=0.0, model_id="t", layer=1)

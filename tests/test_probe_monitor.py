@@ -8,7 +8,7 @@ import numpy as np
 from dynsteer.commands import Ack
 from dynsteer.monitor.client import CommandError, StreamFrame
 from dynsteer.monitor.probe_monitor import run_probe_monitor
-from dynsteer.probes.fileformat import load_probe, save_probe
+from dynsteer.probefile.fileformat import load_probe, save_probe
 
 
 class _FakeMonitor:

@@ -73,7 +73,7 @@ def engine_config(root: Path, probe: Path) -> DynsteerConfig:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from dynsteer.probes.fileformat import save_probe
+    from dynsteer.probefile.fileformat import save_probe
 
     root = tmp_path_factory.mktemp("sec")
     probe = save_probe(root / "sent.safetensors", vec(7, 0.05), bias=0.0, model_id="tiny", layer=MON_LAYER)

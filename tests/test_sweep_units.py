@@ -120,7 +120,7 @@ def test_summary_selectivity_and_side_effects():
 
 def test_cli_engine_config_covers_probe_and_actions(tmp_path):
     from dynsteer.cli.sweep import engine_config
-    from dynsteer.probes.fileformat import save_probe
+    from dynsteer.probefile.fileformat import save_probe
     from dynsteer.probes.estimators import DiffMeanProbe
 
     X = np.vstack([np.eye(H)[0] + 0.1 * np.arange(H), -np.eye(H)[0] + 0.1 * np.arange(H)])

@@ -59,7 +59,7 @@ def monitor(
     """Watch a stream with a probe file and steer or abort the requests it flags."""
     from dynsteer.monitor.client import Monitor
     from dynsteer.monitor.probe_monitor import run_probe_monitor
-    from dynsteer.probes.fileformat import load_probe
+    from dynsteer.probefile.fileformat import load_probe
     from dynsteer.spec import AddVector, SteeringSpec
 
     if action not in ("steer", "abort"):

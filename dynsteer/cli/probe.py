@@ -80,7 +80,7 @@ def train(
 
     from dynsteer.probes import estimators
     from dynsteer.probes.collect import Activations
-    from dynsteer.probes.fileformat import save_probe
+    from dynsteer.probefile.fileformat import save_probe
     from dynsteer.probes.metrics import calibrate, layer_sweep, recall_at
 
     if method not in METHODS:
@@ -137,7 +137,7 @@ def evaluate(
     from rich.console import Console
     from rich.table import Table
 
-    from dynsteer.probes.fileformat import load_probe
+    from dynsteer.probefile.fileformat import load_probe
     from dynsteer.probes.metrics import accuracy, auroc, fpr_at, fpr_interval, recall_at
 
     try:

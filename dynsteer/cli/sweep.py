@@ -17,7 +17,7 @@ def engine_config(cfg: Any) -> Any:
     controller-only monitor)."""
     from dynsteer import DynsteerConfig
     from dynsteer.dose import dose_places
-    from dynsteer.probes.fileformat import load_probe
+    from dynsteer.probefile.fileformat import load_probe
 
     target = cfg.target()
     places = set(dose_places(target))

@@ -209,7 +209,7 @@ def _stage_options(opts: dict[str, Any], name: str, pp_rank: int, pp_size: int) 
 
 def load_probes(cfg: DynsteerConfig) -> dict[str, Any]:
     """The operator's registered probe files, loaded (a bad file fails start-up, naming its entry)."""
-    from dynsteer.probes.fileformat import load_probe
+    from dynsteer.probefile.fileformat import load_probe
 
     from dynsteer.policy import gate_param_problem
 

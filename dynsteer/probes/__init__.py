@@ -12,8 +12,8 @@ Example:
 
 from dynsteer.probes.collect import Activations, align, chat_prompts, collect, collect_generated
 from dynsteer.probes.estimators import DiffMeanProbe, LDAProbe, LinearProbe, LogisticProbe
-from dynsteer.probes.fileformat import PROBE_FILE_FORMAT, Calibration, Probe, ProbeMeta, load_probe, save_probe
-from dynsteer.probes.gate import GateParams, gate, gate_logit, gate_params
+from dynsteer.probefile.fileformat import PROBE_FILE_FORMAT, Calibration, Probe, ProbeMeta, load_probe, save_probe
+from dynsteer.probefile.gate import GateParams, gate, gate_logit, gate_params
 from dynsteer.probes.metrics import (CalibrationWarning, LayerScore, SweepResult, accuracy, auroc, calibrate,
                                      calibrate_threshold, calibration_curve, fpr_at, fpr_interval, layer_sweep,
                                      recall_at, recall_at_fpr)

@@ -6,7 +6,7 @@ ending in ``_``, ``fit`` returns ``self``), so they work with ``clone``, ``Pipel
 
 Every probe exposes :meth:`LinearProbe.linear_form` → ``(w, b)`` in the ORIGINAL input space with any
 standardisation folded in, so ``decision_function(X) == X @ w + b``; that pair is what the probe file stores and what
-the in-graph gate uses (:mod:`dynsteer.probes.gate`).
+the in-graph gate uses (:mod:`dynsteer.probefile.gate`).
 
 Example:
     >>> import numpy as np

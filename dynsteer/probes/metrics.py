@@ -27,7 +27,7 @@ from sklearn.model_selection import StratifiedGroupKFold, StratifiedKFold, train
 from dynsteer.probes.collect import Activations
 
 if TYPE_CHECKING:
-    from dynsteer.probes.fileformat import Calibration
+    from dynsteer.probefile.fileformat import Calibration
 
 
 def auroc(y: np.ndarray, scores: np.ndarray) -> float:
@@ -109,10 +109,10 @@ def calibrate_threshold(scores: np.ndarray, y: np.ndarray, target_fpr: float, *,
 
 def calibrate(scores: np.ndarray, y: np.ndarray, target_fpr: float, *, min_negatives: int = 50,
               strict: bool = False, confidence: float = 0.95) -> "Calibration":
-    """A :class:`~dynsteer.probes.fileformat.Calibration` at ``target_fpr`` that records what it rests on: the
+    """A :class:`~dynsteer.probefile.fileformat.Calibration` at ``target_fpr`` that records what it rests on: the
     threshold (as :func:`calibrate_threshold`, with its warning or refusal below ``min_negatives``), the number of
     negatives, the false-positive rate it has on these scores and its ``confidence`` interval, and the AUROC."""
-    from dynsteer.probes.fileformat import Calibration
+    from dynsteer.probefile.fileformat import Calibration
 
     threshold = calibrate_threshold(scores, y, target_fpr, min_negatives=min_negatives, strict=strict)
     neg = np.asarray(scores, np.float64)[~_positive_mask(y)]

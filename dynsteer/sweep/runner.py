@@ -174,7 +174,7 @@ def run_sweep(cfg: SweepConfig, steerer: Any, out_dir: str | Path, *, progress: 
     _check_out_dir(out, cfg, overwrite)
     probe = None
     if cfg.probe_file is not None:
-        from dynsteer.probes.fileformat import load_probe
+        from dynsteer.probefile.fileformat import load_probe
 
         probe = load_probe(cfg.probe_file)
         probe.check_compatible(steerer.shape)
