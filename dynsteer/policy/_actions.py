@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
-from dynsteer.policy._base import FrozenModel, require_finite
+from dynsteer.policy._base import FrozenModel, finite_fields
 from dynsteer.spec import Layer, Real, Site, VectorSource
 
 
@@ -39,11 +39,7 @@ class Action(FrozenModel):
     hi: Optional[Real] = None
     strength: Real = Field(default=1.0, gt=0.0)
 
-    @field_validator("scale", "lo", "hi", "strength")
-    @classmethod
-    def _finite_fields(cls, v: float | None, info: Any) -> float | None:
-        require_finite(info.field_name, v)
-        return v
+    _finite_fields = finite_fields("scale", "lo", "hi", "strength")
 
     @field_validator("vector")
     @classmethod

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 
-def require_finite(name: str, value: float | None) -> None:
-    if value is not None and not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+def finite_fields(*names: str) -> Any:
+    """A field validator refusing NaN and ±inf in the float fields ``names`` (``None`` passes), named in the message."""
+
+    def check(cls: type, v: float | None, info: Any) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError(f"{info.field_name} must be finite, got {v}")
+        return v
+
+    return field_validator(*names)(check)
 
 
 class FrozenModel(BaseModel):

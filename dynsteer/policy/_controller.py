@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from pydantic import Field, StrictInt, field_validator, model_validator
 
-from dynsteer.policy._base import FrozenModel, require_finite
+from dynsteer.policy._base import FrozenModel, finite_fields
 from dynsteer.spec import ModelShape, Real, SteeringValidationError, check_name
 
 if TYPE_CHECKING:
@@ -105,11 +105,7 @@ class SyncControllerSpec(FrozenModel):
     def _controller_name(cls, v: str | None) -> str | None:
         return None if v is None else check_name(v, "controller name")
 
-    @field_validator("on", "off", "scale", "target", "kp", "ki", "kd", "min_scale", "max_scale")
-    @classmethod
-    def _finite_fields(cls, v: float | None, info: Any) -> float | None:
-        require_finite(info.field_name, v)
-        return v
+    _finite_fields = finite_fields("on", "off", "scale", "target", "kp", "ki", "kd", "min_scale", "max_scale")
 
     @model_validator(mode="after")
     def _kind_fields(self) -> "SyncControllerSpec":

@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 from pydantic import Field, StrictBool, field_validator, model_validator
 
-from dynsteer.policy._base import FrozenModel, require_finite
+from dynsteer.policy._base import FrozenModel, finite_fields
 from dynsteer.spec import Layer, Real, Site, SteeringValidationError, check_name
 from dynsteer.vectors import Vector
 
@@ -109,11 +109,7 @@ class Monitor(FrozenModel):
     def _probe_name(cls, v: str | None) -> str | None:
         return None if v is None else check_name(v, "probe name")
 
-    @field_validator("sharpness", "threshold")
-    @classmethod
-    def _finite_params(cls, v: float | None, info: Any) -> float | None:
-        require_finite(info.field_name, v)
-        return v
+    _finite_params = finite_fields("sharpness", "threshold")
 
     @field_validator("direction")
     @classmethod

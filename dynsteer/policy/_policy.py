@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
 import numpy as np
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from dynsteer.policy._base import FrozenModel, require_finite
+from dynsteer.policy._base import FrozenModel, finite_fields
 from dynsteer.policy._controller import SyncControllerSpec, check_controller, controller_bound
 from dynsteer.policy._gates import Monitor, check_gate
 from dynsteer.policy._rules import Rule
@@ -49,11 +49,7 @@ class RelativeDoseLimit(FrozenModel):
     def _bare_number(cls, data: Any) -> Any:
         return {"limit": data} if isinstance(data, (int, float)) and not isinstance(data, bool) else data
 
-    @field_validator("limit")
-    @classmethod
-    def _finite_limit(cls, v: float) -> float:
-        require_finite("limit", v)
-        return v
+    _finite_limit = finite_fields("limit")
 
 
 class DynamicSteeringPolicy(FrozenModel):
