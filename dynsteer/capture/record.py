@@ -163,7 +163,7 @@ class CaptureRecord:
 
 
 def split_step(positions: np.ndarray, by_dtype: dict[str, dict[Place, np.ndarray]], recs: list[CaptureRecord],
-                starts: list[int], ends: list[int]) -> list[tuple]:
+               starts: list[int], ends: list[int]) -> list[tuple]:
     """Spool writer thread: land each record's rows ``[start, end)`` of a step (their positions, and their spool's
     next chunk, whose write entry is returned). A spool that cannot take a chunk keeps it, and every later one, in
     memory; the record's owner finds them at ``settle``."""

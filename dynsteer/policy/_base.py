@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 
 def finite_fields(*names: str) -> Any:
-    """A field validator refusing NaN and ±inf in the float fields ``names`` (``None`` passes), named in the message."""
+    """A field validator refusing NaN and ±inf in the float fields ``names`` (``None`` passes), naming the field."""
 
     def check(cls: type, v: float | None, info: Any) -> float | None:
         if v is not None and not math.isfinite(v):
