@@ -4,7 +4,7 @@
 A consumer that raises marks the record ``partial`` and never aborts generation. Third-party consumers register
 under the entry-point group ``dynsteer.capture_consumers`` (a class taking ``**options``).
 
-Every file lies under the consumer's root: a tag must match :data:`~dynsteer.capture.store.SAFE_TAG` (one path
+Every file lies under the consumer's root: a tag must match :data:`~dynsteer.capture.names.SAFE_TAG` (one path
 component) and the resolved path is checked against the root, so a client's tag never names a path elsewhere.
 
 File layouts (all writes are temp + rename, so a reader never sees half a file; a killed writer may leave
@@ -34,7 +34,8 @@ from typing import Any, Protocol
 import numpy as np
 from filelock import FileLock
 
-from dynsteer.capture.store import CaptureRecord, Place, check_tag, place_key
+from dynsteer.capture.names import Place, check_tag, place_key
+from dynsteer.capture.record import CaptureRecord
 from dynsteer.memo import resident_bytes
 
 logger = logging.getLogger("dynsteer")

@@ -24,7 +24,7 @@ import numpy as np
 from filelock import FileLock
 
 from dynsteer.capture.consumers import SHARD_LOCK, SHARD_NAME
-from dynsteer.capture.store import Place, place_from_key
+from dynsteer.capture.names import Place, place_from_key
 
 LeftoverKind = Literal["temp", "unindexed_bin", "shard_tail"]
 

@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from dynsteer.capture import spool as spool_mod
+from dynsteer.capture.names import Place, place_from_key, place_key
+from dynsteer.capture.record import CaptureRecord
 from dynsteer.capture.spool import SHM_PREFIX, pid_namespace as _pid_namespace, shm_name
-from dynsteer.capture.store import CaptureRecord, Place, place_from_key, place_key
 
 SHM_DIR = spool_mod.SHM_DIR
 _ALIGN = 64

@@ -1,4 +1,5 @@
-"""Per-request capture records, and the collector that fills them from the forward pass's staging buffers.
+"""The collector that fills per-request capture records (:mod:`dynsteer.capture.record`) from the forward pass's
+staging buffers.
 
 Before each forward that captures, the collector gives the step's selected tokens consecutive rows of the capture
 buffers (``slot``, one int32 per token, -1 for the rest, staged through pinned memory); the steering op at each
@@ -10,293 +11,40 @@ completed, so the hot path never waits on the device. Per step the host does one
 copy-out per place and dtype.
 
 A steady decode step (one token per request, every capturing request at its next position, selectors ``all`` or
-``all_generated``) is planned with array operations over the batch's capturing requests (:class:`_BatchCapture`,
-rebuilt when the batch or the records change), and its landed rows go to the spool writer thread as one job that
-splits them per request (records the memory consumer delivers through a spool, without a streaming consumer): the
-host path does no per-request Python in such a step. Other steps (prefill chunks, joins, recomputed positions after
-a preemption, explicit or prompt selectors) take the per-request path, as do records delivered otherwise.
+``all_generated``) is planned with array operations over the batch's capturing requests
+(:class:`~dynsteer.capture.step.BatchCapture`, rebuilt when the batch or the records change), and its landed rows go
+to the spool writer thread as one job that splits them per request (:func:`~dynsteer.capture.record.split_step`;
+records the memory consumer delivers through a spool, without a streaming consumer): the host path does no
+per-request Python in such a step. Other steps (prefill chunks, joins, recomputed positions after a preemption,
+explicit or prompt selectors) take the per-request path, as do records delivered otherwise.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
 
-from dynsteer.capture.select import PositionLedger, select_positions
+from dynsteer.capture.names import SAFE_TAG, Place, check_tag, place_from_key, place_key
+from dynsteer.capture.record import CaptureRecord, split_step
+from dynsteer.capture.select import select_positions
 from dynsteer.capture.spec import CaptureSpec
-from dynsteer.capture.spool import WRITER, Spool, SpoolError, spool_dir
-from dynsteer.spec import NAME_PATTERN, Site, SteeringValidationError
+from dynsteer.capture.spool import WRITER, Spool, spool_dir
+from dynsteer.capture.step import BatchCapture, PendingCopy, StreamSelection
 from dynsteer.device.staging import StagingRing
 
-logger = logging.getLogger("dynsteer")
-Place = tuple[int, Site]
+# The collector, and (re-exported) the names callers have always imported from here.
+__all__ = ["CaptureCollector", "CaptureRecord", "MAX_SPOOL_FILES", "Place", "SAFE_TAG", "StreamSelection", "check_tag",
+           "place_from_key", "place_key"]
+
 # Spool files (one per place of a capturing request) open at once in one worker; later requests keep rows in memory.
 MAX_SPOOL_FILES = 512
-
-
-# What a capture tag may be: it names files and folders under a capture root, so one path component that cannot
-# be ``.``/``..``, hidden or absolute, whatever the consumer. The same pattern as every registered name.
-SAFE_TAG = NAME_PATTERN
-
-
-def check_tag(tag: str, field: str = "tag") -> str:
-    """``tag`` if it matches :data:`SAFE_TAG`.
-
-    Args:
-        tag: a request's correlation tag (it names capture files).
-        field: where it came from, named first in the error (e.g. ``extra_args.dynsteer.tag``).
-
-    Raises:
-        SteeringValidationError: naming ``field``.
-    """
-    # fullmatch: ``$`` alone would also accept a trailing newline.
-    if not isinstance(tag, str) or SAFE_TAG.fullmatch(tag) is None:
-        shown = repr(tag) if not isinstance(tag, str) or len(tag) <= 40 else f"{tag[:40]!r}... ({len(tag)} chars)"
-        raise SteeringValidationError(f"{field}: tag {shown} is not a valid name (1 to 128 of A-Z a-z 0-9 . _ -, "
-                                      f"starting with a letter or digit)")
-    return tag
-
-
-def place_key(place: Place) -> str:
-    """``(3, "post_block")`` -> ``"3.post_block"``: how a place is named in files and wire formats."""
-    return f"{place[0]}.{place[1]}"
-
-
-def place_from_key(key: str) -> Place:
-    """The inverse of :func:`place_key`."""
-    layer, site = key.split(".", 1)
-    return int(layer), site  # type: ignore[return-value]
 
 # numpy has no bfloat16: bfloat16 captures are rounded to bfloat16 on the device and returned as float32 arrays.
 _DEVICE_DTYPES = {"float32": (torch.float32,), "bfloat16": (torch.bfloat16, torch.float32),
                   "float16": (torch.float16,)}
-
-
-@dataclass
-class CaptureRecord:
-    """Everything captured for one request. ``status`` is ``ok``, ``partial`` (a consumer failed) or ``error``.
-
-    Rows arrive in chunks (one per step that computed selected positions). With a ``spool`` (records the ``memory``
-    consumer delivers, when ``/dev/shm`` is usable) each chunk is appended to the spool's files at once, so the
-    finished record is already in the layout the caller maps; otherwise a chunk references the step's arrays,
-    which several requests share (one append whatever the number of places). A spool that fails (``/dev/shm``
-    full) is read back into memory and the record goes on without one.
-    """
-
-    tag: str
-    req_id: str
-    spec: CaptureSpec
-    prompt_len: int
-    positions: list[np.ndarray] = field(default_factory=list)
-    status: str = "ok"
-    errors: list[str] = field(default_factory=list)
-    ledger: PositionLedger = field(default_factory=PositionLedger)
-    chunks: int = 0
-    streaming: bool = False  # a consumer of this record wants chunks as they land
-    # Its chunks are counted and written by the spool's writer thread, from a step's rows as a whole (a spool, no
-    # streaming consumer); fixed at begin, so a spool is never reserved from two threads.
-    split_off: bool = False
-    # consumer name -> how far it got: "delivered" (held for the caller), "written" (fsynced to disk), "queued"
-    # (handed to ZeroMQ; not confirmed by a receiver). A consumer that failed has no entry.
-    deliveries: dict[str, str] = field(default_factory=dict)
-    spool: Spool | None = field(default=None, repr=False)
-    _parts: list[tuple[Mapping[Place, np.ndarray], int, int]] = field(default_factory=list, repr=False)
-
-    def __post_init__(self) -> None:
-        self.places = tuple(self.spec.places())
-        self.selector = self.spec.positions
-        self.explicit = None if isinstance(self.selector, str) else frozenset(self.selector)
-
-    def add_chunk(self, positions: np.ndarray, arrays: Mapping[Place, np.ndarray], start: int = 0,
-                  end: int | None = None, batch: list | None = None) -> None:
-        """Land rows ``[start, end)`` of ``arrays`` (one ``[rows, hidden]`` array per place) at ``positions``.
-        With a spool, ``batch`` collects the writer's entry (the caller submits a step's entries at once);
-        without one, the chunk is queued here."""
-        end = start + len(positions) if end is None else end
-        if self.spool is not None:
-            try:
-                entry = self.spool.reserve(arrays, start, end, self.places)
-            except (OSError, ValueError) as exc:
-                self._unspool(exc)
-            else:
-                if batch is not None:
-                    batch.append(entry)
-                elif entry is not None:
-                    WRITER.submit([entry])
-                self.positions.append(positions)
-                self.chunks += 1
-                return
-        self.positions.append(positions)
-        self._parts.append((arrays, start, end))
-        self.chunks += 1
-
-    def settle(self) -> None:
-        """Wait for the spool's queued writes; if one failed, its rows move to worker memory (nothing is lost)."""
-        if self.spool is not None:
-            try:
-                self.spool.flush()
-            except SpoolError as exc:
-                self._unspool(exc)
-
-    def _unspool(self, exc: BaseException) -> None:
-        """The spool failed: the rows it wrote and the chunks it did not become in-memory parts, ahead of any
-        other (the spool held every chunk before this), and the record goes on without it."""
-        spool, self.spool = self.spool, None
-        try:
-            spool.flush()
-            written, unwritten = spool.rows, []
-        except SpoolError as err:
-            exc, written, unwritten = err.cause, err.written, err.unwritten
-        logger.warning("dynsteer capture %s: spooling to shared memory failed (%s); keeping rows in worker memory",
-                       self.tag, exc)
-        head = [({place: spool.read(place, written) for place in self.places}, 0, written)] if written else []
-        head += [(chunk, 0, len(next(iter(chunk.values())))) for chunk in unwritten]
-        self._parts[:0] = head
-        spool.discard()
-
-    @property
-    def spooled(self) -> bool:
-        """Whether every row goes to the spool (none is held in worker memory)."""
-        return self.spool is not None and not self._parts
-
-    def _rows(self, place: Place) -> list[np.ndarray]:
-        """One place's rows, chunk runs in landing order (the spool's first: a failed spool precedes memory)."""
-        self.settle()
-        head = [self.spool.read(place)] if self.spool is not None and self.spool.rows else []
-        return head + [arrays[place][s:e] for arrays, s, e in self._parts]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the captured data (positions and every place's rows; shared step arrays count their rows only)."""
-        rows = sum(arrays[place][s:e].nbytes for arrays, s, e in self._parts for place in self.places)
-        if self.spool is not None:
-            for place in self.places:
-                dtype, hidden = self.spool.layout(place) or (np.dtype(np.float32), 0)
-                rows += self.spool.rows * hidden * dtype.itemsize
-        return rows + sum(p.nbytes for p in self.positions)
-
-    def layout(self) -> tuple[int, dict[Place, tuple[tuple[int, ...], np.dtype]]]:
-        """Rows captured so far, and the shape and dtype of each place's array (for callers that allocate)."""
-        n = sum(e - s for _, s, e in self._parts) + (self.spool.rows if self.spool is not None else 0)
-        out = {}
-        for place in self.places:
-            known = self.spool.layout(place) if self.spool is not None else None
-            if known is None:
-                first = next((arrays[place] for arrays, _, _ in self._parts), None)
-                known = (first.dtype, first.shape[1]) if first is not None else None
-            out[place] = ((n, known[1]), known[0]) if known is not None else ((0, 0), np.dtype(np.float32))
-        return n, out
-
-    def arrays(self, into: Callable[[tuple[int, ...], np.dtype], np.ndarray] = np.empty
-               ) -> tuple[np.ndarray, dict[Place, np.ndarray]]:
-        """Positions (sorted) and one ``[n, hidden]`` array per place, rows in position order.
-
-        Args:
-            into: allocates each result (``(shape, dtype) -> array``), e.g. views of a shared-memory file; rows
-                that landed in order (the usual case) are copied straight into it, once.
-        """
-        pos = np.concatenate(self.positions) if self.positions else np.zeros(0, np.int64)
-        in_order = bool((np.diff(pos) > 0).all())
-        order = None if in_order else np.argsort(pos, kind="stable")
-        positions = into(pos.shape, pos.dtype)
-        positions[:] = pos if in_order else pos[order]
-        out = {}
-        for place, (shape, dtype) in self.layout()[1].items():
-            dst = out[place] = into(shape, dtype)
-            parts = self._rows(place)
-            if parts and in_order:
-                np.concatenate(parts, out=dst)
-            elif parts:
-                dst[:] = np.concatenate(parts)[order]
-        return positions, out
-
-    def fail(self, message: str, status: str = "partial") -> None:
-        self.status = status if self.status == "ok" else self.status
-        self.errors.append(message)
-        logger.error("dynsteer capture %s: %s", self.tag, message)
-
-
-@dataclass
-class StreamSelection:
-    """One stream's rows of one step (the async tier): batch tokens ``tokens`` of requests ``req_ids[req]``."""
-
-    name: str
-    step: int
-    places: tuple[Place, ...]
-    dtype: str
-    tokens: np.ndarray  # batch token indices (int64)
-    req: np.ndarray  # int32 index into req_ids, per token
-    positions: np.ndarray  # int64 absolute positions
-    req_ids: list[str]
-    rows: np.ndarray | None = None  # capture rows of the step, set by the collector
-
-
-@dataclass
-class _Pending:
-    event: Any
-    host: dict[tuple[Place, str], torch.Tensor]  # (place, spec dtype) -> rows of this step (pinned on GPU)
-    positions: np.ndarray
-    segments: list[tuple[CaptureRecord, int, int]]  # (record, start, end) into the step's rows
-    streams: list[StreamSelection] = field(default_factory=list)
-    batch: _BatchCapture | None = None  # a batched decode step: its records own rows batch_base + 0, 1, ...
-    batch_base: int = 0
-
-
-@dataclass
-class _BatchCapture:
-    """The capturing requests of one batch composition, as arrays, for decode steps without per-request Python:
-    request ``idx[i]`` of the batch is ``recs[i]``, whose next position is ``high[i] + 1``."""
-
-    ids: tuple[str, ...]
-    version: int
-    idx: np.ndarray  # batch indices of the capturing requests (int64)
-    recs: list[CaptureRecord]
-    high: np.ndarray  # each record's ledger high, advanced here by batched steps, written back by sync()
-    generated_only: np.ndarray  # the record selects generated positions only (else every position)
-    prompt_len: np.ndarray
-    batched: bool  # every record's selector is "all" or "all_generated" (others take the per-request path)
-    split: np.ndarray  # indices into recs of records the writer thread splits (split_off)
-    split_recs: list[CaptureRecord]
-    main: list[tuple[int, CaptureRecord]]  # the others, handled on the host path
-    wanted: set[tuple[Place, str]]
-    dirty: bool = False  # high moved since the ledgers were written
-
-    def sync(self) -> None:
-        """Write the batched steps' positions back into the records' ledgers."""
-        if self.dirty:
-            for rec, high in zip(self.recs, self.high.tolist()):
-                rec.ledger.high = high
-            self.dirty = False
-
-
-def _split_step(positions: np.ndarray, by_dtype: dict[str, dict[Place, np.ndarray]], recs: list[CaptureRecord],
-                starts: list[int], ends: list[int]) -> list[tuple]:
-    """Spool writer thread: land each record's rows ``[start, end)`` of a step (their positions, and their spool's
-    next chunk, whose write entry is returned). A spool that cannot take a chunk keeps it, and every later one, in
-    memory; the record's owner finds them at ``settle``."""
-    entries = []
-    for rec, start, end in zip(recs, starts, ends):
-        arrays = by_dtype[rec.spec.dtype]
-        rec.positions.append(positions[start:end])
-        rec.chunks += 1
-        spool = rec.spool
-        if spool._error is None:
-            try:
-                entry = spool.reserve(arrays, start, end, rec.places)
-            except (OSError, ValueError) as exc:
-                spool._error = exc
-            else:
-                if entry is not None:
-                    entries.append(entry)
-                continue
-        spool._unwritten.append({place: arrays[place][start:end] for place in rec.places})
-    return entries
 
 
 class CaptureCollector:
@@ -317,7 +65,7 @@ class CaptureCollector:
         self._rows: list[int] = []
         self._pos: list[int] = []
         self._segments: list[tuple[CaptureRecord, int, int]] = []
-        self._pending: list[_Pending] = []
+        self._pending: list[PendingCopy] = []
         first = next(iter(stages.values()), None)
         device = first.device if first is not None else torch.device("cpu")
         self._cuda = device.type == "cuda"
@@ -335,8 +83,8 @@ class CaptureCollector:
         self._streams: list[StreamSelection] = []
         self.streams: Callable[[CaptureSpec], bool] = lambda spec: False
         self._version = 0  # bumped when a record begins (finish drops the batch arrays instead)
-        self._batch: _BatchCapture | None = None  # the last batch composition's capturing requests
-        self._step_batch: tuple[_BatchCapture, int] | None = None  # this step's batched rows
+        self._batch: BatchCapture | None = None  # the last batch composition's capturing requests
+        self._step_batch: tuple[BatchCapture, int] | None = None  # this step's batched rows
         self._jobs = 0  # split jobs handed to the spool writer since finish last waited for it
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
@@ -369,7 +117,7 @@ class CaptureCollector:
             self._plan_streams(streams, rows, pos)
         self._stage_slots(rows)
 
-    def _batch_of(self, req_ids: list[str] | tuple[str, ...]) -> _BatchCapture:
+    def _batch_of(self, req_ids: list[str] | tuple[str, ...]) -> BatchCapture:
         """The capturing requests of this batch composition (rebuilt when the batch or the records change)."""
         b = self._batch
         req_ids = req_ids if isinstance(req_ids, tuple) else tuple(req_ids)
@@ -385,7 +133,7 @@ class CaptureCollector:
                 recs.append(rec)
                 rec.ledger.start_run()
         split = [i for i, rec in enumerate(recs) if rec.split_off]
-        b = self._batch = _BatchCapture(
+        b = self._batch = BatchCapture(
             ids=req_ids, version=self._version, idx=np.asarray(idx, np.int64), recs=recs,
             high=np.asarray([rec.ledger.high for rec in recs], np.int64),
             generated_only=np.asarray([rec.selector == "all_generated" for rec in recs], bool),
@@ -513,9 +261,9 @@ class CaptureCollector:
                 for g in gathered.values():
                     g.record_stream(self._side)
                 done.record(self._side)
-            self._pending.append(_Pending(done, host, positions, segments, streams, *(batch or (None, 0))))
+            self._pending.append(PendingCopy(done, host, positions, segments, streams, *(batch or (None, 0))))
         else:  # fresh tensors already: the staging buffers may be overwritten by the next step
-            self._pending.append(_Pending(None, gathered, positions, segments, streams, *(batch or (None, 0))))
+            self._pending.append(PendingCopy(None, gathered, positions, segments, streams, *(batch or (None, 0))))
         self.poll()
 
     def poll(self, block: bool = False) -> None:
@@ -548,7 +296,7 @@ class CaptureCollector:
                 first = (base + batch.split).tolist()
                 recs, starts, ends = recs + batch.split_recs, starts + first, ends + [x + 1 for x in first]
             if recs:
-                WRITER.submit(functools.partial(_split_step, pend.positions, by_dtype, recs, starts, ends))
+                WRITER.submit(functools.partial(split_step, pend.positions, by_dtype, recs, starts, ends))
                 self._jobs += 1
             spooled: list = []  # the step's spool writes, handed to the writer thread as one item
             try:
@@ -587,8 +335,6 @@ class CaptureCollector:
             rec.spool.seal()  # complete: its files need no descriptor until delivery
         return rec
 
-    def has_work(self) -> bool:
-        return bool(self.records)
 
 
 def _decode_selects(rec: CaptureRecord, pos: int) -> bool:

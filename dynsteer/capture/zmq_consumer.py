@@ -30,8 +30,9 @@ import msgspec
 import numpy as np
 import zmq
 
+from dynsteer.capture.names import Place, place_from_key, place_key
+from dynsteer.capture.record import CaptureRecord
 from dynsteer.capture.result import Capture
-from dynsteer.capture.store import CaptureRecord, Place, place_from_key, place_key
 
 WIRE_VERSION = 1
 

@@ -79,11 +79,6 @@ class SpillRing:
         """Seq of the oldest queued record, without reading it."""
         return self._index[0].seq if self._index else None
 
-    @property
-    def last_seq(self) -> int | None:
-        """Seq of the newest queued record."""
-        return self._index[-1].seq if self._index else None
-
     def seqs(self) -> Iterator[int]:
         """The queued records' seqs, oldest first."""
         return (e.seq for e in self._index)
