@@ -17,24 +17,21 @@ the run; ``results/admission_latency-cpu-<date>.json`` keeps one entry per label
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime as dt
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from lib.report import write_labelled_run
+from lib.serve import Server
 
 HIDDEN = 128
 
@@ -46,39 +43,6 @@ def heavy_payload(seed: int, n: int) -> str:
     rng = np.random.default_rng(seed)
     return encode_payload(SteeringSpec(vectors=[AddVector(layer=i % 4, vector=(rng.standard_normal(HIDDEN) * 0.01)
                                                           .astype(np.float32)) for i in range(n)]))
-
-
-def _console_script() -> Path:
-    here = Path(sys.executable).with_name("dynsteer")
-    return here if here.exists() else Path(shutil.which("dynsteer") or here)
-
-
-@contextlib.contextmanager
-def serve(code: Path, model: Path, log: Path, max_entries: int) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(code), "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "OMP_NUM_THREADS": "1",
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
-    argv = [str(_console_script()), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0", "--dtype", "float32", "--enforce-eager",
-            "--additional-config", json.dumps({"dynsteer": {"limits": {"max_entries": max_entries}}})]
-    server = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            if server.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server did not come up:\n{log.read_text()[-3000:]}")
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(1)
-        yield url
-    finally:
-        server.terminate()
-        server.wait(60)
 
 
 def _post(url: str, body: dict[str, Any]) -> None:
@@ -147,7 +111,9 @@ def main() -> int:
                          text=True).stdout.strip()
     log = Path(tempfile.gettempdir()) / f"admission_latency-{args.label}-server.log"
     max_entries = max(256, args.vectors + 8)  # 256: the default
-    with serve(args.code, model, log, max_entries) as url:
+    cfg = {"dynsteer": {"limits": {"max_entries": max_entries}}}
+    with Server(model, log, ["--max-num-seqs", "8", "--additional-config", json.dumps(cfg)], args.code) as server:
+        url = server.url
         light_latencies(url, str(model), 10)  # warm
         load0 = os.getloadavg()
         with Probe(url) as probe_alone:
@@ -194,14 +160,7 @@ def main() -> int:
         print(f"[{args.label}] {what} alone {run[f'{what}_alone']}\n[{args.label}] {what} beside "
               f"{args.heavy_clients} heavy clients {run[f'{what}_beside_heavy']}")
     print(f"[{args.label}] heavy {run['heavy_per_s']}/s, {len(errors)} errors")
-    date = dt.date.today().isoformat()
-    path = args.out / f"admission_latency-cpu-{date}.json"
-    args.out.mkdir(parents=True, exist_ok=True)
-    report = json.loads(path.read_text()) if path.exists() else {
-        "benchmark": "admission_latency", "date": date, "device": "cpu", "runs": {}}
-    report["runs"][args.label] = run
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {write_labelled_run(args.out, 'admission_latency', args.label, run)}")
     return 0
 
 

@@ -22,25 +22,23 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime as dt
 import gc
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import tracemalloc
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
+
+from lib.report import write_labelled_run
+from lib.serve import Server
 
 HIDDEN = 128
 MIB = 1 << 20
@@ -124,39 +122,17 @@ def _run_child(code: Path, kind: str, count: int, trace: bool) -> dict[str, Any]
     return json.loads(line[len("RESULT "):])
 
 
-def _console_script() -> Path:
-    here = Path(sys.executable).with_name("dynsteer")
-    return here if here.exists() else Path(shutil.which("dynsteer") or here)
-
-
 def serve_part(code: Path, count: int, warm: int, log: Path) -> dict[str, Any]:
     import openai
 
     from dynsteer.testing.tiny_models import tiny_model
 
     model = tiny_model("llama")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cfg = {"dynsteer": {"limits": {"max_entries": 1024}}}
-    env = {**os.environ, "PYTHONPATH": str(code), "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "OMP_NUM_THREADS": "1",
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
-    argv = [str(_console_script()), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0", "--dtype", "float32", "--enforce-eager",
-            "--additional-config", json.dumps(cfg)]
-    server = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-    url = f"http://127.0.0.1:{port}"
+    server = Server(model, log, ["--max-num-seqs", "8", "--additional-config", json.dumps(cfg)], code)
+    url = server.start()
     try:
-        deadline = time.time() + 300
-        while True:
-            if server.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server did not come up:\n{log.read_text()[-3000:]}")
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(1)
-        api = psutil.Process(server.pid)
+        api = psutil.Process(server.proc.pid)
         procs = {p.name(): p for p in (api, *api.children(recursive=True)) if p.name() != "python"}
         payloads = [_vectors(seed, 600) for seed in range(2)]  # the size, for the record
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
@@ -180,8 +156,7 @@ def serve_part(code: Path, count: int, warm: int, log: Path) -> dict[str, Any]:
         end = rss()
         seconds = time.perf_counter() - t0
     finally:
-        server.terminate()
-        server.wait(60)
+        server.stop()
     from dynsteer.config import Limits
 
     budget = Limits().cache_bytes
@@ -232,14 +207,7 @@ def main() -> int:
             print(f"[{args.label}] serve {name}: RSS {p['rss_start_mib']} -> {p['rss_end_mib']} MiB "
                   f"(+{p['rss_grown_mib']}; memo budgets {p['memo_budgets_mib']:.0f} MiB)")
     run["loadavg_at_end"] = os.getloadavg()
-    date = dt.date.today().isoformat()
-    path = args.out / f"admission_memory-cpu-{date}.json"
-    args.out.mkdir(parents=True, exist_ok=True)
-    report = json.loads(path.read_text()) if path.exists() else {
-        "benchmark": "admission_memory", "date": date, "device": "cpu", "runs": {}}
-    report["runs"][args.label] = run
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {write_labelled_run(args.out, 'admission_memory', args.label, run)}")
     return 0
 
 

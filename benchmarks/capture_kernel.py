@@ -7,7 +7,8 @@ rest). This measures what that costs, apart from everything else in an engine st
 processes): the 96 steering launches of a 32-layer, 4096-wide model (three sites per layer, dynsteer's default
 tables, nothing steered) are captured in CUDA graphs and replayed alternately:
 
-* ``base``: no capture buffers (as ``capture_overhead.py``'s ``base`` engine);
+* ``base``: no capture buffers (as the ``base`` engine of the earlier ``capture_overhead.py``, superseded by
+  ``overhead.py``; its reports stay in ``benchmarks/results/``);
 * ``idle``: capture buffers at ``post_block`` of every layer, every slot -1 (its ``capture`` engine, idle);
 * ``all``: the same with every token given a row (every request capturing every position at 32 places).
 
@@ -21,21 +22,18 @@ measured time per decode step of the ``base`` engine at the same batch size (tim
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-import datetime as dt
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from static_overhead import print_table_head, write_report  # noqa: E402
-
 from dynsteer import DynsteerConfig, SITES  # noqa: E402
 from dynsteer.steering.site import SiteHook  # noqa: E402
 from dynsteer.steering.tables import SteeringTables  # noqa: E402
+from lib.graphs import alternate, capture_graph, time_replays
+from lib.report import print_table_head, utc_now, write_report
+from lib.stats import paired_difference
 
 
 def build_hooks(layers: int, hidden: int, max_tokens: int, capture: bool, dtype: torch.dtype,
@@ -53,20 +51,6 @@ def build_hooks(layers: int, hidden: int, max_tokens: int, capture: bool, dtype:
     return hooks, slot
 
 
-def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """``fn``'s launches captured once in a CUDA graph, after three warm-up calls (compiles) off the capture."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def graph_of(hooks: list[SiteHook], h: torch.Tensor, r: torch.Tensor) -> torch.cuda.CUDAGraph:
     """The launches of one forward (each site's output feeds the next, as in a model), captured once."""
 
@@ -77,17 +61,6 @@ def graph_of(hooks: list[SiteHook], h: torch.Tensor, r: torch.Tensor) -> torch.c
         return x
 
     return capture_graph(forward)
-
-
-def time_replays(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """Microseconds per replay."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
 
 
 def step_ms(report: Path | None) -> dict[int, float]:
@@ -121,17 +94,16 @@ def main() -> None:
         r = torch.randn(T, args.hidden, device="cuda", dtype=dtype, generator=gen)
         graphs = {"base": graph_of(built["base"][0], h, r), "idle": graph_of(built["capture"][0], h, r)}
         graphs["all"] = graphs["idle"]  # the same graph, run with every slot set
-        us: dict[str, list[float]] = {name: [] for name in graphs}
-        for rnd in range(args.rounds):
-            for name in (list(graphs) if rnd % 2 == 0 else list(graphs)[::-1]):
-                slot[:T] = torch.arange(T, dtype=torch.int32, device="cuda") if name == "all" else -1
-                us[name].append(time_replays(graphs[name], args.replays))
+
+        def measure(name: str) -> float:
+            slot[:T] = torch.arange(T, dtype=torch.int32, device="cuda") if name == "all" else -1
+            return time_replays(graphs[name], args.replays)
+
+        us = alternate(list(graphs), args.rounds, measure)
         slot.fill_(-1)
         row = {f"{name}_us": round(statistics.median(v), 2) for name, v in us.items()}
         for name in ("idle", "all"):
-            diffs = [c - b for b, c in zip(us["base"], us[name])]
-            row[f"{name}_delta_us"] = round(statistics.median(diffs), 3)
-            row[f"{name}_delta_us_range"] = [round(min(diffs), 3), round(max(diffs), 3)]
+            row[f"{name}_delta_us"], row[f"{name}_delta_us_range"] = paired_difference(us["base"], us[name])
             if T in steps:
                 row[f"{name}_pct_of_step"] = round(row[f"{name}_delta_us"] / (steps[T] * 1e3) * 100, 4)
         row["stored_mb_all"] = round(T * args.hidden * dtype.itemsize * args.layers / 2**20, 2)
@@ -140,7 +112,7 @@ def main() -> None:
         rows[str(T)] = row
         print(f"T={T}: {row}", flush=True)
     report = {
-        "benchmark": "capture_kernel", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "benchmark": "capture_kernel", "date": utc_now(),
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bfloat16",
         "layers": args.layers, "hidden": args.hidden, "sites": list(SITES), "capture_places": "post_block x all layers",
         "variants": {"base": "no capture buffers", "idle": "capture buffers, every slot -1",

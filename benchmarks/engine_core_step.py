@@ -116,7 +116,7 @@ def main() -> None:
     if args.out:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.pythonpath or REPO,
                              capture_output=True, text=True).stdout.strip()
-        from overhead import host_facts
+        from lib.report import host_facts
 
         report = {"benchmark": "engine_core_step", "date": dt.date.today().isoformat(), "git_sha": sha,
                   "cpu": host_facts()["cpu_model"] or platform.machine(), "python": platform.python_version(),

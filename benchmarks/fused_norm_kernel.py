@@ -36,23 +36,19 @@ profile's measure, which a graph's total time folds into its neighbours').
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import statistics
-import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from capture_kernel import capture_graph, time_replays  # noqa: E402
-from static_overhead import print_table_head, write_report  # noqa: E402
 
 from dynsteer import DynsteerConfig, SITES  # noqa: E402
 from dynsteer.kernels.triton_fused import add_rms_norm_triton, steer_add_rms_norm_triton  # noqa: E402
 from dynsteer.steering.site import SiteHook, fused_add_rms_norm  # noqa: E402
 from dynsteer.steering.tables import SteeringTables  # noqa: E402
+from lib.graphs import alternate, capture_graph, kernel_times, time_replays
+from lib.report import print_table_head, utc_now, write_report
+from lib.stats import paired_difference
 
 
 def build(layers: int, hidden: int, max_tokens: int) -> tuple[SteeringTables, list[tuple[SiteHook, SiteHook]]]:
@@ -86,24 +82,6 @@ def fill_rows(tables: SteeringTables, hidden: int, steered_layer: int) -> None:
     mid = tables.views(steered_layer, "post_block")
     mid["vec"][3] = mid["vec"][1]
     mid["row_live"][3] = 1
-
-
-def kernel_times(graph: torch.cuda.CUDAGraph, prepare, replays: int = 5, most: int = 10) -> dict[str, list[float]]:
-    """The ``most`` kernels of ``graph`` with the largest total time: ``[calls per replay, mean µs per call]`` over
-    ``replays`` profiled replays (``prepare`` sets the row index first). Inductor names its add-norm after the ops
-    it fuses (``add``, ``mean``, ``rsqrt``...), dynsteer's is ``_steer_add_rms_norm_kernel``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    prepare()
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    kernels = sorted((ev for ev in prof.key_averages() if ev.count and ev.device_time_total > 0),
-                     key=lambda ev: -ev.device_time_total)[:most]
-    return {ev.key[:80]: [round(ev.count / replays, 1), round(ev.device_time_total / ev.count, 3)] for ev in kernels}
 
 
 def main() -> None:
@@ -210,12 +188,13 @@ def main() -> None:
             graphs["vllm_traced"] = capture_graph(torch.compile(vllm_chain(add_rms_norm_reference), dynamic=False))
             runs.update({"vllm_traced": ("vllm_traced", 0), "idle_traced": ("traced", 0),
                          "static1_traced": ("traced", 3)})
-        us: dict[str, list[float]] = {name: [] for name in runs}
-        for rnd in range(args.rounds):
-            for name in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
-                graph, row = runs[name]
-                tables.row_index[:T] = row
-                us[name].append(time_replays(graphs[graph], args.replays))
+
+        def measure(name: str) -> float:
+            graph, row = runs[name]
+            tables.row_index[:T] = row
+            return time_replays(graphs[graph], args.replays)
+
+        us = alternate(list(runs), args.rounds, measure)
         row = {f"{name}_us": round(statistics.median(v), 2) for name, v in us.items()}
         if args.kernel_times:
             row["kernel_us_per_call"] = {
@@ -224,13 +203,11 @@ def main() -> None:
         tables.row_index.zero_()
         for name in [n for n in runs if not n.startswith("vllm")]:
             base = "vllm_traced" if name.endswith("_traced") else "vllm"  # compiled whole against compiled whole
-            diffs = [c - b for b, c in zip(us[base], us[name])]
-            row[f"{name}_delta_us"] = round(statistics.median(diffs), 3)
-            row[f"{name}_delta_us_range"] = [round(min(diffs), 3), round(max(diffs), 3)]
+            row[f"{name}_delta_us"], row[f"{name}_delta_us_range"] = paired_difference(us[base], us[name])
         rows[str(T)] = row
         print(f"T={T}: {json.dumps(row)}", flush=True)
     report = {
-        "benchmark": "fused_norm_kernel", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "benchmark": "fused_norm_kernel", "date": utc_now(),
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bfloat16",
         "layers": args.layers, "hidden": args.hidden, "norms": len(pairs), "replays": args.replays,
         "rounds": args.rounds, "evict_mb": args.evict_mb, "gemm_mb": args.gemm_mb, "num_warps": args.num_warps or None,

@@ -45,7 +45,6 @@ them they did not. dynsteer's add-norm kernels load evict-last since (README, ru
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import statistics
 import sys
@@ -186,9 +185,8 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    from capture_kernel import capture_graph, time_replays
-    from fused_norm_kernel import kernel_times
-    from static_overhead import write_report
+    from lib.graphs import alternate, capture_graph, kernel_times, time_replays
+    from lib.report import utc_now, write_report
 
     dtype, H, norms = torch.bfloat16, args.hidden, 2 * args.layers - 1
 
@@ -219,15 +217,12 @@ def main() -> None:
                     x, res = norm(project(x, i), res, weight, 1e-5)
                 return x
             graphs[name] = capture_graph(chain)
-        us: dict[str, list[float]] = {name: [] for name in graphs}
-        for rnd in range(args.rounds):
-            for name in (list(graphs) if rnd % 2 == 0 else list(graphs)[::-1]):
-                us[name].append(time_replays(graphs[name], args.replays))
+        us = alternate(list(graphs), args.rounds, lambda name: time_replays(graphs[name], args.replays))
         row = {"chain_us": {name: round(statistics.median(v), 2) for name, v in us.items()},
                "kernel_us_per_call": {name: kernel_times(g, lambda: None) for name, g in graphs.items()}}
         rows[str(T)] = row
         print(f"T={T}: {json.dumps(row)}", flush=True)
-    report = {"benchmark": "norm_gemm", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    report = {"benchmark": "norm_gemm", "date": utc_now(),
               "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
               "dtype": "bfloat16", "layers": args.layers, "hidden": H, "norms": norms, "chunk": args.chunk,
               "replays": args.replays, "rounds": args.rounds, "tokens": rows}

@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,22 +41,13 @@ from typing import Any
 
 import numpy as np
 
+from lib.serve import Server
+
 KEY = "soak-key"
 MON_LAYER, ACT_LAYER = 1, 2
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning", "she opened the door and",
            "hello world, this is", "the weather today is", "my favourite food is", "the capital of the country"]
 MONITOR = "soak-mon"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _dynsteer_exe() -> str:
-    here = Path(sys.executable).with_name("dynsteer")
-    return str(here if here.exists() else (shutil.which("dynsteer") or here))
 
 
 class Soak:
@@ -101,36 +89,23 @@ class Soak:
         self.seen: dict[tuple[int, int], str] = {}  # (static config, prompt) -> text
         self.samples: list[dict[str, Any]] = []
         self.stop = threading.Event()
+        self.server: Server | None = None
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
     # ---- server ------------------------------------------------------------------------------------------------
     def start_server(self, log: Path) -> None:
-        port = _free_port()
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        cmd = [_dynsteer_exe(), "serve", self.model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-               "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "16", "--api-key", KEY, "--seed", "0",
-               "--additional-config", json.dumps(self.config)]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-        self.url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited early:\n{log.read_text()[-3000:]}")
-            try:
-                urllib.request.urlopen(f"{self.url}/health", timeout=2)
-                return
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(1)
-        raise SystemExit("server did not come up")
+        self.server = Server(self.model, log, ["--max-num-seqs", "16", "--api-key", KEY, "--additional-config",
+                                               json.dumps(self.config)])
+        try:
+            self.url = self.server.start(timeout=600)
+        except RuntimeError as exc:
+            raise SystemExit(str(exc)) from None
+        self.proc = self.server.proc
 
     def stop_server(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        if self.server is not None:
+            self.server.stop()
 
     # ---- HTTP ------------------------------------------------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any] | None, method: str = "POST") -> tuple[int, dict[str, Any]]:

@@ -24,24 +24,19 @@ step in an engine, of which its launch is ~20 µs).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from static_overhead import write_report  # noqa: E402
-
 from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec  # noqa: E402
 from dynsteer.config import DynsteerConfig  # noqa: E402
 from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens  # noqa: E402
+from lib.report import utc_now, write_report
 
 HIDDEN = 4096
 
@@ -231,7 +226,7 @@ def main() -> None:
             results.setdefault(mode, {})[str(b)] = res
             print(f"{mode} b{b}: {json.dumps(res)}", flush=True)
     profiles = {case: profile_case(case, args.steps, args.device) for case in args.profile}
-    report = {"benchmark": "sync_host", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    report = {"benchmark": "sync_host", "date": utc_now(),
               "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "commit": os.environ.get("DYNSTEER_GIT_SHA"), "steps": args.steps, "forward_ms": args.forward_ms,
               "unit": "host µs per step, median", "results": results,

@@ -20,15 +20,13 @@ left out.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
-DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-
+from lib.traces import DEVICE_CATS, load_events
 
 DEFAULT_ALIASES = ("rms_norm=<add-norm>", "mul_silu=<silu-mul>")
 
@@ -54,9 +52,7 @@ def short(name: str, width: int, aliases: list[tuple[re.Pattern, str]] = ()) -> 
 
 def kernel_calls(path: Path, width: int, aliases: list[tuple[re.Pattern, str]] = ()) -> dict[str, list[float]]:
     """Durations (µs) of every device event in a trace, keyed ``"<kernel>  after  <previous kernel>"``."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
+    events = load_events(path)
     device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS and "dur" in e),
                     key=lambda e: e["ts"])
     calls: dict[str, list[float]] = defaultdict(list)

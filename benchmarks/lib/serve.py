@@ -1,0 +1,73 @@
+"""A ``dynsteer serve`` of a small model on CPU, on loopback and a free port, for the benchmarks that go over HTTP
+(admission memory and latency, the soak)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+# CPU engines as the tests build them: the engine core in a process of its own, one thread, a small KV cache
+CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dynsteer_exe() -> Path:
+    """The ``dynsteer`` console script beside this interpreter, else the one on ``PATH``."""
+    here = Path(sys.executable).with_name("dynsteer")
+    return here if here.exists() else Path(shutil.which("dynsteer") or here)
+
+
+class Server:
+    """``dynsteer serve <model>`` (float32, eager, 256-token context, seed 0, then ``args``), its stderr in ``log``;
+    ``pythonpath`` runs dynsteer from another checkout. ``start`` returns the base URL once ``/health`` answers (or
+    stops the server and raises ``RuntimeError`` with the end of its log)."""
+
+    def __init__(self, model: str | Path, log: Path, args: list[str], pythonpath: Path | None = None) -> None:
+        self.model, self.log, self.args = str(model), log, args
+        self.env = {**os.environ, **({"PYTHONPATH": str(pythonpath)} if pythonpath else {}), **CPU_ENV}
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self, timeout: float = 300) -> str:
+        port = free_port()
+        argv = [str(dynsteer_exe()), "serve", self.model, "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0", *self.args]
+        self.proc = subprocess.Popen(argv, env=self.env, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"))
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + timeout
+        while True:
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError(f"server did not come up:\n{self.log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=2)
+                return self.url
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(1)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def __enter__(self) -> "Server":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
