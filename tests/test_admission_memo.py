@@ -11,8 +11,8 @@ import pytest
 import dynsteer.steering.runtime as runtime_mod
 from dynsteer.engine.apc import FrontendState
 from dynsteer.payload import config_fingerprint, encode_payload
+from dynsteer.request.compile_spec import compile_phase
 from dynsteer.spec import AddVector, ModelShape, SteeringSpec, SteeringValidationError
-from dynsteer.steering.compile import compile_phase
 from dynsteer.steering.runtime import SteeringRuntime
 from dynsteer.steering.tables import SteeringTables
 

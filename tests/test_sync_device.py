@@ -16,7 +16,8 @@ from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControlle
 from dynsteer.kernels.controller_reference import (Layout, control_reference, controller_row, readback_reference,
                                                    update_reference)
 from dynsteer.kernels.graphed import bucket
-from dynsteer.steering.dynamic import DynState, StepTokens, policy_slots
+from dynsteer.request.compile_policy import policy_slots
+from dynsteer.steering.dynamic import DynState, StepTokens
 from tests.conftest import run_interpreted
 
 H, G = 8, 2

@@ -24,8 +24,9 @@ from dynsteer.policy import admit_policy
 from dynsteer.steering.staging import StagingRing
 from dynsteer.memo import BoundedMemo, body_digest
 from dynsteer.payload import PAYLOAD_KEY, config_fingerprint, decode_payload, payload_body
+from dynsteer.request.compile_spec import compile_phase
+from dynsteer.request.programs import EMPTY, RowContent, SiteKey
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
-from dynsteer.steering.compile import EMPTY, RowContent, SiteKey, compile_phase
 from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens
 from dynsteer.steering.rows import RowPool, RowsExhausted
 from dynsteer.steering.tables import SteeringTables
