@@ -41,7 +41,9 @@ from static_overhead import write_report  # noqa: E402
 
 from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec  # noqa: E402
 from dynsteer.config import DynsteerConfig  # noqa: E402
-from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens  # noqa: E402
+from dynsteer.steering.dynamic.driver import DynamicDriver  # noqa: E402
+from dynsteer.steering.dynamic.state import DynState  # noqa: E402
+from dynsteer.steering.dynamic.tokens import StepTokens  # noqa: E402
 
 HIDDEN = 4096
 

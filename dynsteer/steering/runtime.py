@@ -27,7 +27,9 @@ from dynsteer.payload import PAYLOAD_KEY, config_fingerprint, decode_payload, pa
 from dynsteer.request.compile_spec import compile_phase
 from dynsteer.request.programs import EMPTY, RowContent, SiteKey
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
-from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens
+from dynsteer.steering.dynamic.driver import DynamicDriver
+from dynsteer.steering.dynamic.state import DynState
+from dynsteer.steering.dynamic.tokens import StepTokens
 from dynsteer.steering.rows import RowPool, RowsExhausted
 from dynsteer.steering.tables import SteeringTables
 
