@@ -19,6 +19,7 @@ host path that waits for the previous step. Every rank runs this on identical in
 decisions.
 
 Modules, one per concern: ``state`` (a request's :class:`~dynsteer.steering.dynamic.state.DynState`),
-``tokens`` (a step's dynamic tokens and where steering acted), ``prompt_gates`` (gates decided at the prompt's last
-token and held) and ``driver`` (the per-step control, update and read-back).
+``prompt_gates`` (gates decided at the prompt's last token and held), ``driver`` (the per-step control, update and
+read-back), ``traces`` (finished requests' traces until taken) and ``tier`` (what the runtime calls: the tier, or
+its null version in an engine without one).
 """

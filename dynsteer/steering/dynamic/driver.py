@@ -191,8 +191,9 @@ class DynamicDriver:
         """Move a live request's gate parameters to ``policy``'s (a monitor's ``threshold`` or ``rule`` command) in
         every copy the driver keeps: the host's (read-backs, host-tier controllers) and, in the device tier, its
         slot of the controller state, which carries ``next_step`` / ``rest_of_request`` gates and feeds its
-        controller. The table row (the in-graph gate) is recompiled by the runtime in the same step, so the step's
-        forward, its update kernel and the host all use the new parameters from that step on."""
+        controller. Called only by ``SteeringRuntime.retune``, which recompiles the table row (the in-graph gate) in
+        the same step, so the step's forward, its update kernel and the host all use the new parameters from that
+        step on."""
         st.retune(policy)
         if st.device_slot is None:
             return

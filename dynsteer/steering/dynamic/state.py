@@ -2,7 +2,7 @@
 parameters each of its tokens was computed with (a monitor's command may retune them mid-request).
 
 The state holds the *host* copy of a gate's parameters; the device controller slot and the table row hold the other
-two (:meth:`~dynsteer.steering.dynamic.driver.DynamicDriver.retune`).
+two, and the worker's one retune path (``SteeringRuntime.retune``) moves all three together.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class DynState:
 
     def retune(self, policy: DynamicSteeringPolicy) -> None:
         """Take ``policy``'s thresholds, rule switches and aborts (same slots: a monitor's command patched it; the
-        controller and carried state are kept). Only the host copy: :meth:`DynamicDriver.retune` moves every copy.
+        controller and carried state are kept). Only the host copy: ``SteeringRuntime.retune`` moves every copy.
 
         Tokens computed before the change keep being judged by the parameters they were computed with
         (:meth:`params_at`) once :meth:`retuned_from` names the first position computed after it."""
