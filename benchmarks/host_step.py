@@ -113,7 +113,7 @@ def run(rt: SteeringRuntime, mode: str, batch: int, steps: int, churn: int, laye
             computed[r] += 1
     rt.release(live)
     if rt.dynamic is not None:
-        rt.dynamic.poll(rt._state_of, block=True)
+        rt.dynamic.poll(rt.dynamic_tier.state_of, block=True)
     skip = steps // 10
     return {"plan_us": statistics.median(times[skip:]) * 1e6, "after_forward_us": statistics.median(fwd[skip:]) * 1e6,
             "mean_total_us": (sum(times[skip:]) + sum(fwd[skip:])) / (steps - skip) * 1e6}

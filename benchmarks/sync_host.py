@@ -35,7 +35,9 @@ import torch
 
 from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec  # noqa: E402
 from dynsteer.config import DynsteerConfig  # noqa: E402
-from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens  # noqa: E402
+from dynsteer.steering.dynamic.driver import DynamicDriver  # noqa: E402
+from dynsteer.steering.dynamic.state import DynState  # noqa: E402
+from dynsteer.steering.dynamic.tokens import StepTokens  # noqa: E402
 from lib.report import utc_now, write_report
 
 HIDDEN = 4096

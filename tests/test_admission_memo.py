@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import dynsteer.steering.runtime as runtime_mod
+import dynsteer.steering.requests as requests_mod
 from dynsteer.engine.apc import FrontendState
 from dynsteer.payload import config_fingerprint, encode_payload
+from dynsteer.request.compile_spec import compile_phase
 from dynsteer.spec import AddVector, ModelShape, SteeringSpec, SteeringValidationError
-from dynsteer.steering.compile import compile_phase
 from dynsteer.steering.runtime import SteeringRuntime
 from dynsteer.steering.tables import SteeringTables
 
@@ -69,8 +69,8 @@ def _expected(global_spec: SteeringSpec, phase: str) -> bytes:
 def test_worker_compile_memo_survives_a_global_set_and_cleared(monkeypatch):
     rt = _runtime()
     calls = []
-    real = runtime_mod.compile_phase
-    monkeypatch.setattr(runtime_mod, "compile_phase", lambda *a, **k: (calls.append(a[1]), real(*a, **k))[1])
+    real = requests_mod.compile_phase
+    monkeypatch.setattr(requests_mod, "compile_phase", lambda *a, **k: (calls.append(a[1]), real(*a, **k))[1])
     rt.admit("r1", PAYLOAD, prompt_len=3)
     assert rt.requests["r1"].decode.digest == _expected(SteeringSpec(), "decode")
     rt.release(["r1"])

@@ -98,7 +98,7 @@ def test_worker_compile_memo_holds_within_budget(traced):
         rt.admit(f"r{seed}", _vectors(seed, 24), prompt_len=3)
         rt.release([f"r{seed}"])
     grown = traced() - start
-    compiled = _freed_by(traced, rt._compiled.clear)
+    compiled = _freed_by(traced, rt.registry.compiled.clear)
     decoded = _freed_by(traced, payload_mod._memo.clear)
     assert not rt.stats.errors, rt.stats.errors
     assert compiled <= SLACK * budget, f"compile memo holds {compiled} bytes for a budget of {budget}"

@@ -15,7 +15,7 @@ from hypothesis import strategies as hst
 import dynsteer
 from dynsteer import DynsteerConfig
 from dynsteer.engine.apc import ActedState, fold
-from dynsteer.steering.dynamic import StepTokens, acted_report
+from dynsteer.steering.dynamic.tokens import StepTokens, acted_report
 from tests.conftest import ON_GPU, make_llm, token_ids, with_inprocess_engine_core
 from tests.test_dynamic import ALWAYS, NEVER, policy
 

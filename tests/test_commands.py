@@ -151,9 +151,9 @@ def test_patch_policy_moves_a_threshold_and_switches_a_rule():
 
 
 def test_a_disabled_rule_compiles_no_action_but_keeps_its_gate():
+    from dynsteer.request.compile_spec import compile_phase
     from dynsteer.spec import ModelShape
-    from dynsteer.steering.compile import compile_phase
-    from dynsteer.steering.dynamic import DynState
+    from dynsteer.steering.dynamic.state import DynState
 
     shape = ModelShape(num_layers=4, hidden_size=8, max_gates=2)
     pol = _policy()

@@ -117,7 +117,7 @@ def test_gate_parameters_that_leave_float32_are_rejected_naming_the_field(field,
 
 def test_gate_parameters_within_the_bounds_give_finite_float32_tables():
     from dynsteer.policy import MAX_ABS_THRESHOLD, MAX_SHARPNESS, MIN_SHARPNESS
-    from dynsteer.steering.compile import compile_phase
+    from dynsteer.request.compile_spec import compile_phase
 
     for sharpness in (MIN_SHARPNESS, 1e6, MAX_SHARPNESS):
         for threshold in (-MAX_ABS_THRESHOLD, -1e9, 0.0, 1e9, MAX_ABS_THRESHOLD):

@@ -434,6 +434,7 @@ def test_a_stream_removed_during_a_step_is_skipped_quietly_by_the_worker() -> No
     from types import SimpleNamespace
 
     from dynsteer.spec import ModelShape
+    from dynsteer.steering.publish import StreamPublisher
     from dynsteer.steering.runtime import SteeringRuntime
     from dynsteer.steering.tables import SteeringTables
 
@@ -451,9 +452,7 @@ def test_a_stream_removed_during_a_step_is_skipped_quietly_by_the_worker() -> No
                                                                                  max_clamps=0, max_tokens=4))
     sel = SimpleNamespace(name="gone", step=3, req=np.array([0]), req_ids=("r",), places=[(0, "post_block")],
                           positions=np.array([5]), dtype="float32")
-    rt.hub = Hub({})
-    rt._publish(sel, {(0, "post_block"): np.zeros((1, 4), np.float32)})
+    StreamPublisher(Hub({}), rt.stats).publish(sel, {(0, "post_block"): np.zeros((1, 4), np.float32)})
     assert rt.stats.stream_errors == 0
-    rt.hub = Hub({"gone": {}})
-    rt._publish(sel, {(0, "post_block"): np.zeros((1, 4), np.float32)})
+    StreamPublisher(Hub({"gone": {}}), rt.stats).publish(sel, {(0, "post_block"): np.zeros((1, 4), np.float32)})
     assert rt.stats.stream_errors == 1

@@ -221,7 +221,7 @@ def written_tables(num_g: int, device: str = "cpu") -> tuple[Any, list[Any]]:
     vector at A, a clamp at B); 4 vectors at both."""
     import numpy as np
 
-    from dynsteer.steering.compile import Clamp, MonitorProgram, RowContent, SiteProgram
+    from dynsteer.request.programs import Clamp, MonitorProgram, RowContent, SiteProgram
     from dynsteer.steering.tables import SteeringTables
 
     hidden, sites = 64, [(0, "post_attn"), (1, "pre_attn")]
@@ -372,7 +372,7 @@ def plain_norm_metrics(full: Any, plain: Any, device: str = "cpu") -> dict[str, 
     bit for bit, for several widths and dtypes, with Gemma's norm too."""
     import numpy as np
 
-    from dynsteer.steering.compile import RowContent, SiteProgram
+    from dynsteer.request.programs import RowContent, SiteProgram
     from dynsteer.steering.tables import SteeringTables
 
     out = {}
@@ -481,7 +481,7 @@ def test_cuda_graph_holds_the_full_kernel_at_idle_sites(monkeypatch: pytest.Monk
     on replay, and eager calls at idle sites give the graph's bits."""
     import numpy as np
 
-    from dynsteer.steering.compile import RowContent, SiteProgram
+    from dynsteer.request.programs import RowContent, SiteProgram
 
     monkeypatch.delenv(ENV_KERNEL, raising=False)
     tables, (tabs_a, tabs_b) = written_tables(2, "cuda")

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule
-from dynsteer.steering.dynamic import DynState, PromptGates, _device
+from dynsteer.steering.dynamic.prompt_gates import PromptGates, _device
+from dynsteer.steering.dynamic.state import DynState
 from tests.conftest import unit, vec
 
 H, G, N = 8, 5, 96

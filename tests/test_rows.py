@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from dynsteer.payload import encode_payload
+from dynsteer.request.compile_spec import compile_phase
 from dynsteer.spec import AddVector, ModelShape, SteeringSpec
-from dynsteer.steering.compile import compile_phase
 from dynsteer.steering.rows import RowPool, RowsExhausted
 from dynsteer.steering.runtime import SteeringRuntime
 from dynsteer.steering.tables import SteeringTables

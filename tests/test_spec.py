@@ -9,8 +9,8 @@ import torch
 from dynsteer import Ablation, AddVector, ModelShape, ProjectionClamp, SteeringSpec, SteeringValidationError
 from dynsteer.config import DynsteerConfig
 from dynsteer.payload import decode_payload, encode_payload
+from dynsteer.request.compile_spec import compile_phase
 from dynsteer.spec import check_spec
-from dynsteer.steering.compile import compile_phase
 from dynsteer.steering.runtime import BatchView, SteeringRuntime
 from dynsteer.steering.rows import RowPool, RowsExhausted
 from dynsteer.steering.tables import SteeringTables

@@ -16,7 +16,9 @@ from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControlle
 from dynsteer.kernels.controller_reference import (Layout, control_reference, controller_row, readback_reference,
                                                    update_reference)
 from dynsteer.device.graphs import bucket
-from dynsteer.steering.dynamic import DynState, StepTokens, policy_slots
+from dynsteer.request.compile_policy import policy_slots
+from dynsteer.steering.dynamic.state import DynState
+from dynsteer.steering.dynamic.tokens import StepTokens
 from tests.conftest import run_interpreted
 
 H, G = 8, 2
@@ -356,7 +358,7 @@ def _drive(graphed: bool, batches: list[int], seed: int = 0, plain_at: frozenset
     earlier sync step's multipliers are still to be reset). With ``ring``, read-backs go through that many pinned
     slots while the device is kept ~1 ms behind the host each step (nothing synchronises), and ``pending`` receives
     the read-backs left pending after each step."""
-    from dynsteer.steering.dynamic import DynamicDriver
+    from dynsteer.steering.dynamic.driver import DynamicDriver
     from dynsteer.device.staging import HostRing
 
     N = 64
@@ -490,7 +492,7 @@ def test_device_tier_equals_host_tier_in_the_engine(tiny_llama_path):
 def test_poll_feeds_read_backs_in_step_order_until_as_many_as_asked_are_left() -> None:
     """The read-back ring frees a slot with ``poll(block=True, leave=depth - 1)``: the oldest read-backs are fed
     first, in step order, and exactly as many as asked stay pending (CPU: read-backs complete at once)."""
-    from dynsteer.steering.dynamic import DynamicDriver
+    from dynsteer.steering.dynamic.driver import DynamicDriver
 
     N = 8
     drv = DynamicDriver(torch.ones(G, N), torch.zeros(G, N), torch.zeros(G, N), torch.zeros(G, N), max_slots=4)
@@ -518,7 +520,7 @@ def test_poll_feeds_read_backs_in_step_order_until_as_many_as_asked_are_left() -
 def test_slots_and_state_do_not_depend_on_the_order_requests_were_freed_in() -> None:
     """TP ranks free a step's finished requests in their own set order: the next requests must still take the same
     slots, so both ranks' state buffers stay bit-identical."""
-    from dynsteer.steering.dynamic import DynamicDriver
+    from dynsteer.steering.dynamic.driver import DynamicDriver
 
     def driver_after(free_order: list[int]) -> tuple[list[int], str]:
         gates = torch.zeros(G, 16)

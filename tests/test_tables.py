@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynsteer.steering.compile import Clamp, MonitorProgram, RowContent, SiteProgram
+from dynsteer.request.programs import Clamp, MonitorProgram, RowContent, SiteProgram
 from dynsteer.steering.tables import SteeringTables
 
 H, K, G, ROWS = 6, 2, 2, 4

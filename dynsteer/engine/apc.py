@@ -26,7 +26,7 @@ from dynsteer.memo import BoundedMemo, body_digest
 from dynsteer.payload import PAYLOAD_KEY, check_envelope, config_fingerprint, decode_payload
 from dynsteer.policy import admit_policy
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
-from dynsteer.steering.compile import compile_phase
+from dynsteer.request.compile_spec import compile_phase
 
 SALT_TAG = "dynsteer:"
 DECODE_KEY = "dynsteer_decode_fp"  # set by admission, read by the engine core's block hasher

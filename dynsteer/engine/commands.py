@@ -72,7 +72,7 @@ from dynsteer.engine.apc import build_frontend_state, command_event, global_chan
 from dynsteer.payload import PAYLOAD_KEY, decode_payload
 from dynsteer.policy import admit_policy
 from dynsteer.spec import SteeringSpec, SteeringValidationError
-from dynsteer.steering.compile import compile_phase
+from dynsteer.request.compile_spec import compile_phase
 from dynsteer.transport.security import bind
 
 logger = logging.getLogger("dynsteer")

@@ -128,8 +128,8 @@ def _flatten(spec: Any) -> tuple[Any, int]:
 
 
 def controller_row(layout: Layout, slots: list[Any], ctrl_slot: int | None, controller: Any) -> list[float]:
-    """The initial ``[F]`` row of a request: its gate slots (``dynsteer.steering.dynamic.SlotPlan``), the slot feeding
-    its controller, and the controller's spec (a built-in kind, or ``None``)."""
+    """The initial ``[F]`` row of a request: its gate slots (``dynsteer.request.compile_policy.SlotPlan``), the slot
+    feeding its controller, and the controller's spec (a built-in kind, or ``None``)."""
     row = [0.0] * layout.width
     row[layout.BUDGET] = -1.0
     row[layout.CTRL] = -1.0 if ctrl_slot is None else float(ctrl_slot)

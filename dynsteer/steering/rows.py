@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from dynsteer.steering.compile import RowContent
+from dynsteer.request.programs import RowContent
 
 
 class RowsExhausted(RuntimeError):

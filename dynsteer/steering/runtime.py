@@ -1,34 +1,51 @@
-"""Per-worker steering state: global spec, named vectors, the request registry, and the per-step row index.
+"""Per-worker steering: the coordinator of one model instance's tables, live requests and tiers.
 
 Engine-agnostic: a runner adapter in ``dynsteer.engine.runner`` turns each vLLM step into a :class:`BatchView`, and
 this module turns the view into the ``row_index`` the forward pass reads. Every TP rank runs the same code on the same
 scheduler output, so all ranks fill identical tables.
+
+The runtime coordinates; each concern keeps its state in its own component: the request registry (live requests,
+the global configuration, their rows: ``requests``), the dynamic tier (``dynamic``), the stream publisher
+(``publish``) and capture delivery (``delivery``). An engine without a tier holds its null version, which the step
+path calls unconditionally. A monitor's commands (applied between steps, on every rank alike) are recorded here; one
+that retunes a gate goes through :meth:`SteeringRuntime.retune`, the one path that moves every copy of its parameters.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from dynsteer.capture.spec import CaptureSpec
-from dynsteer.capture.spool import WRITER
 from dynsteer.capture.store import CaptureCollector, CaptureRecord
-from dynsteer.config import Limits
+from dynsteer.commands import COMMAND_ADAPTER, Command, SteerCommand, patch_policy
+from dynsteer.config import Limits, StreamSpec
 from dynsteer.controllers.registry import ControllerFault, ControllerRegistry
-from dynsteer.policy import admit_policy
+from dynsteer.memo import body_digest
+from dynsteer.payload import PAYLOAD_KEY, decode_payload, payload_body
+from dynsteer.policy import DynamicSteeringPolicy, admit_policy
+from dynsteer.request.programs import EMPTY, SiteKey
+from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
+from dynsteer.steering.batch import BatchArrays
+from dynsteer.steering.delivery import CaptureDelivery, NullCaptureDelivery
+from dynsteer.steering.dynamic.driver import DynamicDriver
+from dynsteer.steering.dynamic.tier import Acts, ControllerOptionsError, DynamicTier, NullDynamicTier
+from dynsteer.steering.dynamic.traces import TraceStore
+from dynsteer.steering.publish import NullStreamPublisher, StreamPublisher, stream_validator
+from dynsteer.steering.requests import RequestEntry, RequestRegistry
+from dynsteer.steering.rows import RowsExhausted
 from dynsteer.device.staging import StagingRing
-from dynsteer.memo import BoundedMemo, body_digest
-from dynsteer.payload import PAYLOAD_KEY, config_fingerprint, decode_payload, payload_body
-from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
-from dynsteer.steering.compile import EMPTY, RowContent, SiteKey, compile_phase
-from dynsteer.steering.dynamic import DynamicDriver, DynState, StepTokens
-from dynsteer.steering.rows import RowPool, RowsExhausted
+from dynsteer.steering.stats import RuntimeStats
 from dynsteer.steering.tables import SteeringTables
+
+if TYPE_CHECKING:
+    from dynsteer.capture.consumers import CaptureConsumer
+    from dynsteer.probefile.fileformat import Probe
+    from dynsteer.steering.site import SiteHook
+    from dynsteer.streams.hub import StreamHub
 
 logger = logging.getLogger("dynsteer")
 
@@ -51,146 +68,91 @@ class BatchView:
     num_tokens_padded: int
 
 
-@dataclass
-class RequestEntry:
-    prompt_len: int
-    spec: SteeringSpec | None
-    tag: str | None = None
-    prefill: RowContent = EMPTY
-    decode: RowContent = EMPTY
-    rows: tuple[int, int] = (0, 0)
-    error: str | None = None
-    payload_key: bytes | None = None  # digest of the packed payload body (no tag), if the request sent one (memo key)
-    policy: Any = None  # the request's own DynamicSteeringPolicy (overrides the global one)
-    dyn: DynState | None = None
-    trace: bool = False  # keep the trace for the caller (payload's ``trace`` flag)
-    cmd_spec: SteeringSpec | None = None  # a monitor's ``steer`` command: added to its decode tokens
-    cmd_policy: Any = None  # its dynamic policy as monitors' threshold/rule commands patched it
-
-
-@dataclass
-class RuntimeStats:
-    steps: int = 0
-    admitted: int = 0
-    rejected: int = 0  # requests stopped by dynsteer (bad payload, rows exhausted, controller fault)
-    rows_exhausted: int = 0
-    traces_dropped: int = 0  # traces not taken within Limits.trace_ttl_s, or over Limits.max_traces
-    stream_errors: int = 0  # stream messages that could not be published (logged)
-    # take_captures calls, their time in this process (finishing records, waiting for the spool writer) and the
-    # spool writer's queue length when each began (steps still to be written: a writer behind)
-    takes: int = 0
-    take_ms: float = 0.0
-    take_backlog: int = 0
-    pack_ms: float = 0.0  # packing the taken records for the caller (files handed over, or bytes copied)
-    errors: list[str] = field(default_factory=list)
-
-
+#: a request's payload as its ``extra_args`` hold it (untrusted: validated at admission), by request id
 PayloadLookup = Callable[[str], Any]
-_KEEP = object()
-
-
-@dataclass
-class _Batch:
-    """Per-request arrays of one batch composition, gathered once and reused while the composition and the
-    runtime's request state are unchanged (a steady decode step does no per-request Python)."""
-
-    ids: tuple[str, ...]
-    version: int
-    rows: np.ndarray  # [n, 2] prefill and decode row
-    prompt_lens: np.ndarray
-    steered: bool  # any row is not 0
-    dyn: np.ndarray  # a dynamic policy steers its decode tokens
-    slot: np.ndarray  # device sync-tier slot (-1: none)
-    sync: np.ndarray
-    record: np.ndarray  # read-back record slot (-1: none)
-    host: np.ndarray  # host sync tier
-    act: np.ndarray  # bitmask of gate slots that steer (rules with actions)
-    signature: np.ndarray  # object: decode configuration digest (hex)
-    prompt: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # prompt-level gates (held per request)
-    streams: dict[str, np.ndarray] = field(default_factory=dict)  # stream -> which requests it publishes
+_KEEP: Any = object()
 
 
 class SteeringRuntime:
     """Owns the device tables of one model instance in one worker process."""
 
     def __init__(self, shape: ModelShape, tables: SteeringTables, limits: Limits | None = None,
-                 probes: dict[str, Any] | None = None, controllers: ControllerRegistry | None = None,
+                 probes: dict[str, Probe] | None = None, controllers: ControllerRegistry | None = None,
                  sync_slots: int = 256) -> None:
         self.shape = shape
         self.tables = tables
         self.limits = limits or Limits()
-        self.probes: dict[str, Any] = dict(probes or {})  # registered probe files, loaded: {name: Probe}
+        self.probes: dict[str, Probe] = dict(probes or {})  # registered probe files, loaded
         self.controllers = controllers or ControllerRegistry()
         # Requests to stop, with the reason, reported to the scheduler with the step's output (engine.scheduler).
         self.stops: dict[str, str] = {}
-        self.pool = RowPool(tables.num_rows)
-        self.named: dict[str, np.ndarray] = {}
-        self.global_spec = SteeringSpec()
-        self.global_policy: Any = None
-        self.requests: dict[str, RequestEntry] = {}
         self.stats = RuntimeStats()
+        self._version = 0  # bumped whenever a request's rows or dynamic state change (invalidates _batch)
+        self.registry = RequestRegistry(shape, tables, self.limits, self._touch)
+        # the registry's own containers (never rebound): what the engine glue and callers read
+        self.requests, self.named, self.pool = self.registry.entries, self.registry.named, self.registry.pool
         self.inline_forward = False  # set by the engine adapter from DynsteerConfig.forward
         self.fuse_norms = False  # likewise: sites run inside the following add + RMS norm where the layer allows
-        self.hooks: dict[SiteKey, Any] = {}  # the SiteHook of every hooked place, filled as layers are built
-        self.capture: CaptureCollector | None = None  # set when the engine has capture places
-        self.consumers: dict[str, Any] = {}
+        self.hooks: dict[SiteKey, SiteHook] = {}  # the SiteHook of every hooked place, filled as layers are built
+        self.delivery: CaptureDelivery | NullCaptureDelivery = NullCaptureDelivery()  # attach_capture
+        self.streams: StreamPublisher | NullStreamPublisher = NullStreamPublisher()  # attach_hub
         # the engine's configured consumer names (every rank: only TP rank 0 builds the consumers themselves);
         # None leaves captures' consumers unchecked (a runtime built outside an engine)
         self.consumer_names: frozenset[str] | None = None
         self._staging = StagingRing(tables.row_index)
-        # compiled rows by (global configuration, payload body digest), charged what they hold (dynsteer.memo)
-        self._compiled: BoundedMemo[list[RowContent]] = BoundedMemo(self.limits.cache_bytes)
-        self._global_key = config_fingerprint(self.global_spec, self.global_policy)
         self._high_water = 0
         g = tables.gate_buffers
-        self.dynamic = (DynamicDriver(g["gate_mul"], g["gate_add"], g["scores"], g["gates"], max_slots=sync_slots)
-                        if g else None)
-        self._dyn: dict[str, DynState] = {}  # live and preempted requests with a dynamic policy
-        # finished requests whose last read-backs are in flight: (state, entry, read-backs enqueued at finish)
-        self._finishing: dict[str, tuple[DynState, RequestEntry | None, int]] = {}
-        # finished requests' traces by tag, until taken or expired: (monotonic time stored, trace)
-        self.traces: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
-        self._version = 0  # bumped whenever a request's rows or dynamic state change (invalidates _batch)
+        self.dynamic_tier: DynamicTier | NullDynamicTier = (DynamicTier(
+            DynamicDriver(g["gate_mul"], g["gate_add"], g["scores"], g["gates"], max_slots=sync_slots),
+            self.controllers, shape.max_dyn_scale, TraceStore(self.limits, self.stats), self._touch)
+            if g else NullDynamicTier())
         self.step = 0  # the engine core's step number (scheduler output), named by stream frames
         # monitors' commands per request id, kept across preemption (a resumed request is admitted again)
         self._cmd_specs: dict[str, SteeringSpec] = {}
-        self._cmd_policies: dict[str, Any] = {}
-        self._deferred: dict[str, list[Any]] = {}  # commands for requests not admitted on this worker yet
-        self._retuning: dict[str, DynState] = {}  # retuned since they were last scheduled (DynState.retuned_from)
-        self.hub: Any = None  # the async tier's StreamHub (TP rank 0 of a worker with a monitor config)
-        self.stream_specs: dict[str, Any] = {}  # stream name -> StreamSpec, refreshed from the hub
-        self._stream_places: dict[str, tuple[Any, ...]] = {}  # stream name -> its places this worker holds
-        self._hub_version = -1
-        self._batch: _Batch | None = None
+        self._cmd_policies: dict[str, DynamicSteeringPolicy] = {}
+        self._deferred: dict[str, list[Command]] = {}  # commands for requests not admitted on this worker yet
+        self._batch: BatchArrays | None = None
         self._arange = np.arange(tables.row_index.shape[0])
 
-    # ---- control plane (collective_rpc, between steps) -------------------------------------------------------
+    @property
+    def dynamic(self) -> DynamicDriver | None:
+        """The dynamic tier's driver (``None``: this engine has no gate buffers)."""
+        return self.dynamic_tier.driver
+
+    @property
+    def capture(self) -> CaptureCollector | None:
+        """The capture collector (``None``: this engine has no capture places)."""
+        return self.delivery.collector
+
+    @property
+    def global_spec(self) -> SteeringSpec:
+        return self.registry.global_spec
+
+    @property
+    def global_policy(self) -> DynamicSteeringPolicy | None:
+        return self.registry.global_policy
+
+    def _touch(self) -> None:
+        self._version += 1
+
+    # ---- control plane (collective_rpc, between steps) ---------------------------------------------------------------
     def register_vector(self, name: str, vector: np.ndarray) -> None:
         """Register (or replace) a named vector; refused, changing nothing, when it would exceed
         ``limits.max_named_vectors`` (every rank holds the same names, so every rank refuses alike)."""
-        check_vector(vector, self.shape.hidden_size, f"vector {name!r}")
-        limit = self.limits.max_named_vectors
-        if name not in self.named and len(self.named) >= limit:
-            raise SteeringValidationError(f"name: cannot register {name!r}: {len(self.named)} named vectors are "
-                                          f"registered, the engine's limit max_named_vectors = {limit}")
-        self.named[name] = np.ascontiguousarray(vector, np.float32)
-        self._compiled.clear()
+        self.registry.register_vector(name, vector)
 
-    def set_global(self, spec: SteeringSpec, policy: Any = _KEEP) -> None:
+    def set_global(self, spec: SteeringSpec, policy: DynamicSteeringPolicy | None = _KEEP) -> None:
         """Replace the global spec (and, if given, the global dynamic policy; ``None`` removes it); every live
         request's rows are recompiled (global is folded into rows)."""
         policy = self.global_policy if policy is _KEEP else policy
         if policy is not None and policy is not self.global_policy:
             policy = admit_policy(policy, self.probes, self.controllers, "global_policy.")
-        for phase in ("prefill", "decode"):  # validate before touching state
-            compile_phase([("global.", spec)], phase, self.shape, self.named,
-                          None if policy is None else ("global_policy.", policy))
+        self.registry.check_global(spec, policy)  # validate before touching state
         old_entries = list(self.requests.items())
         for _, entry in old_entries:
-            self._release_rows(entry)
+            self.registry.release(entry)
         changed = policy != self.global_policy
-        self.global_spec, self.global_policy = spec, policy
-        self._global_key = config_fingerprint(spec, policy)  # keys _compiled: a global set and cleared hits again
+        self.registry.set_global(spec, policy)
         for req_id, entry in old_entries:
             if changed and entry.policy is None:
                 self._set_dyn(req_id, entry, fresh=True)
@@ -198,9 +160,25 @@ class SteeringRuntime:
 
     def global_fingerprint(self) -> str:
         """Hex id of the global prefill configuration ('' when prompts are unsteered globally)."""
-        return compile_phase([("global.", self.global_spec)], "prefill", self.shape, self.named).digest.hex()
+        return self.registry.global_fingerprint()
 
-    # ---- data plane (once per step) ---------------------------------------------------------------------------
+    def attach_capture(self, collector: CaptureCollector, consumers: dict[str, CaptureConsumer]) -> None:
+        self.delivery = CaptureDelivery(collector, consumers, self.stats)
+
+    def stream_validator(self, allow_declare: bool) -> Callable[[str, dict[str, Any]], None]:
+        """What checks a stream a subscriber declares (runs on the hub's I/O thread; raises ValueError naming the
+        field)."""
+        return stream_validator(allow_declare, lambda: self.delivery.engine_places)
+
+    def attach_hub(self, hub: StreamHub, declared: dict[str, StreamSpec]) -> None:
+        """Publish streams through ``hub``; ``declared``: the engine's streams."""
+        self.streams = StreamPublisher(hub, self.stats)
+        for name, spec in declared.items():
+            hub.declare(name, spec.model_dump(mode="json"))
+        if self.capture is not None:
+            self.capture.on_stream = self.streams.publish
+
+    # ---- requests ----------------------------------------------------------------------------------------------------
     def release(self, req_ids: Iterable[str], finished: bool = True) -> None:
         """Drop finished or preempted requests' rows; a resumed request is admitted again on its next step.
 
@@ -215,18 +193,13 @@ class SteeringRuntime:
             self._version += 1
             entry = self.requests.pop(req_id, None)
             if entry is not None:
-                self._release_rows(entry)
-            if finished and req_id in self._dyn:
-                # Its last steps' read-backs may still be in flight: the trace is completed once they land (the
-                # host does not wait here); its device slot is free at once (reuse is ordered on the stream).
-                st = self._drop_dyn(req_id, retire=False)
-                self._finishing[req_id] = (st, entry, self.dynamic.enqueued)
+                self.registry.release(entry)
             if finished:
+                self.dynamic_tier.finish(req_id, entry)
                 self._cmd_specs.pop(req_id, None)
                 self._cmd_policies.pop(req_id, None)
                 self._deferred.pop(req_id, None)
-            if finished and self.capture is not None:
-                self._deliver(self.capture.finish(req_id))
+                self.delivery.finish(req_id)
 
     def admit(self, req_id: str, payload: Any, prompt_len: int) -> RequestEntry:
         """Register a request on first sight. Any error stops the request alone (reported to the scheduler, which
@@ -243,8 +216,8 @@ class SteeringRuntime:
                     policy = admit_policy(decoded.policy, self.probes, self.controllers,
                                           f"extra_args.{PAYLOAD_KEY}.policy.")
                 if capture is not None:
-                    places = self.capture.engine_places if self.capture is not None else set()
-                    capture.check(self.shape, places, f"extra_args.{PAYLOAD_KEY}.capture", self.consumer_names)
+                    capture.check(self.shape, self.delivery.engine_places, f"extra_args.{PAYLOAD_KEY}.capture",
+                                  self.consumer_names)
             except Exception as exc:  # noqa: BLE001 - the frontend validates too; this catches what bypassed it
                 error = self._stop(req_id, exc)
         entry = RequestEntry(prompt_len=prompt_len, spec=spec, tag=tag, error=error, policy=policy, trace=trace,
@@ -257,12 +230,36 @@ class SteeringRuntime:
                 entry.error = self._stop(req_id, exc)
         self._set_dyn(req_id, entry, fresh=False)
         self._assign_rows(req_id, entry)
-        if self.capture is not None:
-            self.capture.begin(req_id, tag, None if entry.error else capture, prompt_len)
+        self.delivery.begin(req_id, tag, None if entry.error else capture, prompt_len)
         self.requests[req_id] = entry
         self.stats.admitted += 1
         return entry
 
+    def _set_dyn(self, req_id: str, entry: RequestEntry, fresh: bool) -> None:
+        """Give the request its dynamic state (a resumed request keeps the one it had before preemption)."""
+        self._version += 1
+        try:
+            entry.dyn = self.dynamic_tier.attach(req_id, self.registry.effective_policy(entry), entry.trace, fresh)
+        except ControllerOptionsError as exc:
+            where = f"extra_args.{PAYLOAD_KEY}.policy" if entry.policy is not None else "global_policy"
+            entry.error = self._stop(req_id, SteeringValidationError(f"{where}.controller.options: {exc}"))
+            entry.dyn = None
+
+    def _assign_rows(self, req_id: str, entry: RequestEntry) -> None:
+        try:
+            self.registry.assign(entry)
+        except Exception as exc:  # noqa: BLE001
+            # The frontend validates at admission and the scheduler holds requests until rows are free, so this is
+            # rare (a vector name unregistered mid-flight, rows taken by a global change): the request stops with
+            # the reason (never silently unsteered), the others go on.
+            if isinstance(exc, RowsExhausted):
+                self.stats.rows_exhausted += 1
+            entry.error = self._stop(req_id, exc)
+            entry.dyn = None
+            self.dynamic_tier.drop(req_id)
+            entry.prefill, entry.decode, entry.rows = EMPTY, EMPTY, (0, 0)
+
+    # ---- a monitor's commands ----------------------------------------------------------------------------------------
     def begin_step(self, step: int | None, commands: list[dict[str, Any]] | None) -> None:
         """Start engine step ``step`` (the scheduler output's number): apply the monitors' commands the engine core
         took at this step, before the step is planned (every TP rank does the same at the same step)."""
@@ -277,8 +274,6 @@ class SteeringRuntime:
     def apply_command(self, raw: dict[str, Any]) -> None:
         """Apply one command (already validated by the engine core against the same configuration). A request
         not admitted on this worker yet (new in this step, or preempted) gets it when it is admitted."""
-        from dynsteer.commands import COMMAND_ADAPTER
-
         cmd = COMMAND_ADAPTER.validate_python(raw)
         if cmd.op == "global":  # validated by the engine core exactly as set_global compiles it
             self.set_global(cmd.spec if cmd.spec is not None else SteeringSpec(), cmd.policy)
@@ -288,14 +283,13 @@ class SteeringRuntime:
             self._deferred.setdefault(cmd.request, []).append(cmd)
             return
         self._command_entry(cmd.request, entry, cmd)
-        if entry.error is None:
-            self._release_rows(entry)
+        if isinstance(cmd, SteerCommand) and entry.error is None:
+            self.registry.release(entry)
             self._assign_rows(cmd.request, entry)
 
-    def _command_entry(self, req_id: str, entry: RequestEntry, cmd: Any) -> None:
-        """Record a command on the request (kept across preemption) and on its live entry."""
-        from dynsteer.commands import SteerCommand, patch_policy
-
+    def _command_entry(self, req_id: str, entry: RequestEntry, cmd: Command) -> None:
+        """Record a command on the request (kept across preemption) and on its entry: a ``steer`` command's spec,
+        or the request's policy as a ``threshold`` or ``rule`` command patches it (then retuned)."""
         if isinstance(cmd, SteerCommand):
             spec = None if cmd.spec is None or cmd.spec.is_empty() else cmd.spec
             if spec is None:
@@ -304,50 +298,53 @@ class SteeringRuntime:
                 self._cmd_specs[req_id] = spec
             entry.cmd_spec = spec
             return
-        current = self._cmd_policies.get(req_id)
+        current = self._cmd_policies.get(req_id)  # (abort commands never reach the workers)
         if current is None:
             current = entry.policy if entry.policy is not None else self.global_policy
-        patched = self._cmd_policies[req_id] = entry.cmd_policy = patch_policy(current, cmd)
-        st = self._dyn.get(req_id)
-        if st is not None:  # same slots, new thresholds/switches: the controller state is kept
-            self.dynamic.retune(st, patched)  # host and device copies; the caller recompiles the table row
-            self._retuning[req_id] = st
-            self._track_aborts(req_id, st)
+        self._cmd_policies[req_id] = entry.cmd_policy = patch_policy(current, cmd)
+        self.retune(req_id, entry)
 
-    def take_acts(self) -> list[tuple[list[str], list[int], list[int], list[str]]]:
+    def retune(self, req_id: str, entry: RequestEntry) -> None:
+        """Move a request's gate parameters to its commanded policy (``entry.cmd_policy``: same slots, new
+        thresholds or rule switches) in every copy: the host state and the device controller slot (the dynamic
+        tier's driver; the controller state is kept), then the table row (recompiled), so the step's forward, its
+        update kernel and the host all use them from this step on. Every retune goes through here: a live
+        request's command, and one deferred to its (re-)admission, where a preempted request's state is retuned and
+        its rows are assigned next."""
+        self.dynamic_tier.retune(req_id, entry.cmd_policy)
+        if entry.error is None and self.requests.get(req_id) is entry:
+            self.registry.release(entry)
+            self._assign_rows(req_id, entry)
+
+    # ---- what the runner glue and the caller take --------------------------------------------------------------------
+    def take_acts(self) -> Acts:
         """Where dynamic steering acted, from the read-backs landed since the last call (see
         ``engine.scheduler.ACTS_ATTR``); polls without waiting first."""
-        if self.dynamic is None or not self.dynamic.report_acts:
-            return []
-        self.dynamic.poll(self._state_of)
-        acts, self.dynamic.acts = self.dynamic.acts, []
-        return acts
-
-    def _track_aborts(self, req_id: str, st: DynState) -> None:
-        """The driver watches the read-backs of requests with abort rules (only those: see DynamicDriver.poll)."""
-        if st.aborts:
-            self.dynamic.abort_watch.add(req_id)
-        else:
-            self.dynamic.abort_watch.discard(req_id)
+        return self.dynamic_tier.take_acts()
 
     def take_aborts(self) -> dict[str, str]:
         """Requests whose policy's abort rule fired, from the read-backs landed so far (polled without waiting),
         with their stop reasons: the runner glue reports them with the step's output and the scheduler finishes
         them at that output (their tokens so far delivered, their blocks shareable)."""
-        if self.dynamic is None:
-            return {}
-        if self.dynamic.abort_watch:
-            self.dynamic.poll(self._state_of)
-        if not self.dynamic.aborts:  # (an abort that fired has left the watch but may still be unreported)
-            return {}
-        fired, self.dynamic.aborts = self.dynamic.aborts, {}
-        return {r: f"{reason} (fired at position {pos})" for r, (pos, reason) in fired.items() if r in self.requests}
+        return self.dynamic_tier.take_aborts(self.requests)
 
     def take_stops(self) -> dict[str, str]:
         """Requests to stop since the last call, with their reasons (the runner glue reports them with the step's
         output; the scheduler finishes them and never shares their KV blocks)."""
         stops, self.stops = self.stops, {}
         return stops
+
+    def take_captures(self, tags: Iterable[str]) -> list[CaptureRecord]:
+        """Finish live records with these tags (the caller knows they are done) and take them from memory."""
+        return self.delivery.take(tags)
+
+    def take_traces(self, tags: Iterable[str]) -> list[dict[str, Any]]:
+        """Traces of finished requests with these tags (each can be taken once).
+
+        The caller knows these requests are done; the scheduler tells the runner only at the next step, so live
+        states with these tags are finished here.
+        """
+        return self.dynamic_tier.take_traces(tags, self.requests)
 
     def _stop(self, req_id: str, error: Any) -> str:
         """Record that ``req_id`` must stop: a validation error names its field; anything else is internal."""
@@ -359,6 +356,12 @@ class SteeringRuntime:
         self._record_error(f"request {req_id}: {message}")
         return message
 
+    def _record_error(self, message: str) -> None:
+        self.stats.rejected += 1
+        self.stats.errors = (self.stats.errors + [message])[-32:]
+        logger.error("dynsteer: %s; the request is stopped", message)
+
+    # ---- data plane (once per step) ----------------------------------------------------------------------------------
     def plan(self, view: BatchView, payload_of: PayloadLookup) -> None:
         """Fill ``row_index`` for this step (padding and unsteered tokens read row 0).
 
@@ -371,8 +374,9 @@ class SteeringRuntime:
         n_req = len(view.req_ids)
         ids = tuple(view.req_ids[:n_req])
         b = self._batch
-        if self.hub is not None and self.hub.version != self._hub_version:
-            self._refresh_streams()
+        if self.streams.stale():
+            self.streams.refresh(self.delivery.places)
+            self._version += 1
         if b is None or b.version != self._version or b.ids != ids:
             b = self._batch = self._gather(ids, view, payload_of)
         qsl = view.query_start_loc
@@ -387,13 +391,12 @@ class SteeringRuntime:
             position = np.asarray(view.num_computed[:n_req], np.int64)[req_of_token] + (
                 self._arange[:n] - np.repeat(qsl[:-1], counts))
         is_decode = position >= b.prompt_lens[req_of_token]
-        if self._retuning:
-            self._note_retunes(ids, view)
-        if self.capture is not None:
-            streams = self._select_streams(b, req_of_token, position, is_decode) if b.streams else []
-            if streams or self.capture.needs_plan:
-                self.capture.plan(ids, np.asarray(view.query_start_loc[: n_req + 1], np.int64), view.num_computed,
-                                  streams)
+        dyn = self.dynamic_tier
+        if dyn.retuning:
+            dyn.note_retunes(ids, view.num_computed)
+        streams = (self.streams.select(b.streams, self.step, ids, req_of_token, position, is_decode)
+                   if b.streams else [])
+        self.delivery.plan(ids, view.query_start_loc, view.num_computed, streams)
         if b.steered or self._high_water:  # else row_index is 0 on the device already
             upto = max(n, self._high_water, view.num_tokens_padded)
             idx = self._staging.next()
@@ -401,39 +404,14 @@ class SteeringRuntime:
             idx[n:upto] = 0
             self._high_water = n if b.steered else 0
             self._staging.copy_to(upto)
-        if self.dynamic is not None and self._dyn:
-            upto = max(n, view.num_tokens_padded)
-            if b.dyn.any():
-                picked = np.flatnonzero(is_decode & b.dyn[req_of_token])
-                r = req_of_token[picked]
-                tokens = StepTokens(ids, r, picked, position[picked], b.slot[r], b.sync[r], b.record[r], b.host[r],
-                                    b.act[r], b.signature[r])
-            else:
-                tokens = StepTokens.empty()
-            self.dynamic.plan(self._dyn, self._state_of, tokens, upto)
-            if b.prompt.any():  # prompt-level gates: latch at the prompt's last token, held while generating
-                on = b.prompt[req_of_token]
-                dec = np.flatnonzero(is_decode & on)
-                pre = np.flatnonzero(~is_decode & on)
-                r = req_of_token[pre]
-                states = [self._dyn.get(i) for i in ids]
-                self.dynamic.stage_prompt(states, dec, req_of_token[dec], pre, r, position[pre], b.prompt_lens[r],
-                                          upto)
-            if self.dynamic.faults:
-                self._stop_faulted()
-        if self._finishing:
-            self._complete_traces()
+        if dyn.live:
+            faults = dyn.plan(b, ids, req_of_token, position, is_decode, max(n, view.num_tokens_padded))
+            if faults:
+                self._stop_faulted(faults)
+        if dyn.finishing:
+            dyn.complete_traces()
 
-    def _note_retunes(self, ids: tuple[str, ...], view: BatchView) -> None:
-        """Retuned requests scheduled in this step compute their first position under the new gate parameters."""
-        for i, req_id in enumerate(ids):
-            st = self._retuning.pop(req_id, None)
-            if st is not None:
-                st.retuned_from(int(view.num_computed[i]))
-        for req_id in [r for r in self._retuning if r not in self._dyn]:
-            del self._retuning[req_id]  # finished, or its policy replaced, before it was scheduled again
-
-    def _gather(self, ids: tuple[str, ...], view: BatchView, payload_of: PayloadLookup) -> _Batch:
+    def _gather(self, ids: tuple[str, ...], view: BatchView, payload_of: PayloadLookup) -> BatchArrays:
         """Admit the batch's new requests and gather every request's arrays (once per batch composition)."""
         n = len(ids)
         entries = []
@@ -445,363 +423,32 @@ class SteeringRuntime:
         rows = np.array([e.rows for e in entries], np.int32).reshape(n, 2)
         # each site's summary: what the batch's rows hold there (the kernels skip a site whose summary is 0)
         self.tables.summarize(np.unique(rows))
-        dyn = [e.dyn if e.dyn is not None and e.rows[1] != 0 else None for e in entries]
-        return _Batch(
-            ids=ids, version=self._version, rows=rows,
-            prompt_lens=np.fromiter((e.prompt_len for e in entries), np.int64, n), steered=bool(rows.any()),
-            dyn=np.array([st is not None for st in dyn], bool).reshape(n),
-            slot=np.array([-1 if st is None or st.device_slot is None else st.device_slot for st in dyn], np.int64),
-            sync=np.array([st is not None and st.sync for st in dyn], bool).reshape(n),
-            record=np.array([-1 if st is None or st.record is None else st.record for st in dyn], np.int64),
-            host=np.array([st is not None and st.tier == "host" for st in dyn], bool).reshape(n),
-            act=np.array([0 if st is None else st.act_mask for st in dyn], np.int64),
-            signature=np.array([e.decode.digest.hex() for e in entries] + [None], object)[:n],
-            prompt=np.array([st is not None and st.prompt_level for st in dyn], bool).reshape(n),
-            streams={name: _stream_mask(spec, entries) for name, spec in self.stream_specs.items()})
+        return BatchArrays.gather(ids, entries, self._version, rows, self.streams.specs)
 
-    # ---- async tier: streams ---------------------------------------------------------------------------------------
-    def stream_validator(self, allow_declare: bool) -> Callable[[str, dict[str, Any]], None]:
-        """What checks a stream a subscriber declares (runs on the hub's I/O thread; raises ValueError naming the
-        field)."""
-        from dynsteer.config import StreamSpec
-
-        def on_declare(name: str, raw: dict[str, Any]) -> None:
-            if not allow_declare:
-                raise ValueError("declare: this engine does not let subscribers declare streams "
-                                 "(MonitorConfig.allow_declare)")
-            spec = StreamSpec.model_validate(raw)
-            engine = self.capture.engine_places if self.capture is not None else set()
-            for i, place in enumerate(spec.place_tuples()):
-                if place not in engine:
-                    raise ValueError(f"declare[{name!r}].places[{i}]: {place[0]}.{place[1]} has no capture buffer")
-
-        return on_declare
-
-    def attach_hub(self, hub: Any, declared: dict[str, Any]) -> None:
-        """Publish streams through ``hub`` (a ``StreamHub``); ``declared``: the engine's streams (StreamSpec)."""
-        self.hub = hub
-        for name, spec in declared.items():
-            hub.declare(name, spec.model_dump(mode="json"))
-        if self.capture is not None:
-            self.capture.on_stream = self._publish
-
-    def _refresh_streams(self) -> None:
-        from dynsteer.config import StreamSpec
-
-        self._hub_version = self.hub.version
-        mine = self.capture.places if self.capture is not None else set()
-        specs, places = {}, {}
-        for name, raw in self.hub.streams().items():
-            spec = StreamSpec.model_validate(raw)
-            here = tuple(p for p in spec.place_tuples() if p in mine)  # a pipeline stage publishes its own layers
-            if here:
-                specs[name], places[name] = spec, here
-        self.stream_specs, self._stream_places = specs, places
-        self._version += 1
-
-    def _select_streams(self, b: _Batch, req_of_token: np.ndarray, position: np.ndarray,
-                        is_decode: np.ndarray) -> list[Any]:
-        """This step's tokens of every stream that has a subscriber (vectorised per stream)."""
-        from dynsteer.capture.store import StreamSelection
-
-        out = []
-        for name, mask in b.streams.items():
-            if not self.hub.subscribed(name):
-                continue
-            spec = self.stream_specs[name]
-            keep = mask[req_of_token]
-            if spec.positions == "generated":
-                keep &= is_decode
-            elif spec.positions == "prompt":
-                keep &= ~is_decode
-            tokens = np.flatnonzero(keep)
-            if tokens.size:
-                out.append(StreamSelection(name, self.step, self._stream_places[name], spec.dtype, tokens,
-                                           req_of_token[tokens], position[tokens], b.ids))
-        return out
-
-    def _publish(self, sel: Any, values: dict[Any, np.ndarray]) -> None:
-        """One stream's rows of one step have landed: one message (header + raw frames)."""
-        from dynsteer.capture.store import place_key
-
-        uniq, inverse = np.unique(sel.req, return_inverse=True)
-        meta = {"step": int(sel.step), "req_ids": [sel.req_ids[i] for i in uniq.tolist()],
-                "places": [place_key(p) for p in sel.places], "dtype": sel.dtype}
-        arrays = [inverse.astype(np.int32), np.ascontiguousarray(sel.positions, np.int64),
-                  *(np.ascontiguousarray(values[p]) for p in sel.places)]
-        try:
-            self.hub.publish(sel.name, meta, arrays)
-        except Exception as exc:  # noqa: BLE001 - a stream never aborts generation; the loss is logged and counted
-            if isinstance(exc, ValueError) and sel.name not in self.hub.streams():
-                return  # a subscriber-declared stream whose last subscriber left since the step was planned
-            self.stats.stream_errors += 1
-            logger.error("dynsteer: stream %r: publishing step %d failed: %r", sel.name, sel.step, exc)
-
-    def _state_of(self, req_id: str) -> DynState | None:
-        """A request's dynamic state, live or finishing (read-backs land after the request finished)."""
-        st = self._dyn.get(req_id)
-        if st is None:
-            done = self._finishing.get(req_id)
-            st = done[0] if done is not None else None
-        return st
-
-    def _complete_traces(self) -> None:
-        """Finish the traces of finished requests whose last read-backs have landed."""
-        for req_id in [r for r, (_, _, seq) in self._finishing.items() if self.dynamic.completed >= seq]:
-            st, entry, _ = self._finishing.pop(req_id)
-            self._store_trace(req_id, st, entry)
-            self.dynamic.retire(st)
-
-    def _stop_faulted(self) -> None:
+    def _stop_faulted(self, faults: dict[str, str]) -> None:
         """Requests whose custom controller failed: stop them, and steer them no further meanwhile (their decode
         rows are released: the next steps run them unsteered until the scheduler finishes them)."""
-        faults, self.dynamic.faults = self.dynamic.faults, {}
         for req_id, message in faults.items():
             self._stop(req_id, SteeringValidationError(f"policy.controller: {message}"))
             entry = self.requests.get(req_id)
             if entry is not None:
                 entry.error = message
-                self._release_rows(entry)
+                self.registry.release(entry)
                 entry.dyn = None
-            self._drop_dyn(req_id)
+            self.dynamic_tier.drop(req_id)
 
     def after_forward(self) -> None:
-        """Called once the step's forward is enqueued: start copying captured rows out."""
-        if self.capture is not None:
-            self.capture.after_forward()
-        if self.dynamic is not None:
-            self.dynamic.after_forward(self._state_of)
-
-    def take_captures(self, tags: Iterable[str]) -> list[CaptureRecord]:
-        """Finish live records with these tags (the caller knows they are done) and take them from memory."""
-        if self.capture is None:
-            return []
-        t0, stats = time.perf_counter(), self.stats
-        stats.takes += 1
-        stats.take_backlog += WRITER.backlog()
-        tags = set(tags)
-        for req_id in [r for r, rec in self.capture.records.items() if rec.tag in tags]:
-            self._deliver(self.capture.finish(req_id))
-        memory = self.consumers.get("memory")
-        out = [rec for tag in tags if memory is not None and (rec := memory.take(tag)) is not None]
-        stats.take_ms += (time.perf_counter() - t0) * 1e3
-        return out
-
-    def take_traces(self, tags: Iterable[str]) -> list[dict[str, Any]]:
-        """Traces of finished requests with these tags (each can be taken once).
-
-        The caller knows these requests are done; the scheduler tells the runner only at the next step, so live
-        states with these tags are finished here.
-        """
-        tags = set(tags)
-        done = [r for r in self._dyn if (e := self.requests.get(r)) is not None and e.tag in tags]
-        if self.dynamic is not None:
-            self.dynamic.poll(self._state_of, block=True)
-            for req_id in done:
-                self._finishing[req_id] = (self._drop_dyn(req_id, retire=False), self.requests[req_id],
-                                           self.dynamic.enqueued)
-            self._complete_traces()
-        self._expire_traces()
-        return [tr[1] for tag in tags if (tr := self.traces.pop(tag, None)) is not None]
-
-    def _expire_traces(self) -> None:
-        """Drop traces nobody took within ``Limits.trace_ttl_s`` (oldest first; counted)."""
-        deadline = time.monotonic() - self.limits.trace_ttl_s
-        while self.traces and next(iter(self.traces.values()))[0] < deadline:
-            self.traces.popitem(last=False)
-            self.stats.traces_dropped += 1
-
-    def _drop_dyn(self, req_id: str, retire: bool = True) -> DynState | None:
-        """Forget a request's dynamic state (its device slot is freed; its record too unless its trace is still
-        to be completed)."""
-        self._version += 1
-        st = self._dyn.pop(req_id, None)
-        if self.dynamic is not None:
-            self.dynamic.abort_watch.discard(req_id)
-            self.dynamic.aborts.pop(req_id, None)
-        if st is not None and self.dynamic is not None:
-            self.dynamic.free(st)
-            if retire:
-                self.dynamic.retire(st)
-        return st
-
-    def _set_dyn(self, req_id: str, entry: RequestEntry, fresh: bool) -> None:
-        """Give the request its dynamic state (a resumed request keeps the one it had before preemption)."""
-        self._version += 1
-        policy = self._effective_policy(entry)
-        if policy is None or self.dynamic is None:
-            self._drop_dyn(req_id)
-            entry.dyn = None
-            return
-        st = self._dyn.get(req_id)
-        if fresh and st is not None:
-            self._drop_dyn(req_id)
-            st = None
-        if st is None:
-            try:
-                st = DynState.for_policy(policy, self.controllers, self.shape.max_dyn_scale)
-                st.keep = entry.trace
-            except Exception as exc:  # noqa: BLE001 - a custom controller's factory is operator code
-                where = f"extra_args.{PAYLOAD_KEY}.policy" if entry.policy is not None else "global_policy"
-                entry.error = self._stop(req_id, SteeringValidationError(f"{where}.controller.options: {exc}"))
-                self._drop_dyn(req_id)
-                entry.dyn = None
-                return
-        self.dynamic.place(st)  # the device sync tier, when it implements the policy's controller
-        self._track_aborts(req_id, st)
-        entry.dyn = self._dyn[req_id] = st
-
-    def _effective_policy(self, entry: RequestEntry) -> Any:
-        if entry.error is not None:
-            return None
-        policy = entry.cmd_policy if entry.cmd_policy is not None else (
-            entry.policy if entry.policy is not None else self.global_policy)
-        return policy if policy is not None and (policy.rules or policy.controller) else None
-
-    def _store_trace(self, req_id: str, st: DynState, entry: RequestEntry | None) -> None:
-        if entry is None or not entry.trace or st.record is None:
-            return  # nobody asked to keep it (e.g. an HTTP request): keeping it would only grow memory
-        tag = entry.tag or req_id
-        self._expire_traces()
-        while len(self.traces) >= self.limits.max_traces:  # never taken: drop the oldest, counted
-            self.traces.popitem(last=False)
-            self.stats.traces_dropped += 1
-        self.traces[tag] = (time.monotonic(), {"tag": tag, "monitors": [s.monitor for s in st.slots],
-                                               "scopes": [s.scope for s in st.slots],
-                                               **st.trace(*self.dynamic.records.record(st.record))})
-
-    def attach_capture(self, collector: CaptureCollector, consumers: dict[str, Any]) -> None:
-        self.capture, self.consumers = collector, consumers
-        collector.on_chunk = self._on_chunk
-        streaming = {name for name, c in consumers.items()
-                     if callable(getattr(c, "on_chunk", None)) and getattr(c, "streams", True)}
-        collector.streams = lambda spec: any(name in streaming for name in spec.consumers)
-
-    def _on_chunk(self, record: CaptureRecord, positions: np.ndarray, values: dict) -> None:
-        for name in record.spec.consumers:
-            sink = getattr(self.consumers.get(name), "on_chunk", None)
-            if sink is None:
-                continue
-            try:
-                sink(record, positions, values)
-            except Exception as exc:  # noqa: BLE001 - a consumer never aborts generation
-                record.fail(f"consumer {name!r} failed on a chunk: {exc!r}")
-
-    def _deliver(self, record: CaptureRecord | None) -> None:
-        if record is None:
-            return
-        for name in record.spec.consumers:
-            consumer = self.consumers.get(name)
-            try:
-                if consumer is None:
-                    raise KeyError(f"consumer {name!r} is not configured in this engine")
-                consumer.on_finish(record)
-            except Exception as exc:  # noqa: BLE001 - a consumer never aborts generation
-                record.fail(f"consumer {name!r} failed: {exc!r}")
-                memory = self.consumers.get("memory")
-                if memory is not None and name != "memory" and "memory" not in record.spec.consumers:
-                    memory.on_finish(record)  # keep the data reachable rather than losing it
-
-    # ---- internals ----------------------------------------------------------------------------------------------
-    def _compile(self, specs: list[tuple[str, SteeringSpec]], key: Any, policy: Any = None,
-                 decode_extra: list[tuple[str, SteeringSpec]] = ()) -> list[RowContent]:
-        """Both phases' contents, memoised per (global configuration, payload) (most traffic repeats a few
-        configurations; compiling hashes every vector, which would otherwise run for each admitted request).
-        ``decode_extra``: specs added to the decode phase only (a monitor's ``steer`` command)."""
-        key = None if key is None else (self._global_key, key)
-        cached = self._compiled.get(key) if key is not None else None
-        if cached is None:
-            pol = None if policy is None else (f"extra_args.{PAYLOAD_KEY}.policy.", policy)
-            cached = [compile_phase(specs, "prefill", self.shape, self.named, pol),
-                      compile_phase([*specs, *decode_extra], "decode", self.shape, self.named, pol)]
-            if key is not None:
-                self._compiled.put(key, cached)
-        return cached
-
-    def _assign_rows(self, req_id: str, entry: RequestEntry) -> None:
-        self._version += 1
-        if entry.error is not None:  # stopped: it runs unsteered until the scheduler finishes it
-            entry.prefill, entry.decode, entry.rows = EMPTY, EMPTY, (0, 0)
-            return
-        specs = [("global.", self.global_spec)]
-        key: Any = b""  # the global configuration alone
-        if entry.spec is not None and not entry.spec.is_empty():
-            specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", entry.spec))
-            key = entry.payload_key
-        policy = self._effective_policy(entry)
-        if entry.policy is not None and policy is not None:
-            key = entry.payload_key
-        extra = []
-        if entry.cmd_spec is not None or entry.cmd_policy is not None:
-            key = None  # commanded: not worth memoising
-            if entry.cmd_spec is not None:
-                extra = [("command.spec.", entry.cmd_spec)]
-        try:
-            contents = self._compile(specs, key, policy, extra)
-            rows = self._acquire(contents)
-        except Exception as exc:  # noqa: BLE001
-            # The frontend validates at admission and the scheduler holds requests until rows are free, so this is
-            # rare (a vector name unregistered mid-flight, rows taken by a global change): the request stops with
-            # the reason (never silently unsteered), the others go on.
-            if isinstance(exc, RowsExhausted):
-                self.stats.rows_exhausted += 1
-            entry.error = self._stop(req_id, exc)
-            entry.dyn = None
-            self._drop_dyn(req_id)
-            contents, rows = [EMPTY, EMPTY], (0, 0)
-        entry.prefill, entry.decode = contents
-        entry.rows = rows
-
-    def _record_error(self, message: str) -> None:
-        self.stats.rejected += 1
-        self.stats.errors = (self.stats.errors + [message])[-32:]
-        logger.error("dynsteer: %s; the request is stopped", message)
-
-    def _acquire(self, contents: list[RowContent]) -> tuple[int, int]:
-        acquired: list[RowContent] = []
-        try:
-            rows = []
-            for content in contents:
-                row, new = self.pool.acquire(content)
-                acquired.append(content)
-                if new:
-                    self.tables.write_row(row, content)
-                rows.append(row)
-            return rows[0], rows[1]
-        except RowsExhausted:
-            for content in acquired:
-                self.pool.release(content.digest)
-            raise
-
-    def _release_rows(self, entry: RequestEntry) -> None:
-        self._version += 1
-        self.pool.release(entry.prefill.digest)
-        self.pool.release(entry.decode.digest)
-        entry.prefill = entry.decode = EMPTY
-        entry.rows = (0, 0)
+        """Called once the step's forward is enqueued: start copying captured rows and read-backs out."""
+        self.delivery.after_forward()
+        self.dynamic_tier.after_forward()
 
     def describe(self) -> dict[str, Any]:
         """JSON-friendly state for ``collective_rpc`` callers."""
-        return {"shape": self.shape.model_dump(mode="json"), "rows_in_use": self.pool.in_use,
-                "rows_idle": self.pool.idle, "rows_revived": self.pool.revived,
-                "rows_written": self.pool.written,
-                "rows_total": self.tables.num_rows - 1, "live_requests": len(self.requests),
-                "named_vectors": sorted(self.named), "global_empty": self.global_spec.is_empty(),
-                "table_bytes": self.tables.nbytes(), "stats": vars(self.stats).copy(),
+        return {"shape": self.shape.model_dump(mode="json"), **self.registry.describe(),
+                "live_requests": len(self.requests), "named_vectors": sorted(self.named),
+                "global_empty": self.global_spec.is_empty(), "table_bytes": self.tables.nbytes(),
+                "stats": vars(self.stats).copy(),
                 "forward": {"inline": self.inline_forward,
                             "fused_into_norm": sorted(f"{k[0]}:{k[1]}" for k, h in self.hooks.items()
                                                       if h.fused)},
-                "dynamic": None if self.dynamic is None else {
-                    "live": len(self._dyn), "global_policy": self.global_policy is not None,
-                    "controller_state": dict(zip(("digest", "slots_nonzero"), self.dynamic.state_digest())),
-                    **vars(self.dynamic.stats)}}
-
-
-def _stream_mask(spec: Any, entries: list[RequestEntry]) -> np.ndarray:
-    """Which of a batch's requests a stream publishes (its ``requests`` filter)."""
-    if spec.requests == "all":
-        return np.ones(len(entries), bool)
-    if spec.requests == "dynamic":
-        return np.array([e.dyn is not None for e in entries], bool).reshape(len(entries))
-    prefix = spec.tag_prefix or ""
-    return np.array([e.tag is not None and e.tag.startswith(prefix) for e in entries], bool).reshape(len(entries))
+                "dynamic": self.dynamic_tier.describe(self.global_policy is not None)}

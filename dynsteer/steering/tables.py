@@ -25,7 +25,7 @@ import torch
 
 from dynsteer.kernels import site_summary
 from dynsteer.spec import Site
-from dynsteer.steering.compile import RowContent, SiteKey
+from dynsteer.request.programs import RowContent, SiteKey
 
 
 # row_live bits (the kernels test the same values)

@@ -9,73 +9,21 @@ distinct configuration at admission.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dynsteer.spec import ModelShape, Phase, Site, SteeringSpec, SteeringValidationError, check_spec, resolve_vector
+from dynsteer.request.compile_policy import compile_policy, compile_prompt_monitors
+from dynsteer.request.programs import Clamp, MagnitudeBudget, RowContent, SiteKey, SiteProgram, max_abs
+from dynsteer.spec import ModelShape, Phase, SteeringSpec, SteeringValidationError, check_spec, resolve_vector
 
 if TYPE_CHECKING:
     from dynsteer.policy import DynamicSteeringPolicy
 
-SiteKey = tuple[int, Site]
-
-
-@dataclass(frozen=True)
-class Clamp:
-    """One compiled clamp: unit direction, bounds (±inf for open sides), strength and the gate slot scaling the
-    strength (-1: static)."""
-
-    direction: np.ndarray
-    lo: float
-    hi: float
-    strength: float
-    gate: int = -1
-
-
-@dataclass(frozen=True)
-class MonitorProgram:
-    """A probe gate computed at a site into one gate slot: ``σ(sharpness·(x·probe − threshold))``, 0 below floor."""
-
-    probe: np.ndarray
-    sharpness: float
-    threshold: float
-    floor: float
-
-
-@dataclass
-class SiteProgram:
-    """What a row holds at one (layer, site): static vector and clamps, monitors and gated vectors by slot."""
-
-    vec: np.ndarray | None = None
-    clamps: list[Clamp] = field(default_factory=list)
-    monitors: dict[int, MonitorProgram] = field(default_factory=dict)
-    dyn: dict[int, np.ndarray] = field(default_factory=dict)
-
-    @property
-    def active(self) -> bool:
-        return bool(self.clamps or self.monitors or self.dyn or (self.vec is not None and np.any(self.vec)))
-
-
-@dataclass(frozen=True)
-class RowContent:
-    """A compiled configuration for one phase; ``digest`` identifies it for deduplication."""
-
-    sites: dict[SiteKey, SiteProgram]
-    digest: bytes
-
-    @property
-    def empty(self) -> bool:
-        return not self.sites
-
-
-EMPTY = RowContent(sites={}, digest=b"")
-
 
 def compile_phase(specs: list[tuple[str, SteeringSpec]], phase: Phase, shape: ModelShape,
                   named: dict[str, np.ndarray] | None = None,
-                  policy: tuple[str, "DynamicSteeringPolicy"] | None = None) -> RowContent:
+                  policy: tuple[str, DynamicSteeringPolicy] | None = None) -> RowContent:
     """Compile ``specs`` (applied in order, each with a field prefix for errors) for one phase.
 
     Args:
@@ -111,14 +59,10 @@ def compile_phase(specs: list[tuple[str, SteeringSpec]], phase: Phase, shape: Mo
             prog.clamps.append(Clamp(u, -np.inf if c.lo is None else c.lo, np.inf if c.hi is None else c.hi,
                                      c.strength))
     if policy is not None and phase == "prefill":  # prompt-level monitors only: they score, never steer
-        from dynsteer.steering.dynamic import compile_prompt_monitors
-
         prefix, pol = policy
         for key, extra in compile_prompt_monitors(pol, shape, prefix).items():
             sites.setdefault(key, SiteProgram()).monitors.update(extra.monitors)
     if policy is not None and phase == "decode":  # prompt tokens are never gated: the prefill row acts on nothing
-        from dynsteer.steering.dynamic import compile_policy  # the policy schema imports this package's spec
-
         prefix, pol = policy
         for key, extra in compile_policy(pol, shape, named, prefix, budget).items():
             prog = sites.setdefault(key, SiteProgram())
@@ -132,33 +76,6 @@ def compile_phase(specs: list[tuple[str, SteeringSpec]], phase: Phase, shape: Mo
                 prog.clamps.append(c)
     sites = {k: p for k, p in sites.items() if p.active}
     return RowContent(sites=sites, digest=_digest(sites) if sites else b"")
-
-
-class MagnitudeBudget:
-    """What one configuration may add to a residual element, summed over its entries (``Limits.max_abs_value``).
-
-    Each additive entry spends ``|scale|·max|vector|`` (gated entries at the largest scale their controller can
-    output); the entry that overspends is named in the error. Summing over sites is conservative: the residual at
-    the last layer carries every earlier site's addition.
-    """
-
-    def __init__(self, limit: float) -> None:
-        self.limit, self.spent = limit, 0.0
-
-    def add(self, amount: float, field: str) -> None:
-        self.spent += amount
-        if not np.isfinite(amount) or amount > self.limit:
-            raise SteeringValidationError(f"{field}: the entry adds up to {amount:.4g} to a residual element, over "
-                                          f"the engine's limit max_abs_value = {self.limit:g}")
-        if self.spent > self.limit:
-            raise SteeringValidationError(f"{field}: with this entry the configuration adds up to {self.spent:.4g} "
-                                          f"to a residual element (all its sites together), over the engine's "
-                                          f"limit max_abs_value = {self.limit:g}")
-
-
-def max_abs(v: np.ndarray) -> float:
-    """``max|v|`` in float64 (0 for an empty vector): what an additive entry spends of a :class:`MagnitudeBudget`."""
-    return float(np.max(np.abs(v.astype(np.float64)))) if v.size else 0.0
 
 
 def _digest(sites: dict[SiteKey, SiteProgram]) -> bytes:
