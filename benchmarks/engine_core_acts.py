@@ -21,9 +21,9 @@ def run(batch: int, steps: int, acted_every: int) -> dict[str, float]:
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    from dynsteer.engine import apc, scheduler
+    from dynsteer.engine import keys, prefix_cache, scheduler
 
-    apc.patch_request(Request)
+    prefix_cache.patch_request(Request)
     init_none_hash(sha256_cbor)
     hasher = get_request_block_hasher(16, sha256_cbor)
 
@@ -32,7 +32,7 @@ def run(batch: int, steps: int, acted_every: int) -> dict[str, float]:
 
     sched = Scheduler()
     for i in range(batch):
-        params = SamplingParams(max_tokens=steps + 1, extra_args={apc.DYNAMIC_KEY: "bench"})
+        params = SamplingParams(max_tokens=steps + 1, extra_args={keys.DYNAMIC_KEY: "bench"})
         sched.requests[f"r{i}"] = Request(f"r{i}", list(range(32)), params, None, block_hasher=hasher)
     ids = list(sched.requests)
     times = []

@@ -4,6 +4,7 @@ The vLLM plugin (``dynsteer.engine``) is loaded by vLLM itself in every process;
 user API and imports no vLLM internals.
 """
 
+from dynsteer._version import __version__  # noqa: F401
 from dynsteer.api import Steerer, attach, steer_params
 from dynsteer.capture.reader import CaptureReader
 from dynsteer.capture.result import Capture
@@ -16,7 +17,6 @@ from dynsteer.spec import (SITES, TIERS, Ablation, AddVector, ModelShape, Projec
 from dynsteer.trace import DynamicTrace
 from dynsteer.vectors import load_vector, save_vector
 
-__version__ = "0.1.0"
 __all__ = ["Ablation", "Action", "AddVector", "Capture", "CaptureReader", "CaptureSpec", "DynamicSteeringPolicy",
            "DynamicTrace", "DynsteerConfig", "ModelShape", "Monitor", "ProjectionClamp", "Rule", "SITES", "Steerer",
            "SteeringSpec", "SteeringValidationError", "SyncControllerSpec", "TIERS", "attach", "decode_payload",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dynsteer.steering.runtime as runtime_mod
-from dynsteer.engine.apc import FrontendState
+from dynsteer.engine.frontend import FrontendState
 from dynsteer.payload import config_fingerprint, encode_payload
 from dynsteer.spec import AddVector, ModelShape, SteeringSpec, SteeringValidationError
 from dynsteer.steering.compile import compile_phase
