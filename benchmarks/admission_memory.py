@@ -72,7 +72,7 @@ def memo_child(kind: str, count: int, trace: bool) -> dict[str, Any]:
     (RSS untraced: tracemalloc's own record of every block would be freed with them)."""
     import dynsteer.payload as payload_mod
     from dynsteer.config import Limits
-    from dynsteer.engine.apc import FrontendState
+    from dynsteer.engine.frontend import FrontendState
     from dynsteer.spec import ModelShape
 
     make = (lambda s: _vectors(s, 240)) if kind == "vectors" else (lambda s: _positions(s, 46_000))

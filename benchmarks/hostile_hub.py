@@ -174,7 +174,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from dynsteer.config import DynsteerConfig, MonitorConfig, StreamSpec
-    from dynsteer.engine import adapters
+    from dynsteer.engine import build
     from dynsteer.testing.tiny_models import tiny_model
 
     mon = MonitorConfig.private(streams={name: StreamSpec(places=(place,)) for name, place in STREAMS.items()},
@@ -223,7 +223,7 @@ def main() -> None:
         raise SystemExit("the acking subscriber did not connect")
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     # the worker's hub, in this process (built with the runtime; vLLM's gc.freeze() hides it from gc.get_objects)
-    hub = next(rt.hub for rt in adapters._building.values() if rt.hub is not None)
+    hub = next(rt.hub for rt in build._building.values() if rt.hub is not None)
     plain_publish = hub.publish
 
     def timed_publish(stream: str, meta: dict[str, Any], arrays: Any) -> int:

@@ -22,7 +22,8 @@ from typing import Any
 
 from dynsteer.capture.result import Capture, host_id, merge_captures, unpack_records
 from dynsteer.capture.spec import CaptureSpec
-from dynsteer.engine.apc import state_of
+from dynsteer.engine import keys
+from dynsteer.engine.frontend import state_of
 from dynsteer.payload import PAYLOAD_KEY, encode_payload, with_tag
 from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import (AddVector, Ablation, ModelShape, ProjectionClamp, Site, SteeringSpec,
@@ -55,14 +56,14 @@ class Steerer:
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
-        info = self._rpc("dynsteer_describe")
+        info = self._rpc(keys.RPC_DESCRIBE)
         self.shape = ModelShape.model_validate(info["shape"])
         self._front = state_of(llm)
 
     # ---- introspection --------------------------------------------------------------------------------------------
     def describe(self) -> list[dict[str, Any]]:
         """Per-rank runtime state (rows in use, counters, named vectors)."""
-        return self.llm.collective_rpc("dynsteer_describe")
+        return self.llm.collective_rpc(keys.RPC_DESCRIBE)
 
     @property
     def hidden_size(self) -> int:
@@ -113,7 +114,7 @@ class Steerer:
 
     def _set_global(self, spec: SteeringSpec, policy: DynamicSteeringPolicy | None) -> None:
         admitted = self._front.check_global(spec, policy)  # raises naming the field; nothing changes then
-        self.llm.collective_rpc("dynsteer_set_global", args=(encode_payload(spec, policy=policy),))
+        self.llm.collective_rpc(keys.RPC_SET_GLOBAL, args=(encode_payload(spec, policy=policy),))
         self._front.set_global(spec, admitted)
 
     @contextlib.contextmanager
@@ -179,7 +180,7 @@ class Steerer:
             raise SteeringValidationError(f"name: {exc}") from None
         arr = check_vector(as_vector(vector), self.hidden_size, f"vector {name!r}")
         self._front.check_register(name)  # before the workers change (they would refuse too, rank by rank)
-        self.llm.collective_rpc("dynsteer_register_vector", args=(name, pack_vector(arr)))
+        self.llm.collective_rpc(keys.RPC_REGISTER_VECTOR, args=(name, pack_vector(arr)))
         self._front.register(name, arr)
 
     # ---- generation ---------------------------------------------------------------------------------------------------
@@ -210,11 +211,11 @@ class Steerer:
 
     def set_capture(self, spec: CaptureSpec | None) -> None:
         """Capture every request admitted from now on (results go to the engine's configured consumers)."""
-        self.llm.collective_rpc("dynsteer_set_capture", args=(None if spec is None else spec.model_dump(mode="json"),))
+        self.llm.collective_rpc(keys.RPC_SET_CAPTURE, args=(None if spec is None else spec.model_dump(mode="json"),))
 
     def take_captures(self, tags: Sequence[str]) -> dict[str, Capture]:
         """In-memory captures of finished requests, by payload tag (each can be taken once)."""
-        replies = self.llm.collective_rpc("dynsteer_take_captures", args=(list(tags), host_id()))
+        replies = self.llm.collective_rpc(keys.RPC_TAKE_CAPTURES, args=(list(tags), host_id()))
         return merge_captures(unpack_records([rec for rank in replies for rec in rank]))
 
     def take_traces(self, tags: Sequence[str], all_ranks: bool = False) -> Any:
@@ -224,7 +225,7 @@ class Steerer:
             all_ranks: return one ``{tag: trace}`` dict per rank (every rank decides on its own; they must agree).
         """
         per_rank = [{t["tag"]: DynamicTrace.model_validate(t) for t in rank}
-                    for rank in self.llm.collective_rpc("dynsteer_take_traces", args=(list(tags),))]
+                    for rank in self.llm.collective_rpc(keys.RPC_TAKE_TRACES, args=(list(tags),))]
         return per_rank if all_ranks else per_rank[0]
 
     def _with_results(self, outputs: list[Any], tags: list[str] | None, capture: Any, policy: Any) -> list[Any]:

@@ -14,7 +14,7 @@ import pytest
 import dynsteer.payload as payload_mod
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.config import Limits
-from dynsteer.engine.apc import FrontendState
+from dynsteer.engine.frontend import FrontendState
 from dynsteer.payload import decode_payload, encode_payload
 from dynsteer.spec import AddVector, ModelShape, SteeringSpec
 from dynsteer.steering.runtime import SteeringRuntime

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dynsteer.config import Limits
-from dynsteer.engine.apc import FrontendState, frontend_state
+from dynsteer.engine.frontend import FrontendState, frontend_state
 from dynsteer.payload import encode_payload
 from dynsteer.spec import AddVector, ModelShape, SteeringSpec, SteeringValidationError
 from tests.conftest import ENGINE_DEFAULTS, ON_GPU

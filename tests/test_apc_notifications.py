@@ -14,7 +14,7 @@ from hypothesis import strategies as hst
 
 import dynsteer
 from dynsteer import DynsteerConfig
-from dynsteer.engine.apc import ActedState, fold
+from dynsteer.engine.prefix_cache import ActedState, fold
 from dynsteer.steering.dynamic.tokens import StepTokens, acted_report
 from tests.conftest import ON_GPU, make_llm, token_ids, with_inprocess_engine_core
 from tests.test_dynamic import ALWAYS, NEVER, policy
@@ -40,7 +40,7 @@ def test_fold_is_forward_only_and_chained():
 
 def test_fold_is_deterministic_across_processes():
     """Every rank and the engine core compute the same fold (no per-process hash seed)."""
-    code = "from dynsteer.engine.apc import fold; print(fold(fold('', 'a'), 'b'))"
+    code = "from dynsteer.engine.prefix_cache import fold; print(fold(fold('', 'a'), 'b'))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert other == fold(fold("", "a"), "b")
 

@@ -18,7 +18,7 @@ import dynsteer.engine.commands as desk_module
 from dynsteer.commands import (COMMAND_ENVELOPE_BYTES, AbortCommand, CommandEnvelope, GlobalCommand, SteerCommand,
                                encode_command)
 from dynsteer.config import DynsteerConfig, Limits, MonitorConfig
-from dynsteer.engine.apc import FrontendState
+from dynsteer.engine.frontend import FrontendState
 from dynsteer.engine.commands import CommandDesk
 from dynsteer.engine.scheduler import SchedulerState
 from dynsteer.monitor.client import CommandClient

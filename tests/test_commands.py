@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule
 from dynsteer.commands import (RuleCommand, SteerCommand, ThresholdCommand, check_steer, decode_command,
                                encode_command, patch_policy, CommandEnvelope)
-from dynsteer.engine.apc import ActedState
+from dynsteer.engine.prefix_cache import ActedState
 from dynsteer.spec import AddVector, SteeringSpec, SteeringValidationError
 
 FIELDS = ("message", "v", "id", "monitor", "command")

@@ -40,6 +40,12 @@ def test_doctor_passes_on_cpu_and_prints_its_report(tiny_llama_path):
     for name in CHECKS:
         assert any(name in row and "PASS" in row for row in rows), name
     assert "FAIL" not in proc.stdout and "all checks passed" in proc.stdout
+    # what dynsteer overrides in vLLM, in this process, the engine core's and the worker's
+    assert "vLLM attributes dynsteer overrides" in proc.stdout
+    for attribute, where in (("InputProcessor.process_inputs", "frontend"), ("Scheduler.schedule", "engine core"),
+                             ("EngineCore.collective_rpc", "engine core"), ("GPUModelRunner.sample_tokens", "worker"),
+                             ("LlamaDecoderLayer.forward", "worker"), ("WorkerWrapperBase.dynsteer_patches", "worker")):
+        assert any(attribute in row and where in row for row in proc.stdout.splitlines()), (attribute, where)
     assert "INFO" not in proc.stdout  # vLLM's logs went to the log file
     log = proc.stdout.rsplit("vLLM's log:", 1)[1].split(")")[0].split()
     assert Path("".join(log)).read_text().count("INFO") > 0
@@ -70,6 +76,52 @@ def test_doctor_checks_fail_when_steering_does_nothing():
     for name in ("steering fires", "batchmates untouched", "clear restores baseline", "prefix cache"):
         assert not checks[name].ok, checks[name]
     assert "cached tokens" in checks["prefix cache"].detail
+
+
+def test_doctor_lists_the_overrides_of_every_process():
+    from rich.console import Console
+
+    from dynsteer.engine import keys, patching
+
+    class Owner:
+        def method(self):
+            pass
+
+    def wrapper(self):
+        pass
+
+    step = {"owner": "vllm.x.core.Engine", "name": "step", "function": "dynsteer.engine.y.step", "why": "w",
+            "kind": "replaced"}
+    hasher = {"owner": "vllm.x.utils", "name": "block_hash", "function": "dynsteer.engine.z.hash", "why": "h",
+              "kind": "replaced"}
+    replies = [{keys.PATCHES_WORKER: [step], keys.PATCHES_ENGINE_CORE: [step, hasher]}, {keys.PATCHES_WORKER: []}]
+
+    class LLM:
+        def collective_rpc(self, method, args=()):
+            assert method == keys.RPC_PATCHES
+            return replies  # one per rank: rank 0's is listed
+
+    patching.patch(Owner, "method", wrapper, why="frontend override")
+    try:
+        # the same override in the engine core's process too (both imported the module it patches)
+        replies[0][keys.PATCHES_ENGINE_CORE].append(
+            next(r for r in patching.applied_json() if r["why"] == "frontend override"))
+        listed = doctor.patches(LLM())
+    finally:
+        patching.restore(Owner, "method")
+    ours = next(p for p in listed if p.why == "frontend override")
+    assert ours.where == ["frontend", "engine core"] and ours.owner.endswith("Owner") and ours.name == "method"
+    assert ours.function.endswith("test_doctor_lists_the_overrides_of_every_process.<locals>.wrapper")
+    engine_step = next(p for p in listed if p.name == "step")
+    assert engine_step.where == ["worker", "engine core"] and engine_step.kind == "replaced"
+    console = Console(record=True, width=120)
+    console.print(doctor.patch_table(listed))
+    lines = console.export_text().splitlines()
+    assert any(f"overrides ({len(listed)})" in line for line in lines)
+    row = next(line for line in lines if "Engine.step" in line)  # Class.attribute, its module beside it
+    assert "vllm.x.core" in row and "worker, engine core" in row
+    row = next(line for line in lines if "block_hash" in line)  # a module's function
+    assert "vllm.x.utils" in row and "engine core" in row
 
 
 def test_version_option():

@@ -16,7 +16,7 @@ import pytest
 
 import dynsteer
 from dynsteer import Action, AddVector, DynamicSteeringPolicy, DynsteerConfig, Monitor, Rule, SteeringSpec
-from dynsteer.engine import apc, scheduler as sched_mod
+from dynsteer.engine import frontend, keys, patching, prefix_cache, scheduler as sched_mod
 from tests.conftest import make_llm, token_ids, with_inprocess_engine_core
 
 # vLLM calls these once per request and step (hashed_tokens: from dynsteer's cache_blocks hook)
@@ -27,8 +27,9 @@ PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginnin
 
 
 def engine_core_calls(fn):
-    """``fn()`` and the calls it made into dynsteer's engine-core modules (scheduler, apc), by function name."""
-    files = {sched_mod.__file__, apc.__file__}
+    """``fn()`` and the calls it made into dynsteer's engine-core modules (scheduler, prefix cache, admission, the
+    patching helper's switches), by function name."""
+    files = {sched_mod.__file__, prefix_cache.__file__, frontend.__file__, patching.__file__}
     seen: Counter = Counter()
 
     def profile(frame, event, arg):
@@ -123,13 +124,13 @@ def test_only_dynamic_requests_hold_their_hashing_back():
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    apc.patch_request(Request)
+    prefix_cache.patch_request(Request)
     init_none_hash(sha256_cbor)
     hasher = get_request_block_hasher(16, sha256_cbor)
     plain = Request("p", list(range(40)), SamplingParams(max_tokens=40), None, block_hasher=hasher)
-    held = Request("d", list(range(40)), SamplingParams(max_tokens=40, extra_args={apc.DYNAMIC_KEY: 1}), None,
+    held = Request("d", list(range(40)), SamplingParams(max_tokens=40, extra_args={keys.DYNAMIC_KEY: 1}), None,
                    block_hasher=hasher)
-    assert type(plain) is Request and type(held) is apc.HeldBackRequest and isinstance(held, Request)
+    assert type(plain) is Request and type(held) is prefix_cache.HeldBackRequest and isinstance(held, Request)
     assert Request.update_block_hashes.__module__ == "vllm.v1.request"  # vLLM's own for every other request
     assert len(plain.block_hashes) == len(held.block_hashes) == 2  # the prompt's full blocks either way
     for _ in range(24):  # 64 tokens: two more full blocks
@@ -141,4 +142,4 @@ def test_only_dynamic_requests_hold_their_hashing_back():
     held.update_block_hashes()
     assert held.block_hashes == plain.block_hashes  # nothing acted: the same hashes once reported
     with pytest.raises(AttributeError):
-        apc.HeldBackRequest.no_such_thing  # noqa: B018 - an ordinary class otherwise
+        prefix_cache.HeldBackRequest.no_such_thing  # noqa: B018 - an ordinary class otherwise

@@ -29,7 +29,7 @@ from dynsteer.capture.consumers import MemoryConsumer
 from dynsteer.capture.store import CaptureCollector
 from dynsteer.config import Limits
 from dynsteer.controllers.registry import ControllerRegistry
-from dynsteer.engine.apc import FrontendState
+from dynsteer.engine.frontend import FrontendState
 from dynsteer.spec import ModelShape
 from dynsteer.steering.runtime import SteeringRuntime
 from dynsteer.steering.tables import SteeringTables

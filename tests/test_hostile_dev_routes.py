@@ -125,7 +125,7 @@ def test_plain_vllm_serve_with_dynsteer_loaded_refuses_dynsteer_state_changes_ov
     ``/collective_rpc`` from changing steering behind the frontend's admission state."""
     import vllm.entrypoints.serve as serve
 
-    from dynsteer.engine.server import patch_dev_routes
+    from dynsteer.engine.dev_routes import patch_dev_routes
 
     patch_dev_routes(serve)  # what the general plugin does when vLLM's API server imports the module
     patch_dev_routes(serve)  # idempotent

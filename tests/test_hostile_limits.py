@@ -17,7 +17,7 @@ import pytest
 from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, Monitor, Rule, SteeringSpec,
                       SteeringValidationError)
 from dynsteer.config import Limits
-from dynsteer.engine.apc import FrontendState
+from dynsteer.engine.frontend import FrontendState
 from dynsteer.payload import check_shape, encode_payload
 from dynsteer.spec import ModelShape
 
@@ -228,7 +228,7 @@ def test_worker_named_vector_limit():
 def test_a_registered_probe_out_of_float32_range_fails_start_up_naming_its_entry(tmp_path):
     """Registered probes are checked where the engine loads them, not when a request first names one."""
     from dynsteer.config import DynsteerConfig
-    from dynsteer.engine.adapters import load_probes
+    from dynsteer.engine.build import load_probes
     from dynsteer.probefile.fileformat import save_probe
 
     good = save_probe(tmp_path / "good.safetensors", unit(5) * 300.0, bias=-4.0, model_id="t", layer=1)

@@ -11,6 +11,10 @@ Every check compares greedy token ids, so each one can fail:
   prompt's hits;
 * **decode cost**: wall time of the same decode batch unsteered and with every request steered (interleaved
   repeats, medians); fails above ``max_overhead``.
+
+Below the checks it lists what dynsteer overrides in vLLM (:mod:`dynsteer.engine.patching`), and in which
+processes: this one (the frontend), the engine core's and rank 0's worker's (one process with the engine core's
+where vLLM runs the worker in it, as on one GPU).
 """
 
 from __future__ import annotations
@@ -37,6 +41,18 @@ class Check:
     detail: str
 
 
+@dataclass
+class Patched:
+    """One vLLM attribute dynsteer overrides, and in which processes (``frontend``, ``engine core``, ``worker``)."""
+
+    owner: str  # the class or module
+    name: str
+    kind: str
+    function: str
+    why: str
+    where: list[str]
+
+
 def resolve_model(model: str | None) -> Path:
     """``tiny`` (default: a tiny random Llama built locally), ``smollm2`` (converted once) or a model directory."""
     if model in (None, "tiny"):
@@ -59,12 +75,12 @@ def run_doctor(model: str | None, max_overhead: float = 2.0, verbose: bool = Fal
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with quiet_vllm(verbose, "dynsteer-doctor") as (log, terminal):
-        checks, device, path = _run(Console(file=terminal), model, max_overhead, gpu_memory_utilization)
-    return _report(Console(), checks, device, path, log)
+        checks, patched, device, path = _run(Console(file=terminal), model, max_overhead, gpu_memory_utilization)
+    return _report(Console(), checks, patched, device, path, log)
 
 
 def _run(console: Any, model: str | None, max_overhead: float,
-         gpu_memory_utilization: float) -> tuple[list[Check], str, Path]:
+         gpu_memory_utilization: float) -> tuple[list[Check], list[Patched], str, Path]:
     import torch
 
     path = resolve_model(model)
@@ -84,6 +100,7 @@ def _run(console: Any, model: str | None, max_overhead: float,
     try:
         with console.status("running checks"):
             checks = _checks(llm, dynsteer.attach(llm), max_overhead)
+        patched = patches(llm)
     finally:
         try:
             llm.llm_engine.engine_core.shutdown()
@@ -92,10 +109,49 @@ def _run(console: Any, model: str | None, max_overhead: float,
         del llm
         gc.collect()  # vLLM's shutdown messages land in the log, not under the report
     device = torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)"
-    return checks, device, path
+    return checks, patched, device, path
 
 
-def _report(console: Any, checks: list[Check], device: str, path: Path, log: Path | None) -> bool:
+def patches(llm: Any) -> list[Patched]:
+    """What dynsteer overrides in vLLM in this process and in ``llm``'s engine core and rank-0 worker, merged."""
+    from dynsteer.engine import keys, patching
+
+    merged: dict[tuple[str, str, str, str], Patched] = {}
+    for where, rows in (("frontend", patching.applied_json()), *llm.collective_rpc(keys.RPC_PATCHES)[0].items()):
+        for row in rows:
+            key = (row["owner"], row["name"], row["kind"], row["function"])
+            entry = merged.setdefault(key, Patched(*key[:2], row["kind"], row["function"], row["why"], []))
+            entry.where.append(where)
+    return sorted(merged.values(), key=lambda p: (p.owner, p.name))
+
+
+def patch_table(patched: list[Patched]) -> Any:
+    """The report's table of overrides: ``Class.attribute`` (never folded) under its module."""
+    from rich.table import Table
+
+    table = Table(title=f"vLLM attributes dynsteer overrides ({len(patched)})")
+    width = max((len(_short(p)) for p in patched), default=10)
+    table.add_column("vLLM attribute", no_wrap=True, min_width=width)
+    table.add_column("in", overflow="fold")
+    table.add_column("kind", no_wrap=True)
+    table.add_column("where", no_wrap=True)
+    table.add_column("dynsteer", overflow="fold")
+    table.add_column("why")
+    for p in patched:
+        module = p.owner.removesuffix(_short(p).rsplit(".", 1)[0]).rstrip(".") or p.owner
+        table.add_row(_short(p), module, p.kind, ", ".join(p.where), p.function.removeprefix("dynsteer."), p.why)
+    return table
+
+
+def _short(p: Patched) -> str:
+    """``Class.attribute`` (a module's function: ``function``): the owner's last part, which is a class name when
+    it starts with a capital."""
+    last = p.owner.rsplit(".", 1)[-1]
+    return f"{last}.{p.name}" if last[:1].isupper() else p.name
+
+
+def _report(console: Any, checks: list[Check], patched: list[Patched], device: str, path: Path,
+            log: Path | None) -> bool:
     import torch
     from rich.table import Table
 
@@ -108,6 +164,7 @@ def _report(console: Any, checks: list[Check], device: str, path: Path, log: Pat
     for c in checks:
         table.add_row(c.name, "[green]PASS[/green]" if c.ok else "[red]FAIL[/red]", c.detail)
     console.print(table)
+    console.print(patch_table(patched))
     ok = bool(checks) and all(c.ok for c in checks)
     console.print(f"dynsteer {dynsteer.__version__}, vLLM {_vllm_version()}, torch {torch.__version__}: "
                   + ("[green]all checks passed[/green]" if ok else "[red]some checks failed[/red]")

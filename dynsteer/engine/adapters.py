@@ -30,7 +30,7 @@ Capture reads each value before the site's steering, like everywhere else. An ar
 fails at load naming itself and the reason.
 
 Layer classes are patched before the model is built (in the processes that build models), so the hooks exist before
-torch.compile traces and CUDA graphs capture.
+torch.compile traces and CUDA graphs capture. The runtime the hooks feed is built by :mod:`dynsteer.engine.build`.
 """
 
 from __future__ import annotations
@@ -42,21 +42,19 @@ import re
 import sys
 import textwrap
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from dynsteer.capture.consumers import FilesystemConsumer, build_consumer, consumer_class
-from dynsteer.capture.store import CaptureCollector
-from dynsteer.config import CONFIG_KEY, DynsteerConfig
-from dynsteer.controllers.registry import ControllerRegistry
-from dynsteer.engine.apc import shape_from_vllm_config
+from dynsteer.config import DynsteerConfig
+from dynsteer.engine import patching
+from dynsteer.engine.build import UnsupportedArchitectureError, runtime_for_current_model
 from dynsteer.engine.families import FAMILIES, Family, MidMode, Stream, family_of
+from dynsteer.engine.keys import (ATTACHED_ATTR, FUSED_FIRST_HOOK, FUSED_SECOND_HOOK, NORM_BASE_ATTR, POST_ATTN_HOOK,
+                                  POST_BLOCK_HOOK, PRE_ATTN_HOOK, PREV_POST_BLOCK_HOOK)
 from dynsteer.steering.runtime import SteeringRuntime
 from dynsteer.steering.site import SiteHook, fused_add_rms_norm
-from dynsteer.steering.tables import SteeringTables
 
 logger = logging.getLogger("dynsteer")
 
@@ -93,154 +91,6 @@ SUPPORTED_ARCHITECTURES = frozenset({a for ad in ADAPTERS.values() for a in ad.a
                                     | {a for f in FAMILIES if f.unsupported is None for a in f.architectures})
 
 
-class UnsupportedArchitectureError(RuntimeError):
-    """dynsteer has no adapter for the model's architecture."""
-
-
-# ---- runtime construction (first hooked layer of a model builds it) --------------------------------------------
-_building: dict[int, SteeringRuntime] = {}
-
-
-def _runtime_for_current_model() -> SteeringRuntime:
-    from vllm.config import get_current_vllm_config
-
-    vllm_config = get_current_vllm_config()
-    key = id(vllm_config)
-    rt = _building.get(key)
-    if rt is None:
-        _building.clear()  # a new model: runtimes of earlier models stay reachable from their own hooks
-        cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
-        shape = shape_from_vllm_config(vllm_config)
-        if not shape.sites:  # e.g. sites=("post_attn",) on a parallel attention + MLP block
-            raise UnsupportedArchitectureError(
-                f"dynsteer: DynsteerConfig.sites {list(cfg.sites)} names no site architecture "
-                f"{shape.architecture!r} has: " + "; ".join(f"{s}: {r}" for s, r in shape.absent_sites))
-        num_layers = shape.num_layers
-        layers = tuple(range(num_layers)) if shape.layers is None else shape.layers
-        sched = vllm_config.scheduler_config
-        max_tokens = max(int(sched.max_num_batched_tokens),
-                         int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0))
-        tables = SteeringTables([(l, s) for l in layers for s in shape.sites], shape.hidden_size, cfg.max_rows,
-                                cfg.max_clamps, max_tokens, max_gates=cfg.max_gates)
-        rt = SteeringRuntime(shape, tables, cfg.limits, load_probes(cfg), ControllerRegistry(cfg.controllers),
-                             # live and preempted sync-tier requests; none: every one in the host tier
-                             sync_slots=4 * int(sched.max_num_seqs) + 8 if cfg.sync_tier == "device" else 0)
-        rt.inline_forward = cfg.forward == "inline"
-        device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
-        rt.fuse_norms = cfg.forward == "fused" or (cfg.forward == "auto" and device == "cuda")
-        if rt.dynamic is not None:  # where dynamic steering acted decides which generated blocks may be shared
-            rt.dynamic.report_acts = bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False))
-        places = [p for p in cfg.capture_places(num_layers) if p[1] in shape.sites]
-        if places:
-            emit = _rank_and_size("tp")[0] == 0  # residuals are identical on every TP rank: one rank publishes
-            pp_rank, pp_size = _rank_and_size("pp")
-            start, end = _pp_layers(num_layers, pp_rank, pp_size)
-            # Under pipeline parallelism each stage holds (and captures) its own layers; records of one request
-            # from several stages are merged by the caller (Steerer.take_captures, CaptureReader).
-            stages = {p: torch.zeros(max_tokens, shape.hidden_size, dtype=torch.get_default_dtype())
-                      for p in places if start <= p[0] < end}
-            consumers = ({name: build_consumer(name, _stage_options(opts, name, pp_rank, pp_size))
-                          for name, opts in cfg.capture_consumers.items()} if emit else {})
-            rt.attach_capture(CaptureCollector(stages, emit=emit, engine_places=set(places)), consumers)
-            rt.consumer_names = frozenset(cfg.capture_consumers)
-            if cfg.monitor is not None and emit:
-                _attach_hub(rt, cfg, pp_rank)
-        for name, ref in cfg.vectors.items():
-            rt.register_vector(name, load_named_vector(ref, shape.hidden_size))
-        _building[key] = rt
-    return rt
-
-
-def stage_endpoint(endpoint: str, pp_rank: int) -> str:
-    """Where pipeline stage ``pp_rank > 0`` publishes: ``<ipc path>.pp<k>``, or the tcp port plus ``k``."""
-    if endpoint.startswith("tcp://"):
-        host, _, port = endpoint.rpartition(":")
-        return f"{host}:{int(port) + pp_rank}"
-    return f"{endpoint}.pp{pp_rank}"
-
-
-def _attach_hub(rt: SteeringRuntime, cfg: DynsteerConfig, pp_rank: int) -> None:
-    """TP rank 0 publishes the async tier's streams (each pipeline stage its own layers, at its own endpoint)."""
-    import weakref
-
-    from dynsteer.streams.hub import StreamHub
-
-    mon = cfg.monitor
-    endpoint = mon.endpoint if pp_rank == 0 else stage_endpoint(mon.endpoint, pp_rank)
-    hub = StreamHub(endpoint, curve=mon.curve, replay_bytes=mon.replay_bytes, replay_messages=mon.replay_messages,
-                    spill_dir=mon.spill_dir, spill_bytes=mon.spill_bytes, spill_total_bytes=mon.spill_total_bytes,
-                    on_declare=rt.stream_validator(mon.allow_declare), allow_declare=mon.allow_declare,
-                    max_declared_streams=mon.max_declared_streams, subscribers=mon.subscribers,
-                    max_subscribers=mon.max_subscribers, subscriber_ttl_s=mon.subscriber_ttl_s,
-                    block_subscribers=mon.block_subscribers, max_block_delay_ms=mon.max_block_delay_ms,
-                    max_held_bytes=mon.max_held_bytes)
-    rt.attach_hub(hub, mon.streams)
-    weakref.finalize(rt, hub.close)
-
-
-def _rank_and_size(kind: str) -> tuple[int, int]:
-    """This worker's (rank, world size) in vLLM's tensor- (``"tp"``) or pipeline-parallel (``"pp"``) group; (0, 1)
-    where no distributed state exists (a model built outside an engine)."""
-    try:
-        from vllm.distributed import get_pp_group, get_tp_group
-
-        group = get_tp_group() if kind == "tp" else get_pp_group()
-        return group.rank_in_group, group.world_size
-    except (AssertionError, ImportError, RuntimeError, AttributeError):
-        return 0, 1
-
-
-def _pp_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """The layers ``[start, end)`` this pipeline stage builds (vLLM's own split)."""
-    if pp_size == 1:
-        return 0, num_layers
-    from vllm.distributed.utils import get_pp_indices
-
-    return get_pp_indices(num_layers, pp_rank, pp_size)
-
-
-def _stage_options(opts: dict[str, Any], name: str, pp_rank: int, pp_size: int) -> dict[str, Any]:
-    """Under pipeline parallelism a filesystem consumer writes under ``<root>/pp<rank>`` (stages publish the same
-    tags concurrently; ``CaptureReader`` merges the stage directories)."""
-    if pp_size == 1 or consumer_class(opts.get("kind", name)) is not FilesystemConsumer or "root" not in opts:
-        return opts
-    return {**opts, "root": str(Path(opts["root"]) / f"pp{pp_rank}")}
-
-
-def load_probes(cfg: DynsteerConfig) -> dict[str, Any]:
-    """The operator's registered probe files, loaded (a bad file fails start-up, naming its entry)."""
-    from dynsteer.probefile.fileformat import load_probe
-
-    from dynsteer.policy import gate_param_problem
-
-    probes = {}
-    for name, path in cfg.probes.items():
-        try:
-            probes[name] = load_probe(path)
-        except Exception as exc:  # noqa: BLE001 - any unreadable file: say which entry
-            raise ValueError(f"{CONFIG_KEY}.probes[{name!r}]: cannot load probe file {path!r}: {exc}") from None
-        for calibrated in (False, True):  # a request may use either centring: both must fit the float32 tables
-            params = probes[name].gate_params(calibrated=calibrated)
-            for what in ("sharpness", "threshold"):
-                problem = gate_param_problem(what, float(getattr(params, what)))
-                if problem is not None:
-                    raise ValueError(f"{CONFIG_KEY}.probes[{name!r}]: probe file {path!r}: gate {what} {problem}")
-    return probes
-
-
-def load_named_vector(ref: str, hidden_size: int):
-    """``path.safetensors[:layer]`` → one vector (a file with several layers needs the ``:layer`` suffix)."""
-    from dynsteer.vectors import load_vector
-
-    path, _, layer = ref.rpartition(":") if ref.rsplit(":", 1)[-1].isdigit() else (ref, "", "")
-    vectors, _meta = load_vector(path)
-    if layer:
-        return vectors[int(layer)]
-    if len(vectors) != 1:
-        raise ValueError(f"{ref}: file holds layers {sorted(vectors)}; name one as {path}:LAYER")
-    return next(iter(vectors.values()))
-
-
 def find_runtime(model: nn.Module) -> SteeringRuntime | None:
     for m in model.modules():
         if isinstance(m, SiteHook):
@@ -256,10 +106,10 @@ def _layer_index(prefix: str) -> int:
 
 
 def _attach(layer: nn.Module, prefix: str, adapter: Adapter) -> None:
-    if getattr(layer, "_dynsteer_attached", False):
+    if getattr(layer, ATTACHED_ATTR, False):
         return  # a subclass's __init__ already ran ours through super()
-    layer._dynsteer_attached = True
-    rt = _runtime_for_current_model()
+    setattr(layer, ATTACHED_ATTR, True)
+    rt = runtime_for_current_model()
     idx = _layer_index(prefix)
     hooks: dict[str, SiteHook] = {}
     for site in rt.shape.sites:
@@ -280,18 +130,18 @@ def _attach(layer: nn.Module, prefix: str, adapter: Adapter) -> None:
         if fuse and _fusable_norm(mid):
             _fuse_into(mid, None, hooks["post_attn"])
         else:
-            mid.dynsteer_post_attn = hooks["post_attn"]
+            setattr(mid, POST_ATTN_HOOK, hooks["post_attn"])
             mid.__class__ = (_steered_norm_class if adapter.mid_mode == "fused" else _steered_input_class)(type(mid))
-    for site in ("pre_attn", "post_block"):
+    for site, attr in (("pre_attn", PRE_ATTN_HOOK), ("post_block", POST_BLOCK_HOOK)):
         if site in hooks:
-            setattr(layer, f"dynsteer_{site}", hooks[site])
+            setattr(layer, attr, hooks[site])
     # The previous layer's post_block and this layer's pre_attn act on the same pair, just before the input norm.
     # The model's first layer gets no residual (its input norm is a plain norm): its pre_attn stays an op.
     prev = rt.hooks.get((idx - 1, "post_block"))
     inorm = getattr(layer, adapter.input_norm, None) if adapter.input_norm else None
     if fuse and idx > 0 and (prev is not None or "pre_attn" in hooks) and _fusable_norm(inorm):
         _fuse_into(inorm, prev, hooks.get("pre_attn"))
-        layer.dynsteer_prev_post_block = prev  # run by this layer's forward where its norm gets no residual
+        setattr(layer, PREV_POST_BLOCK_HOOK, prev)  # run by this layer's forward where its norm gets no residual
 
 
 def _fusable_norm(norm: Any) -> bool:
@@ -301,7 +151,7 @@ def _fusable_norm(norm: Any) -> bool:
         from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
     except ImportError:
         return False
-    base = getattr(type(norm), "_dynsteer_norm_base", type(norm))
+    base = getattr(type(norm), NORM_BASE_ATTR, type(norm))
     if base is GemmaRMSNorm:
         return isinstance(getattr(norm, "weight", None), torch.Tensor)
     return (base is RMSNorm and getattr(norm, "has_weight", False)
@@ -309,11 +159,12 @@ def _fusable_norm(norm: Any) -> bool:
 
 
 def _fuse_into(norm: nn.Module, first: SiteHook | None, second: SiteHook | None) -> None:
-    norm.dynsteer_fused_first, norm.dynsteer_fused_second = first, second
+    setattr(norm, FUSED_FIRST_HOOK, first)
+    setattr(norm, FUSED_SECOND_HOOK, second)
     for hook in (first, second):
         if hook is not None:
             hook.fused = True
-    norm.__class__ = _fused_norm_class(getattr(type(norm), "_dynsteer_norm_base", type(norm)))
+    norm.__class__ = _fused_norm_class(getattr(type(norm), NORM_BASE_ATTR, type(norm)))
 
 
 @functools.cache
@@ -328,10 +179,12 @@ def _fused_norm_class(base: type) -> type:
     def forward(self: Any, x: Any, residual: Any = None) -> Any:
         if residual is None:
             return base.forward(self, x)
-        return fused_add_rms_norm(self.dynsteer_fused_first, self.dynsteer_fused_second, x, residual,
+        return fused_add_rms_norm(getattr(self, FUSED_FIRST_HOOK), getattr(self, FUSED_SECOND_HOOK), x, residual,
                                   self.weight, self.variance_epsilon, unit_offset)
 
-    return type(f"SteeredFused{base.__name__}", (base,), {"forward": forward, "_dynsteer_norm_base": base})
+    patching.record(base, "forward", forward, kind="subclass",
+                    why="the norm also runs the steering sites before it, in its add-norm kernel (forward=fused)")
+    return type(f"SteeredFused{base.__name__}", (base,), {"forward": forward, NORM_BASE_ATTR: base})
 
 
 @functools.cache
@@ -339,9 +192,11 @@ def _steered_norm_class(base: type) -> type:
     """A subclass of the mid norm that steers the branch before the fused add-norm (weights keep their names)."""
 
     def forward(self: Any, x: Any, residual: Any = None, *args: Any, **kwargs: Any) -> Any:
-        x = self.dynsteer_post_attn(x, residual)
+        x = getattr(self, POST_ATTN_HOOK)(x, residual)
         return base.forward(self, x, residual, *args, **kwargs)
 
+    patching.record(base, "forward", forward, kind="subclass",
+                    why="the mid norm steers the attention branch (post_attn) before its fused add-norm")
     return type(f"Steered{base.__name__}", (base,), {"forward": forward})
 
 
@@ -351,14 +206,18 @@ def _steered_input_class(base: type) -> type:
     place, so the layer's alias of it (its residual) carries the steering past the branch."""
 
     def forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
-        x.copy_(self.dynsteer_post_attn(x, None))
+        x.copy_(getattr(self, POST_ATTN_HOOK)(x, None))
         return base.forward(self, x, *args, **kwargs)
 
+    patching.record(base, "forward", forward, kind="subclass",
+                    why="the module reading the stream steers it in place first (post_attn, mid_mode='input')")
     return type(f"Steered{base.__name__}", (base,), {"forward": forward})
 
 
 def patch_layer_class(cls: type, adapter: Adapter) -> None:
-    if getattr(cls, "_dynsteer_patched", False) and "_dynsteer_patched" in cls.__dict__:
+    """Hook ``cls``'s instances when they are made (their sites, from the model's runtime) and run the sites around
+    and inside its ``forward`` (once per class: a subclass is hooked on its own)."""
+    if patching.is_patched(cls, "forward"):
         return
     orig_init, orig_forward = cls.__init__, cls.forward
     init_sig = inspect.signature(orig_init)
@@ -373,8 +232,8 @@ def patch_layer_class(cls: type, adapter: Adapter) -> None:
     @functools.wraps(orig_forward)
     def forward(self: nn.Module, positions: Any, hidden_states: Any, *args: Any, **kwargs: Any):
         residual = (args[0] if args else kwargs.get("residual")) if sums else None
-        pre = getattr(self, "dynsteer_pre_attn", None)
-        prev = getattr(self, "dynsteer_prev_post_block", None)
+        pre = getattr(self, PRE_ATTN_HOOK, None)
+        prev = getattr(self, PREV_POST_BLOCK_HOOK, None)
         # A fused input norm runs the previous layer's post_block and this pre_attn, given a residual; else here.
         if residual is None or not ((pre is not None and pre.fused) or prev is not None):
             if prev is not None:
@@ -382,17 +241,15 @@ def patch_layer_class(cls: type, adapter: Adapter) -> None:
             if pre is not None:
                 hidden_states = pre(hidden_states, residual)
         out = orig_forward(self, positions, hidden_states, *args, **kwargs)
-        post = getattr(self, "dynsteer_post_block", None)
+        post = getattr(self, POST_BLOCK_HOOK, None)
         if post is None or post.fused:  # fused: the next layer's input norm runs it
             return out
         if isinstance(out, tuple):  # (hidden, residual); under stream="hidden" the residual is not part of it
             return (post(out[0], out[1] if sums else None), *out[1:])
         return post(out, None)
 
-    cls.__init__ = __init__
-    cls.forward = forward
-    cls._dynsteer_patched = True
-    cls._dynsteer_adapter = adapter
+    patching.patch(cls, "__init__", __init__, why="a decoder layer gets its steering sites when it is made")
+    patching.patch(cls, "forward", forward, why="a decoder layer runs its pre_attn and post_block sites")
 
 
 def patch_model_module(module: Any, adapter: Adapter) -> None:
@@ -469,7 +326,7 @@ def wire_model(model_config: Any) -> str | None:
                 f"the modules of {model_cls.__name__}")
     reasons = []
     for cls in candidates:
-        if "_dynsteer_patched" in cls.__dict__:
+        if patching.is_patched(cls, "forward"):
             continue
         adapter = discover_adapter(cls, family, architecture)
         if isinstance(adapter, str):
@@ -506,7 +363,8 @@ def patch_model_loader(cls: type) -> None:
         _warn_cpu_bf16(vllm_config)
         return model
 
-    cls.load_model = load_model
+    patching.patch(cls, "load_model", load_model,
+                   why="wire discovered architectures before vLLM builds the model; report or refuse what is not")
 
 
 def _warn_cpu_bf16(vllm_config: Any) -> None:

@@ -2,10 +2,10 @@
 
 vLLM's ``AsyncLLM.add_request`` calls ``InputProcessor.process_inputs`` synchronously on the event loop, and
 dynsteer's admission (decoding, validating and compiling a payload: milliseconds for a large one) runs inside it
-(:func:`dynsteer.engine.apc.patch_input_processor`). Left there, one client's heavy payloads would stall every
+(:func:`dynsteer.engine.frontend.patch_input_processor`). Left there, one client's heavy payloads would stall every
 request the server handles. :func:`patch_async_llm` admits a payload string the admission memo does not hold yet
 *before* ``add_request`` goes on, in a small thread pool the loop awaits; the result fills the memo, and
-``process_inputs`` then hits it (or takes the result handed to it, :data:`~dynsteer.engine.apc.HANDED`, when the
+``process_inputs`` then hits it (or takes the result handed to it, :data:`~dynsteer.engine.frontend.HANDED`, when the
 memo could not keep it).
 
 What this guarantees:
@@ -21,7 +21,7 @@ What this guarantees:
   the default 4 MiB payload limit), never the whole admission. One worker: more would split the GIL more ways (the
   loop's share falls to 1/(n+1)) and admit no faster; new bodies are admitted in arrival order.
 - Correctness does not depend on it. The pool admits on a snapshot of the admission state
-  (:meth:`~dynsteer.engine.apc.FrontendState.snapshot`) and stores the result under the key taken with it; if the
+  (:meth:`~dynsteer.engine.frontend.FrontendState.snapshot`) and stores the result under the key taken with it; if the
   configuration changed meanwhile (a vector registered, the global set), ``process_inputs`` misses and admits
   synchronously, as without this module. A payload the pool rejects raises its ``SteeringValidationError`` from
   ``add_request`` (a 400 naming the field), exactly what ``process_inputs`` would raise; nothing is memoised for it.
@@ -37,8 +37,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from dynsteer.engine.apc import HANDED, FrontendState, frontend_state
-from dynsteer.payload import PAYLOAD_KEY
+from dynsteer.engine import patching
+from dynsteer.engine.frontend import HANDED, FrontendState, frontend_state
+from dynsteer.engine.keys import PAYLOAD_KEY
 
 WORKERS = 1
 
@@ -93,4 +94,5 @@ def patch_async_llm(cls: type) -> None:
         finally:
             HANDED.reset(token)
 
-    cls.add_request = add_request
+    patching.patch(cls, "add_request", add_request,
+                   why="admit a new payload in a thread pool, off the event loop, before vLLM processes the inputs")

@@ -4,12 +4,12 @@ Monitors send commands to a ROUTER socket the engine core binds (``MonitorConfig
 drains it at the start of each ``schedule()`` (never waiting), validates each command against the model and the
 request it names exactly as the workers will compile it, and takes it at that step:
 
-* the command rides that step's scheduler output (:data:`COMMANDS_ATTR`), so every worker and TP rank applies it
-  before the step's forward; the ack names the step (:data:`STEP_ATTR` numbers steps for workers and frames);
+* the command rides that step's scheduler output (``keys.COMMANDS_ATTR``), so every worker and TP rank applies it
+  before the step's forward; the ack names the step (``keys.STEP_ATTR`` numbers steps for workers and frames);
 * the scheduler's mirror of the table rows is updated (a command that needs a row when none is free is rejected);
 * a command changing what a request's generated tokens compute is folded into the hash of its blocks from the
-  first position the step computes (``engine.apc``): block hashes not yet cached from there on are recomputed, so
-  KV computed under the command is never served to a request that would compute it differently;
+  first position the step computes (``engine.prefix_cache``): block hashes not yet cached from there on are
+  recomputed, so KV computed under the command is never served to a request that would compute it differently;
 * ``abort`` finishes the request at the next output with a reason naming the monitor.
 
 Who may send what (DESIGN §10: a connected monitor is a peer, not the operator):
@@ -49,7 +49,7 @@ What one message and one step may cost the engine core:
 Not bounded: ``MAXMSGSIZE`` bounds each frame, and libzmq delivers a multipart message whole, so a peer that may
 connect can still make the engine core buffer one message of many frames before the desk sees (and drops) it.
 
-The desk mirrors what commands are validated against in a :class:`~dynsteer.engine.apc.FrontendState` (admission's
+The desk mirrors what commands are validated against in a :class:`~dynsteer.engine.frontend.FrontendState` (admission's
 own state): named vectors and the global spec/policy, kept current by watching the engine core's ``collective_rpc``;
 probes and limits from the config.
 """
@@ -68,20 +68,19 @@ import zmq
 from dynsteer.commands import (Ack, AbortCommand, CommandEnvelope, GlobalCommand, SteerCommand, check_steer,
                                command_head, decode_message, max_message_bytes, parse_command, patch_policy)
 from dynsteer.config import DynsteerConfig, MonitorConfig
-from dynsteer.engine.apc import build_frontend_state, command_event, global_change_event
-from dynsteer.payload import PAYLOAD_KEY, decode_payload
+from dynsteer.engine import patching
+from dynsteer.engine.frontend import build_frontend_state
+from dynsteer.engine.keys import (PATCHES_ENGINE_CORE, PAYLOAD_KEY, RPC_PATCHES, RPC_PREFIX, RPC_REGISTER_VECTOR,
+                                  RPC_SET_GLOBAL, RPC_UNREGISTER_VECTOR, SCHEDULER_ATTR)
+from dynsteer.engine.prefix_cache import command_event, global_change_event
+from dynsteer.payload import decode_payload
 from dynsteer.policy import admit_policy
 from dynsteer.spec import SteeringSpec, SteeringValidationError
 from dynsteer.request.compile_spec import compile_phase
 from dynsteer.transport.security import bind
+from dynsteer.vectors import unpack_vector
 
 logger = logging.getLogger("dynsteer")
-
-COMMANDS_ATTR = "dynsteer_commands"
-"""Attribute of a ``SchedulerOutput``: the commands every worker applies before that step's forward (JSON dicts:
-``{"monitor": name, "command": {...}}``)."""
-STEP_ATTR = "dynsteer_step"
-"""Attribute of a ``SchedulerOutput``: the engine core's step number (acks and stream frames name it)."""
 
 
 @dataclass
@@ -145,15 +144,13 @@ class CommandDesk:
     # ---- mirror of the workers' state (collective_rpc) -------------------------------------------------------
     def observe(self, method: str, args: tuple) -> None:
         """Called after a successful ``collective_rpc`` in the engine core: keep named vectors and globals current."""
-        from dynsteer.vectors import unpack_vector
-
         state = self.state
-        if method == "dynsteer_register_vector":
+        if method == RPC_REGISTER_VECTOR:
             state.register(args[0], unpack_vector(args[1]))
-        elif method == "dynsteer_unregister_vector":
+        elif method == RPC_UNREGISTER_VECTOR:
             state.named.pop(args[0], None)
             state.version += 1
-        elif method == "dynsteer_set_global":
+        elif method == RPC_SET_GLOBAL:
             decoded = decode_payload(args[0], field="global", limits=state.limits)
             state.set_global(decoded.spec, state.check_global(decoded.spec, decoded.policy))
 
@@ -249,7 +246,7 @@ class CommandDesk:
             raise SteeringValidationError(f"command.request: no live request {cmd.request!r}")
         if isinstance(cmd, AbortCommand):
             reason = f"dynsteer monitor {env.monitor}: {cmd.reason or 'aborted'}"
-            scheduler._dynsteer.aborts[cmd.request] = reason
+            getattr(scheduler, SCHEDULER_ATTR).aborts[cmd.request] = reason
             return None  # the scheduler finishes it; the workers learn it as a finished request
         ov = self.overrides.get(cmd.request) or _Overrides()
         base_spec, base_policy = self._request_config(request)
@@ -259,24 +256,16 @@ class CommandDesk:
             spec = None if cmd.spec is None or cmd.spec.is_empty() else cmd.spec
         else:
             policy = patch_policy(policy if policy is not None else base_policy, cmd)
-        effective = policy if policy is not None else base_policy
+        specs, effective, pol = self._command_config(base_spec, base_policy, spec, policy)
         state = self.state
-        specs = [("global.", state.global_spec)]
-        if base_spec is not None and not base_spec.is_empty():
-            specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", base_spec))
-        if spec is not None:
-            specs.append(("command.spec.", spec))
-        pol = None if effective is None or not (effective.rules or effective.controller) else ("command.policy.",
-                                                                                               effective)
         entries = sum(_entries(s) for _, s in specs) + _policy_entries(effective)
         self._charge = 4 * state.shape.hidden_size * entries  # charged whether or not it compiles
         decode = compile_phase(specs, "decode", state.shape, state.named, pol).digest.hex()
-        from dynsteer.engine.scheduler import swap_decode_row  # the scheduler module imports this one
-
-        swap_decode_row(scheduler, request, decode)  # raises naming the field when no row is free
+        rows = getattr(scheduler, SCHEDULER_ATTR)
+        rows.swap_decode_row(request, decode)  # raises naming the field when no row is free
         self.overrides[cmd.request] = _Overrides(spec, policy)
-        command_event(request, f"{env.monitor}:{decode}", scheduler._dynsteer.hash_block_size)
-        scheduler._dynsteer.hold(request.request_id)
+        command_event(request, f"{env.monitor}:{decode}", rows.hash_block_size)
+        rows.hold(request.request_id)
         return {"monitor": env.monitor, "command": cmd.model_dump(mode="json")}
 
     def _apply_global(self, scheduler: Any, env: CommandEnvelope, cmd: GlobalCommand) -> dict[str, Any]:
@@ -286,11 +275,26 @@ class CommandDesk:
         spec = cmd.spec if cmd.spec is not None else SteeringSpec()
         admitted = self.state.check_global(spec, cmd.policy)  # raises naming the field
         self.state.set_global(spec, admitted)
-        state = scheduler._dynsteer
+        state = getattr(scheduler, SCHEDULER_ATTR)
         signature = _signature(f"{env.monitor}|{cmd.model_dump_json()}")
         _fork_live_requests(scheduler, signature, state.hash_block_size)
         state.global_salt = "" if spec.is_empty() and cmd.policy is None else signature
         return {"monitor": env.monitor, "command": cmd.model_dump(mode="json")}
+
+    def _command_config(self, base_spec: SteeringSpec | None, base_policy: Any, spec: SteeringSpec | None,
+                        policy: Any) -> tuple[list[tuple[str, SteeringSpec]], Any, tuple[str, Any] | None]:
+        """A request's effective decode configuration under its commands: its specs in the order they apply (the
+        global, the request's own ``base_spec``, the current ``steer`` command's ``spec``), its effective dynamic
+        policy (``policy`` as commands patched it, else ``base_policy`` as admitted), and that policy with the field
+        prefix its errors name where it has rules or a controller to compile (else None)."""
+        effective = policy if policy is not None else base_policy
+        specs = [("global.", self.state.global_spec)]
+        if base_spec is not None and not base_spec.is_empty():
+            specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", base_spec))
+        if spec is not None:
+            specs.append(("command.spec.", spec))
+        compiled = effective is not None and bool(effective.rules or effective.controller)
+        return specs, effective, ("command.policy.", effective) if compiled else None
 
     def _request_config(self, request: Any) -> tuple[SteeringSpec | None, Any]:
         """The request's own spec and its effective dynamic policy as admitted."""
@@ -339,35 +343,37 @@ def _signature(text: str) -> str:
 
 def _fork_live_requests(scheduler: Any, signature: str, hash_block_size: int) -> None:
     """The global spec or policy changed on the workers: fork the prefix-cache hashes of every live request from
-    its first uncomputed position (see ``apc.global_change_event``)."""
+    its first uncomputed position (see ``prefix_cache.global_change_event``)."""
+    state = getattr(scheduler, SCHEDULER_ATTR)
     for request in list(scheduler.requests.values()):
         if not request.is_finished():
             global_change_event(request, signature, hash_block_size)
-            scheduler._dynsteer.hold(request.request_id)
+            state.hold(request.request_id)
 
 
 def patch_engine_core(cls: type) -> None:
     """Keep the command desk's mirror current (it watches the control RPCs that change what commands compile to),
-    and fork live requests' prefix-cache hashes when the global steering changes under them."""
-    if "_dynsteer_patched" in cls.__dict__:
-        return
+    and fork live requests' prefix-cache hashes when the global steering changes under them. ``dynsteer doctor``'s
+    request for the overrides gets this process's beside each worker's."""
     orig = cls.collective_rpc
 
     @functools.wraps(orig)
     def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> Any:
         out = orig(self, method, timeout, args, kwargs)
-        state = getattr(getattr(self, "scheduler", None), "_dynsteer", None)
-        if method == "dynsteer_set_global" and state is not None:
+        if method == RPC_PATCHES:
+            out = [{**reply, PATCHES_ENGINE_CORE: patching.applied_json()} for reply in out]
+        state = getattr(getattr(self, "scheduler", None), SCHEDULER_ATTR, None)
+        if method == RPC_SET_GLOBAL and state is not None:
             _fork_live_requests(self.scheduler, _signature(repr(args)), state.hash_block_size)
             state.global_salt = ""  # the frontend knows this global again and salts by it
         desk = getattr(state, "desk", None)
-        if desk is not None and isinstance(method, str) and method.startswith("dynsteer_"):
+        if desk is not None and isinstance(method, str) and method.startswith(RPC_PREFIX):
             try:
                 desk.observe(method, tuple(args))
             except Exception:  # noqa: BLE001 - the workers accepted it; a mirror miss only makes commands stricter
                 logger.exception("dynsteer: the command desk could not mirror %s", method)
         return out
 
-    cls.collective_rpc = collective_rpc
-    cls._dynsteer_patched = True
+    patching.patch(cls, "collective_rpc", collective_rpc,
+                   why="the command desk mirrors dynsteer's control RPCs; a global change forks live requests' hashes")

@@ -2,7 +2,8 @@
 
 vLLM calls :func:`register` in the frontend, the engine core and each worker before any model is built. Patches are
 applied when their vLLM module is imported (a post-import hook), so a process that never builds a model never pays
-for importing model code, and every decoder layer gets its hooks before torch.compile traces it.
+for importing model code, and every decoder layer gets its hooks before torch.compile traces it. Every vLLM attribute
+the patchers override goes through :mod:`dynsteer.engine.patching`, which records it (``dynsteer doctor`` lists them).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def register() -> None:
     if _registered or os.environ.get("DYNSTEER_DISABLE") == "1":
         return
     _registered = True
-    from dynsteer.engine import adapters, admission, apc, commands, runner, scheduler, worker_ext
+    from dynsteer.engine import adapters, admission, commands, frontend, prefix_cache, runner, scheduler, worker_ext
 
     if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImportFinder())
@@ -82,16 +83,16 @@ def register() -> None:
     when_imported("vllm.v1.worker.gpu_model_runner", lambda m: runner.patch_v1_runner(m.GPUModelRunner))
     when_imported("vllm.v1.worker.gpu.model_runner", lambda m: runner.patch_v2_runner(m.GPUModelRunner))
     when_imported("vllm.v1.worker.worker_base", lambda m: worker_ext.install(m.WorkerWrapperBase))
-    when_imported("vllm.v1.engine.input_processor", lambda m: apc.patch_input_processor(m.InputProcessor))
+    when_imported("vllm.v1.engine.input_processor", lambda m: frontend.patch_input_processor(m.InputProcessor))
     when_imported("vllm.v1.engine.async_llm", lambda m: admission.patch_async_llm(m.AsyncLLM))
-    when_imported("vllm.v1.core.kv_cache_utils", apc.patch_block_hashing)
-    when_imported("vllm.v1.request", lambda m: apc.patch_request(m.Request))
+    when_imported("vllm.v1.core.kv_cache_utils", prefix_cache.patch_block_hashing)
+    when_imported("vllm.v1.request", lambda m: prefix_cache.patch_request(m.Request))
     when_imported("vllm.v1.core.sched.scheduler", lambda m: scheduler.patch_scheduler(m.Scheduler))
     when_imported("vllm.v1.engine.core", lambda m: commands.patch_engine_core(m.EngineCore))
     when_imported("vllm.entrypoints.serve", _guard_dev_routes)  # API servers only: keeps fastapi out of workers
 
 
 def _guard_dev_routes(module: ModuleType) -> None:
-    from dynsteer.engine.server import patch_dev_routes
+    from dynsteer.engine.dev_routes import patch_dev_routes
 
     patch_dev_routes(module)

@@ -8,35 +8,63 @@ step's row order, before the forward runs (and so before CUDA-graph replay).
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from typing import Any
 
 import numpy as np
 
+from dynsteer.engine import patching
 from dynsteer.engine.adapters import find_runtime
-from dynsteer.engine.scheduler import ABORTS_ATTR, ACTS_ATTR, COMMANDS_ATTR, STEP_ATTR, STOPS_ATTR, attach
-from dynsteer.payload import PAYLOAD_KEY
+from dynsteer.engine.keys import (ABORTS_ATTR, ACTS_ATTR, COMMANDS_ATTR, PAYLOAD_KEY, RUNNER_REQUESTS_ATTR,
+                                  RUNTIME_ATTR, STEP_ATTR, STOPS_ATTR)
 from dynsteer.steering.runtime import BatchView, SteeringRuntime
 
 logger = logging.getLogger("dynsteer")
 _UNSET = object()
+# why each runner method is patched (both runners get the same, under their own method names)
+_RELEASE = "release finished and preempted requests' rows; apply the step's monitor commands"
+_PLAN = "plan the step's steering rows (a BatchView)"
+_AFTER_FORWARD = "once the forward is enqueued: start copying captured rows and read-backs out"
 
 
 def runtime_of(runner: Any) -> SteeringRuntime | None:
-    rt = runner.__dict__.get("_dynsteer_rt", _UNSET)
+    """The runtime of ``runner``'s model (None: no model yet, or one dynsteer did not hook)."""
+    rt = runner.__dict__.get(RUNTIME_ATTR, _UNSET)
     if rt is _UNSET:
         model = runner.__dict__.get("model")
         if model is None:
             return None
         rt = find_runtime(model)
-        runner._dynsteer_rt = rt
+        setattr(runner, RUNTIME_ATTR, rt)
     return rt
 
 
 def _payload(sampling_params: Any) -> Any:
     extra = getattr(sampling_params, "extra_args", None) or {}
     return extra.get(PAYLOAD_KEY)
+
+
+def attach(output: Any, attr: str, value: Any) -> Any:
+    """``output`` (a runner's step output, possibly async-wrapped) carrying ``value`` as ``attr`` for the scheduler.
+
+    Returns the object to hand back to vLLM: the shared empty output is copied rather than mutated.
+    """
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    if output is EMPTY_MODEL_RUNNER_OUTPUT:
+        output = copy.copy(output)
+    for wrapped in ("_model_runner_output", "model_runner_output"):  # v1 async / v2 async wrappers
+        inner = getattr(output, wrapped, None)
+        if inner is not None:
+            if inner is EMPTY_MODEL_RUNNER_OUTPUT:
+                inner = copy.copy(inner)
+                setattr(output, wrapped, inner)
+            setattr(inner, attr, value)
+            return output
+    setattr(output, attr, value)
+    return output
 
 
 def _report(runner: Any, output: Any) -> Any:
@@ -81,7 +109,10 @@ def _patch_outputs(cls: type) -> None:
         _zero_on_reuse(self)
         return out
 
-    cls.sample_tokens, cls.initialize_kv_cache = sample_tokens, initialize_kv_cache
+    patching.patch(cls, "sample_tokens", sample_tokens,
+                   why="report the requests this rank stopped or aborted, and where dynamic steering acted")
+    patching.patch(cls, "initialize_kv_cache", initialize_kv_cache,
+                   why="a KV-block zeroer, so the blocks of requests dynsteer stopped are zeroed before reuse")
 
 
 def _release(rt: SteeringRuntime, scheduler_output: Any) -> None:
@@ -135,7 +166,9 @@ def patch_v1_runner(cls: type) -> None:
                     lambda req_id: _payload(requests[req_id].sampling_params))
         return out
 
-    cls._update_states, cls._prepare_inputs, cls._model_forward = _update_states, _prepare_inputs, _model_forward
+    patching.patch(cls, "_update_states", _update_states, why=_RELEASE)
+    patching.patch(cls, "_prepare_inputs", _prepare_inputs, why=_PLAN)
+    patching.patch(cls, "_model_forward", _model_forward, why=_AFTER_FORWARD)
 
 
 # ---- v2 runner (GPU default) -------------------------------------------------------------------------------------
@@ -169,7 +202,7 @@ def patch_v2_runner(cls: type) -> None:
     _patch_outputs(cls)
 
     def _state(self: Any) -> dict[str, tuple[Any, int]]:
-        return self.__dict__.setdefault("_dynsteer_reqs", {})
+        return self.__dict__.setdefault(RUNNER_REQUESTS_ATTR, {})
 
     @functools.wraps(orig_finish)
     def finish_requests(self: Any, scheduler_output: Any) -> Any:
@@ -206,5 +239,7 @@ def patch_v2_runner(cls: type) -> None:
             rt.plan(view, lambda req_id: state[req_id][0])
         return input_batch
 
-    cls.finish_requests, cls.add_requests, cls.prepare_inputs = finish_requests, add_requests, prepare_inputs
-    cls.execute_model = execute_model
+    patching.patch(cls, "finish_requests", finish_requests, why=_RELEASE)
+    patching.patch(cls, "add_requests", add_requests, why="record each new request's payload and prompt length")
+    patching.patch(cls, "prepare_inputs", prepare_inputs, why=_PLAN)
+    patching.patch(cls, "execute_model", execute_model, why=_AFTER_FORWARD)

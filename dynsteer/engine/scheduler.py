@@ -5,7 +5,7 @@ The scheduler class is patched in place (no ``--scheduler-cls``, so a user's own
 
 * **Stops.** A worker that cannot steer a request as asked (a payload that bypassed admission, a custom controller
   that failed, no free table row) records a reason; the runner glue attaches the step's reasons to its output
-  (:data:`STOPS_ATTR`). The scheduler finishes those requests as aborted with ``stop_reason = "dynsteer: <field>:
+  (``STOPS_ATTR``). The scheduler finishes those requests as aborted with ``stop_reason = "dynsteer: <field>:
   <message>"`` (the OpenAI server answers with that reason, the offline API sets ``finish_reason="abort"``), drops
   the tokens of that step, evicts the request's exclusive KV blocks from the prefix cache and has the workers zero
   them before they are reused (vLLM's own ``new_block_ids_to_zero`` path): what a stopped request computed is never
@@ -17,13 +17,13 @@ The scheduler class is patched in place (no ``--scheduler-cls``, so a user's own
 
 vLLM calls some methods once per request and step (``allocate_slots``, ``cache_blocks``, ``_update_request_with_output``,
 ``Request.update_block_hashes``). dynsteer's versions of them run only while a live request needs them: one waiting
-for rows, one whose block hashing a dynamic policy holds back or a command forked (``apc``), a step with stops.
+for rows, one whose block hashing a dynamic policy holds back or a command forked (``prefix_cache``), a step with
+stops.
 Otherwise vLLM's own methods run, and an unsteered step calls no dynsteer code per request.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import threading
@@ -32,21 +32,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynsteer.config import DynsteerConfig
-from dynsteer.engine.apc import DYNAMIC_KEY, ROWS_KEY, ActedState, hash_limit, hashed_tokens, resalt
-from dynsteer.engine.commands import COMMANDS_ATTR, STEP_ATTR
+from dynsteer.engine import patching
+from dynsteer.engine.commands import CommandDesk
+from dynsteer.engine.keys import (ABORTS_ATTR, ACTED_ATTR, ACTS_ATTR, COMMANDS_ATTR, DYNAMIC_KEY, ROWS_KEY,
+                                  SCHEDULER_ATTR, STEP_ATTR, STOPS_ATTR)
+from dynsteer.engine.patching import Switch
+from dynsteer.engine.prefix_cache import ActedState, hash_limit, hashed_tokens, resalt
+from dynsteer.spec import SteeringValidationError
 
 logger = logging.getLogger("dynsteer")
 
-STOPS_ATTR = "dynsteer_stops"
-"""Attribute of a ``ModelRunnerOutput``: ``{request id: reason}`` of requests the workers stopped at that step."""
-ABORTS_ATTR = "dynsteer_aborts"
-"""Attribute of a ``ModelRunnerOutput``: ``{request id: reason}`` of requests whose policy's abort rule fired (they
-finish at that output, with its tokens; their blocks stay shareable)."""
-ACTS_ATTR = "dynsteer_acts"
-"""Attribute of a ``ModelRunnerOutput``: a list of ``(request ids, upto, acted_at, signature)`` columns (one per
-read-back): the workers computed and read back every decode position ``< upto`` of a request with a dynamic policy;
-steering first acted in that read-back (under ``signature``) at ``acted_at`` (``-1``: it did not). Folded into block
-hashes by ``engine.apc``."""
+# What the workers report with a step's output (engine.keys), read in update_from_output:
+# STOPS_ATTR: {request id: reason} of requests the workers stopped at that step.
+# ABORTS_ATTR: {request id: reason} of requests whose policy's abort rule fired (they finish at that output, with its
+#   tokens; their blocks stay shareable).
+# ACTS_ATTR: a list of (request ids, upto, acted_at, signature) columns (one per read-back): the workers computed and
+#   read back every decode position < upto of a request with a dynamic policy; steering first acted in that read-back
+#   (under signature) at acted_at (-1: it did not). Folded into block hashes (engine.prefix_cache).
 
 
 @dataclass
@@ -63,7 +65,7 @@ class SchedulerState:
     stopped_total: int = 0
     aborts: dict[str, str] = field(default_factory=dict)  # monitors' aborts, finished at the next output
     step: int = 0  # schedule() calls so far: the step number acks and stream frames name
-    desk: Any = None  # the async tier's command desk (engine.commands), when a monitor channel is configured
+    desk: CommandDesk | None = None  # the async tier's command desk, when a monitor channel is configured
     hash_block_size: int = 16
     # set by a monitor's global command (engine.commands): requests added from then on are salted with it, since
     # the frontend salted them by the global it knows; "" when the frontend's view is current
@@ -73,8 +75,8 @@ class SchedulerState:
     # preempted); held: live requests whose block hashing dynsteer holds back (dynamic policy) or forked (commands).
     pending: set[str] = field(default_factory=set)
     held: set[str] = field(default_factory=set)
-    alloc_hook: "Swap | None" = None  # the KV cache manager's allocate_slots: the row check
-    cache_hook: "Swap | None" = None  # the coordinator's cache_blocks: cache no further than hashed
+    alloc_hook: Switch | None = None  # the KV cache manager's allocate_slots: the row check
+    cache_hook: Switch | None = None  # the coordinator's cache_blocks: cache no further than hashed
 
     def sync_hooks(self) -> None:
         """Put the per-request hooks in while some request needs them, vLLM's own methods otherwise."""
@@ -103,26 +105,31 @@ class SchedulerState:
             if self.live[d] <= 0:
                 del self.live[d]
 
+    def swap_decode_row(self, request: Any, decode: str) -> None:
+        """A command gives ``request`` a new decode configuration (digest ``decode``, '' if unsteered): move it to
+        that row in this mirror of the workers' row pool.
 
-class Swap:
-    """One attribute of one object switched between the method it had and a hook (an instance attribute)."""
-
-    def __init__(self, obj: Any, name: str, hook: Any) -> None:
-        self.obj, self.name, self.hook = obj, name, hook
-        self.own = name in vars(obj)  # someone else's instance attribute: restored rather than deleted
-        self.orig = vars(obj).get(name)
-        self.on = False
-
-    def set(self, on: bool) -> None:
-        if on == self.on:
-            return
-        if on:
-            setattr(self.obj, self.name, self.hook)
-        elif self.own:
-            setattr(self.obj, self.name, self.orig)
-        else:
-            delattr(self.obj, self.name)
-        self.on = on
+        Raises:
+            SteeringValidationError: no row is free for it (the command is rejected; nothing changed).
+        """
+        params = request.sampling_params
+        extra = dict((params.extra_args if params is not None else None) or {})
+        prefill = (extra.get(ROWS_KEY) or ",").split(",", 1)[0]
+        rows = tuple(d for d in (prefill, decode) if d)
+        if request.request_id in self.holding:
+            old = self.holding[request.request_id]
+            self.release(request.request_id)
+            if not self.fits(rows):
+                self.take(request.request_id, old)
+                raise SteeringValidationError(f"command: no free steering row for the new configuration (all "
+                                              f"{self.capacity} in use; raise DynsteerConfig.max_rows)")
+            self.take(request.request_id, rows)
+        elif rows:  # not admitted yet (or preempted): the row check runs when it is
+            self.pending.add(request.request_id)
+            self.sync_hooks()
+        if params is not None:
+            extra[ROWS_KEY] = f"{prefill},{decode}"
+            params.extra_args = extra
 
 
 def rows_of(request: Any) -> tuple[str, ...]:
@@ -136,7 +143,7 @@ def rows_of(request: Any) -> tuple[str, ...]:
 
 def patch_scheduler(cls: type) -> None:
     """Patch vLLM's ``Scheduler`` (the async scheduler derives from it)."""
-    if "_dynsteer_patched" in cls.__dict__:
+    if patching.is_patched(cls, "schedule"):
         return
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.request import RequestStatus
@@ -149,10 +156,9 @@ def patch_scheduler(cls: type) -> None:
     def __init__(self: Any, *a: Any, **k: Any) -> None:
         orig_init(self, *a, **k)
         cfg = DynsteerConfig.from_additional(self.vllm_config.additional_config)
-        state = self._dynsteer = SchedulerState(capacity=cfg.max_rows - 1)
+        state = SchedulerState(capacity=cfg.max_rows - 1)
+        setattr(self, SCHEDULER_ATTR, state)
         if cfg.monitor is not None:
-            from dynsteer.engine.commands import CommandDesk
-
             state.desk = CommandDesk(cfg, self.vllm_config)
         kvm = self.kv_cache_manager
         orig_alloc = kvm.allocate_slots
@@ -174,7 +180,8 @@ def patch_scheduler(cls: type) -> None:
                 state.sync_hooks()
             return out
 
-        state.alloc_hook = Swap(kvm, "allocate_slots", allocate_slots)
+        state.alloc_hook = Switch(kvm, "allocate_slots", allocate_slots,
+                                  why="a request waits in the queue while its steering rows are all taken")
         coordinator = kvm.coordinator
         orig_cache = coordinator.cache_blocks
         hash_block_size = state.hash_block_size = (getattr(coordinator.block_pool, "hash_block_size", None)
@@ -186,11 +193,12 @@ def patch_scheduler(cls: type) -> None:
             hashed = hashed_tokens(request, hash_block_size)
             return orig_cache(request, num_tokens if hashed is None else min(num_tokens, hashed), *args, **kwargs)
 
-        state.cache_hook = Swap(coordinator, "cache_blocks", cache_blocks)
+        state.cache_hook = Switch(coordinator, "cache_blocks", cache_blocks,
+                                  why="blocks of a request with a dynamic policy are cached no further than hashed")
 
     @functools.wraps(orig_add)
     def add_request(self: Any, request: Any, *a: Any, **k: Any) -> Any:
-        state = self._dynsteer
+        state = getattr(self, SCHEDULER_ATTR)
         if state.global_salt:
             resalt(request, f"global:{state.global_salt}")
         params = getattr(request, "sampling_params", None)
@@ -205,7 +213,7 @@ def patch_scheduler(cls: type) -> None:
 
     @functools.wraps(orig_schedule)
     def schedule(self: Any, *a: Any, **k: Any) -> Any:
-        state = self._dynsteer
+        state = getattr(self, SCHEDULER_ATTR)
         state.step += 1
         # Commands are taken before vLLM schedules (and caches blocks for) this step: see engine.commands.
         commands = state.desk.take(self, state.step) if state.desk is not None else None
@@ -222,7 +230,7 @@ def patch_scheduler(cls: type) -> None:
 
     @functools.wraps(orig_update)
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
-        state = self._dynsteer
+        state = getattr(self, SCHEDULER_ATTR)
         state.stops = dict(getattr(model_runner_output, STOPS_ATTR, None) or {})
         aborts, state.aborts = state.aborts, {}
         for req_id, reason in (getattr(model_runner_output, ABORTS_ATTR, None) or {}).items():
@@ -260,7 +268,7 @@ def patch_scheduler(cls: type) -> None:
 
     @functools.wraps(orig_update_req)
     def _update_request_with_output(self: Any, request: Any, new_token_ids: list[int]) -> tuple[list[int], bool]:
-        reason = self._dynsteer.stops.get(request.request_id)
+        reason = getattr(self, SCHEDULER_ATTR).stops.get(request.request_id)
         if reason is None:
             return orig_update_req(self, request, new_token_ids)
         # This step's tokens came from a request dynsteer could not steer as asked: drop them, finish it.
@@ -272,7 +280,7 @@ def patch_scheduler(cls: type) -> None:
 
     @functools.wraps(orig_free_blocks)
     def _free_request_blocks(self: Any, request: Any) -> Any:
-        state = self._dynsteer
+        state = getattr(self, SCHEDULER_ATTR)
         req_id = request.request_id
         state.release(req_id)
         if request.is_finished():
@@ -290,45 +298,19 @@ def patch_scheduler(cls: type) -> None:
 
     @functools.wraps(orig_shutdown)
     def shutdown(self: Any) -> None:
-        desk = getattr(getattr(self, "_dynsteer", None), "desk", None)
+        desk = getattr(getattr(self, SCHEDULER_ATTR, None), "desk", None)
         if desk is not None:
             desk.close()
         return orig_shutdown(self)
 
-    cls.__init__, cls.update_from_output, cls.schedule, cls.shutdown = __init__, update_from_output, schedule, shutdown
-    cls._free_request_blocks = _free_request_blocks
-    cls.add_request = add_request
-    cls._dynsteer_patched = True
-
-
-def swap_decode_row(scheduler: Any, request: Any, decode: str) -> None:
-    """A command gives ``request`` a new decode configuration (digest ``decode``, '' if unsteered): move it to that
-    row in the scheduler's mirror of the workers' row pool.
-
-    Raises:
-        SteeringValidationError: no row is free for it (the command is rejected; nothing changed).
-    """
-    from dynsteer.spec import SteeringValidationError
-
-    state: SchedulerState = scheduler._dynsteer
-    params = request.sampling_params
-    extra = dict((params.extra_args if params is not None else None) or {})
-    prefill = (extra.get(ROWS_KEY) or ",").split(",", 1)[0]
-    rows = tuple(d for d in (prefill, decode) if d)
-    if request.request_id in state.holding:
-        old = state.holding[request.request_id]
-        state.release(request.request_id)
-        if not state.fits(rows):
-            state.take(request.request_id, old)
-            raise SteeringValidationError(f"command: no free steering row for the new configuration (all "
-                                          f"{state.capacity} in use; raise DynsteerConfig.max_rows)")
-        state.take(request.request_id, rows)
-    elif rows:  # not admitted yet (or preempted): the row check runs when it is
-        state.pending.add(request.request_id)
-        state.sync_hooks()
-    if params is not None:
-        extra[ROWS_KEY] = f"{prefill},{decode}"
-        params.extra_args = extra
+    for name, fn, why in (
+            ("__init__", __init__, "dynsteer's engine-core state: the row mirror, the command desk, the switches"),
+            ("add_request", add_request, "a request with rows or a dynamic policy switches the per-request hooks on"),
+            ("schedule", schedule, "take monitors' commands at the step; number steps; zero stopped requests' blocks"),
+            ("update_from_output", update_from_output, "finish requests the workers stopped or aborted; fold acts"),
+            ("_free_request_blocks", _free_request_blocks, "release rows; quarantine a stopped request's blocks"),
+            ("shutdown", shutdown, "close the command desk")):
+        patching.patch(cls, name, fn, why=why)
 
 
 class _StopAwareUpdate:
@@ -342,6 +324,8 @@ class _StopAwareUpdate:
         self._methods: dict[type, tuple[Any, Any]] = {}
 
     def register(self, cls: type, orig: Any, aware: Any) -> None:
+        patching.record(cls, "_update_request_with_output", aware, kind="switched",
+                        why="for a step with stops: drop the stopped requests' tokens and finish them")
         self._methods[cls] = (orig, aware)
 
     def original(self, cls: type) -> Any:
@@ -375,23 +359,24 @@ def _apply_acts(scheduler: Any, acts: Any) -> None:
             request = get(req_id)
             if request is None or request.is_finished():
                 continue
-            acted = request.__dict__.get("_dynsteer_acted")
+            acted = request.__dict__.get(ACTED_ATTR)
             if acted is None:
-                acted = request.__dict__["_dynsteer_acted"] = ActedState()
+                acted = request.__dict__[ACTED_ATTR] = ActedState()
             if a < 0:  # nothing acted in this report: only how far it reaches
                 acted.reported = max(acted.reported, int(u))
             else:
                 acted.report(int(u), int(a), str(sig))
             touched[req_id] = request
     for request in touched.values():
-        if request._block_hasher is not None and hash_limit(request, request.__dict__["_dynsteer_acted"]) is not None:
+        if request._block_hasher is not None and hash_limit(request, request.__dict__[ACTED_ATTR]) is not None:
             request.update_block_hashes()
 
 
 def _mark_stopped(scheduler: Any, request: Any, reason: str) -> None:
     request.stop_reason = reason
-    scheduler._dynsteer.stopped.add(request.request_id)
-    scheduler._dynsteer.stopped_total += 1
+    state = getattr(scheduler, SCHEDULER_ATTR)
+    state.stopped.add(request.request_id)
+    state.stopped_total += 1
     logger.warning("dynsteer: request %s stopped: %s", request.request_id, reason)
 
 
@@ -408,25 +393,4 @@ def _quarantine_blocks(scheduler: Any, request: Any) -> None:
     own = {b.block_id for group in groups for b in group if b.ref_cnt == 1 and not getattr(b, "is_null", False)}
     if own:
         kvm.block_pool.evict_blocks(own)
-        scheduler._dynsteer.to_zero.extend(sorted(own))
-
-
-def attach(output: Any, attr: str, value: Any) -> Any:
-    """``output`` (a runner's step output, possibly async-wrapped) carrying ``value`` as ``attr`` for the scheduler.
-
-    Returns the object to hand back to vLLM: the shared empty output is copied rather than mutated.
-    """
-    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
-
-    if output is EMPTY_MODEL_RUNNER_OUTPUT:
-        output = copy.copy(output)
-    for wrapped in ("_model_runner_output", "model_runner_output"):  # v1 async / v2 async wrappers
-        inner = getattr(output, wrapped, None)
-        if inner is not None:
-            if inner is EMPTY_MODEL_RUNNER_OUTPUT:
-                inner = copy.copy(inner)
-                setattr(output, wrapped, inner)
-            setattr(inner, attr, value)
-            return output
-    setattr(output, attr, value)
-    return output
+        getattr(scheduler, SCHEDULER_ATTR).to_zero.extend(sorted(own))

@@ -8,53 +8,46 @@ vLLM's own serve parser and command, in this process) hands it to vLLM by adding
 is involved, and plain ``vllm serve`` never exposes these routes.
 
 Changes reach the engine the way :class:`dynsteer.Steerer` sends them (``collective_rpc`` with the worker methods of
-:mod:`dynsteer.engine.worker_ext`), and the frontend's admission state (:mod:`dynsteer.engine.apc`) is updated *before*
-the RPC is sent, with no await in between: a request admitted after the change is salted by the new global and its
-ADD message follows the RPC on the engine core's input socket; one admitted before is live when the RPC lands and has
-its prefix-cache hashes forked there (``engine.commands``). So no block is cached under the wrong global.
+:mod:`dynsteer.engine.worker_ext`), and the frontend's admission state (:mod:`dynsteer.engine.frontend`) is updated
+*before* the RPC is sent, with no await in between: a request admitted after the change is salted by the new global
+and its ADD message follows the RPC on the engine core's input socket; one admitted before is live when the RPC lands
+and has its prefix-cache hashes forked there (``engine.commands``). So no block is cached under the wrong global.
 
 Trust (DESIGN §10): with ``--api-key`` (or ``VLLM_API_KEY``) every steering route requires ``Authorization: Bearer
 <key>`` (compared in constant time) and answers 401 without it, whatever vLLM's own middleware guards; with no key
 they answer only loopback (and unix-socket) clients unless the operator passed ``--steering-allow-remote`` (403
 otherwise). Bodies are pydantic models; every error is a 400 naming the field.
 
-vLLM's development routes (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, ``/sleep``, ``/reset_prefix_cache``,
-``/pause``, ``/update_weights``, ...) lie outside the prefixes vLLM's ``--api-key`` middleware guards, and
-``/collective_rpc`` calls any worker method, dynsteer's included. :class:`DevRouteGuard` holds them to the same rule
-as the steering routes, and ``/collective_rpc`` refuses the ``dynsteer_*`` methods other than
-``dynsteer_describe`` even with the key: they would change (or take) the workers' steering state behind the
-frontend's admission state (named vectors it validates against, the global it salts prefix-cache keys with), so
-only ``/v1/steering/*`` changes steering.
+vLLM's development routes (``VLLM_SERVER_DEV_MODE=1``) are held to the same rule by
+:class:`~dynsteer.engine.dev_routes.DevRouteGuard`, which :meth:`SteeringEndpoints.attach_router` adds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import ipaddress
-import json
 import logging
 import secrets
 import sys
 from collections.abc import Sequence
-from http import HTTPStatus
 from typing import Any, Optional, Union
 
 import numpy as np
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from starlette.routing import Match
 
 from dynsteer._version import __version__
-from dynsteer.engine.apc import FrontendState, frontend_state
+from dynsteer.engine import patching
+from dynsteer.engine.dev_routes import DevRouteGuard, dev_routes
+from dynsteer.engine.frontend import FrontendState, frontend_state
+from dynsteer.engine.keys import (APP_STATE_ATTR, HTTP_PREFIX, PAYLOAD_KEY, RPC_REGISTER_VECTOR, RPC_SET_GLOBAL,
+                                  RPC_UNREGISTER_VECTOR)
 from dynsteer.payload import decode_payload, encode_payload
 from dynsteer.spec import SteeringValidationError, check_name, check_vector
 from dynsteer.vectors import as_vector, pack_vector
 
 logger = logging.getLogger("dynsteer")
-
-PREFIX = "/v1/steering"
 
 
 class VectorBody(BaseModel):
@@ -96,7 +89,7 @@ class SteeringEndpoints:
     # ---- vLLM's endpoint-plugin protocol -----------------------------------------------------------------------------
     def attach_router(self, app: Any) -> None:
         # vLLM registers its development routes (VLLM_SERVER_DEV_MODE) before endpoint plugins: guard them here
-        dev = _dev_routes(app)
+        dev = dev_routes(app)
         if dev:
             app.add_middleware(DevRouteGuard, endpoints=self, routes=dev)
         app.include_router(self.router())
@@ -105,15 +98,16 @@ class SteeringEndpoints:
         import vllm.envs as envs
 
         keys = [k for k in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if k]
-        state.dynsteer = {"engine": engine_client, "keys": [hashlib.sha256(k.encode()).digest() for k in keys]}
+        setattr(state, APP_STATE_ATTR, {"engine": engine_client,
+                                        "keys": [hashlib.sha256(k.encode()).digest() for k in keys]})
         if engine_client is not None:
             self.front(engine_client)  # build admission state now: a bad dynsteer config fails at start
         if not keys and not self.allow_remote:
-            logger.info("dynsteer: no API key set; %s/* answers loopback clients only", PREFIX)
+            logger.info("dynsteer: no API key set; %s/* answers loopback clients only", HTTP_PREFIX)
 
     # ---- routes ----------------------------------------------------------------------------------------------------
     def router(self) -> APIRouter:
-        router = APIRouter(prefix=PREFIX, dependencies=[Depends(self.authorize)])
+        router = APIRouter(prefix=HTTP_PREFIX, dependencies=[Depends(self.authorize)])
 
         @router.get("/capabilities")
         async def capabilities(request: Request) -> dict[str, Any]:
@@ -141,7 +135,7 @@ class SteeringEndpoints:
                                              f"global policy before replacing it")
                 front.register(body.name, arr)  # before the RPC, no await between (module docstring)
                 try:
-                    await engine.collective_rpc("dynsteer_register_vector", args=(body.name, pack_vector(arr)))
+                    await engine.collective_rpc(RPC_REGISTER_VECTOR, args=(body.name, pack_vector(arr)))
                 except Exception:
                     _restore_vector(front, body.name, previous)
                     raise
@@ -160,7 +154,7 @@ class SteeringEndpoints:
                 previous = front.named.pop(name)
                 front.version += 1
                 try:
-                    await engine.collective_rpc("dynsteer_unregister_vector", args=(name,))
+                    await engine.collective_rpc(RPC_UNREGISTER_VECTOR, args=(name,))
                 except Exception:
                     _restore_vector(front, name, previous)
                     raise
@@ -185,7 +179,7 @@ class SteeringEndpoints:
     async def authorize(self, request: Request) -> None:
         """401 without the server's API key when one is set; 403 for non-loopback clients when none is (unless
         ``allow_remote``)."""
-        refusal = self.refusal(request.app.state.dynsteer["keys"], request.headers.get("authorization"),
+        refusal = self.refusal(getattr(request.app.state, APP_STATE_ATTR)["keys"], request.headers.get("authorization"),
                                request.client)
         if refusal is not None:
             raise HTTPException(*refusal)
@@ -223,7 +217,7 @@ class SteeringEndpoints:
             previous = (front.global_spec, front.global_policy)
             front.set_global(spec, admitted)  # before the RPC, no await between (module docstring)
             try:
-                await engine.collective_rpc("dynsteer_set_global", args=(encode_payload(spec, policy=admitted),))
+                await engine.collective_rpc(RPC_SET_GLOBAL, args=(encode_payload(spec, policy=admitted),))
             except Exception:
                 front.set_global(*previous)
                 raise
@@ -243,7 +237,7 @@ class SteeringEndpoints:
                 "capture_places": sorted(f"{layer}.{site}" for layer, site in front.capture_places),
                 "vectors": sorted(front.named), "probes": sorted(front.probes),
                 "controllers": sorted(front.controllers), "limits": front.limits.model_dump(mode="json"),
-                "payload_key": "dynsteer"}
+                "payload_key": PAYLOAD_KEY}
 
     @staticmethod
     def front(engine: Any) -> FrontendState:
@@ -251,110 +245,10 @@ class SteeringEndpoints:
 
     @staticmethod
     def _engine(request: Any) -> Any:
-        engine = request.app.state.dynsteer["engine"]
+        engine = getattr(request.app.state, APP_STATE_ATTR)["engine"]
         if engine is None:
             raise HTTPException(503, "this server has no engine")
         return engine
-
-
-#: modules of vLLM 0.26's development routes (``vllm.entrypoints.serve.register_vllm_dev_api_routers``)
-DEV_ROUTE_MODULES = ("vllm.entrypoints.serve.dev.",)
-RPC_ROUTE = "/collective_rpc"
-#: the dynsteer worker methods ``/collective_rpc`` may call (read only)
-RPC_ALLOWED = frozenset({"dynsteer_describe"})
-_MAX_RPC_BODY = 1 << 20
-
-
-def _dev_routes(app: Any) -> list[Any]:
-    """The app's routes that vLLM's development routers registered."""
-    return [r for r in app.router.routes
-            if getattr(getattr(r, "endpoint", None), "__module__", "").startswith(DEV_ROUTE_MODULES)]
-
-
-def patch_dev_routes(module: Any) -> None:
-    """In any vLLM API server with dynsteer loaded (plain ``vllm serve`` too, where no steering routes exist):
-    ``/collective_rpc`` refuses dynsteer's state-changing methods (:class:`DevRouteGuard` without a key rule; under
-    ``dynsteer serve`` the endpoint plugin adds the key rule). ``module``: ``vllm.entrypoints.serve``, whose
-    ``register_vllm_dev_api_routers`` vLLM's ``build_app`` looks up when the app is built."""
-    orig = module.register_vllm_dev_api_routers
-    if getattr(orig, "_dynsteer_guarded", False):
-        return
-
-    @functools.wraps(orig)
-    def register_vllm_dev_api_routers(app: Any) -> None:
-        orig(app)
-        routes = _dev_routes(app)
-        if routes:
-            app.add_middleware(DevRouteGuard, endpoints=None, routes=routes)
-
-    register_vllm_dev_api_routers._dynsteer_guarded = True  # type: ignore[attr-defined]
-    module.register_vllm_dev_api_routers = register_vllm_dev_api_routers
-
-
-class DevRouteGuard:
-    """ASGI middleware holding vLLM's development routes to the steering routes' rule (:meth:`SteeringEndpoints.
-    refusal`; skipped with ``endpoints=None``, where no steering routes exist), and refusing ``dynsteer_*`` methods
-    other than :data:`RPC_ALLOWED` on ``/collective_rpc`` (module docstring). A route counts when Starlette's own
-    matching says so, so root paths and methods are read as the router reads them."""
-
-    def __init__(self, app: Any, endpoints: SteeringEndpoints | None, routes: Sequence[Any]) -> None:
-        self.app, self.endpoints, self.routes = app, endpoints, list(routes)
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        route = next((r for r in self.routes if r.matches(scope)[0] != Match.NONE), None)
-        if route is None:
-            return await self.app(scope, receive, send)
-        if self.endpoints is not None:
-            state = getattr(scope["app"].state, "dynsteer", None)
-            if state is None:  # before the plugin's init_state: nothing to check against, so nothing is served
-                return await _error(send, 503, "the server is starting")
-            request = Request(scope)  # headers and client as the steering routes read them (the body is not read)
-            refusal = self.endpoints.refusal(state["keys"], request.headers.get("authorization"), request.client)
-            if refusal is not None:
-                return await _error(send, *refusal)
-        if getattr(route, "path", None) == RPC_ROUTE:
-            body = b""
-            while True:
-                message = await receive()
-                if message["type"] != "http.request":
-                    return  # the client went away
-                body += message.get("body", b"")
-                if len(body) > _MAX_RPC_BODY:
-                    return await _error(send, 413, f"body: over {_MAX_RPC_BODY} bytes")
-                if not message.get("more_body", False):
-                    break
-            try:
-                method = json.loads(body).get("method")
-            except (ValueError, AttributeError, RecursionError):
-                method = None  # not a JSON object: the route answers it
-            if isinstance(method, str) and method.startswith("dynsteer_") and method not in RPC_ALLOWED:
-                return await _error(send, 403, f"method: {method[:64]!r} is not callable through {RPC_ROUTE}: it "
-                                               f"would change or take the workers' steering state behind the "
-                                               f"frontend's admission state; use {PREFIX}/* (allowed here: "
-                                               f"{', '.join(sorted(RPC_ALLOWED))})")
-            receive = _replay(body, receive)
-        await self.app(scope, receive, send)
-
-
-def _replay(body: bytes, receive: Any) -> Any:
-    """A ``receive`` that hands the already read ``body`` to the app, then defers to the client's."""
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def replay() -> Any:
-        return pending.pop() if pending else await receive()
-
-    return replay
-
-
-async def _error(send: Any, status: int, message: str) -> None:
-    """An error answer in vLLM's JSON error shape."""
-    payload = json.dumps({"error": {"message": message, "type": HTTPStatus(status).phrase, "param": None,
-                                    "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
-    await send({"type": "http.response.body", "body": payload})
 
 
 def _check(fn: Any, field: str) -> Any:
@@ -399,20 +293,27 @@ def _is_local(client: Any) -> bool:
         return False
 
 
+_installed: list[SteeringEndpoints] = []  # what install() made last: the endpoints vLLM's server here loads
+
+
 def install(allow_remote: bool = False) -> SteeringEndpoints:
-    """Make vLLM's API server in this process load :class:`SteeringEndpoints` with its endpoint plugins."""
+    """Make vLLM's API server in this process load :class:`SteeringEndpoints` with its endpoint plugins (the last
+    installed ones, where this is called again)."""
     import vllm.plugins as plugins
 
     endpoints = SteeringEndpoints(allow_remote=allow_remote)
+    _installed[:] = [endpoints]
     orig = plugins.load_endpoint_plugins
 
     def load_endpoint_plugins(supported_tasks: Any = None) -> list[Any]:
-        loaded = [p for p in orig(supported_tasks) if getattr(p, "name", None) != endpoints.name]
-        if supported_tasks is None or set(endpoints.required_tasks) & set(supported_tasks):
-            loaded.append(endpoints)
+        current = _installed[0]
+        loaded = [p for p in orig(supported_tasks) if getattr(p, "name", None) != current.name]
+        if supported_tasks is None or set(current.required_tasks) & set(supported_tasks):
+            loaded.append(current)
         return loaded
 
-    plugins.load_endpoint_plugins = load_endpoint_plugins
+    patching.patch(plugins, "load_endpoint_plugins", load_endpoint_plugins,
+                   why="vLLM's API server loads dynsteer's steering endpoints (dynsteer serve only)")
     return endpoints
 
 

@@ -12,7 +12,9 @@ from typing import Any
 
 from dynsteer.capture.result import pack_records
 from dynsteer.capture.spec import CaptureSpec
-from dynsteer.engine.adapters import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
+from dynsteer.engine import keys, patching
+from dynsteer.engine.adapters import SUPPORTED_ARCHITECTURES
+from dynsteer.engine.build import UnsupportedArchitectureError
 from dynsteer.engine.runner import runtime_of
 from dynsteer.payload import decode_payload
 from dynsteer.spec import check_name
@@ -25,8 +27,8 @@ def _runtime(wrapper: Any) -> SteeringRuntime:
     rt = runtime_of(runner)
     if rt is None:
         arch = (runner.model_config.architectures or ["?"])[0]
-        raise UnsupportedArchitectureError(
-            f"dynsteer: architecture {arch!r} is not supported (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+        raise UnsupportedArchitectureError(f"dynsteer: architecture {arch!r} is not supported "
+                                           f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
     return rt
 
 
@@ -84,11 +86,20 @@ def dynsteer_take_traces(self: Any, tags: list[str]) -> list[dict[str, Any]]:
     return _runtime(self).take_traces(tags)
 
 
-RPC_METHODS = {f.__name__: f for f in (dynsteer_describe, dynsteer_set_global, dynsteer_register_vector,
-                                        dynsteer_unregister_vector, dynsteer_set_capture, dynsteer_take_captures,
-                                        dynsteer_take_traces)}
+def dynsteer_patches(self: Any) -> dict[str, list[dict[str, str]]]:
+    """The vLLM attributes dynsteer overrides in this worker's process (``dynsteer doctor``; read only); the engine
+    core adds its own process's (``engine.commands``)."""
+    return {keys.PATCHES_WORKER: patching.applied_json()}
+
+
+RPC_METHODS = {keys.RPC_DESCRIBE: dynsteer_describe, keys.RPC_SET_GLOBAL: dynsteer_set_global,
+               keys.RPC_REGISTER_VECTOR: dynsteer_register_vector,
+               keys.RPC_UNREGISTER_VECTOR: dynsteer_unregister_vector, keys.RPC_SET_CAPTURE: dynsteer_set_capture,
+               keys.RPC_TAKE_CAPTURES: dynsteer_take_captures, keys.RPC_TAKE_TRACES: dynsteer_take_traces,
+               keys.RPC_PATCHES: dynsteer_patches}
 
 
 def install(wrapper_cls: type) -> None:
+    """Add the methods to vLLM's ``WorkerWrapperBase`` (``collective_rpc`` resolves method names on it)."""
     for name, fn in RPC_METHODS.items():
-        setattr(wrapper_cls, name, fn)
+        patching.patch(wrapper_cls, name, fn, why="a dynsteer control method for collective_rpc")

@@ -4,15 +4,14 @@ Wraps ``InputProcessor.process_inputs`` (it runs in the process that accepts req
 the OpenAI server), so a bad payload becomes a ``ValueError`` for that request alone (HTTP 400 on the server) and never
 reaches the workers. Prompt KV depends on prefill-tier steering, which vLLM's block hash ignores; folding a
 fingerprint of the effective prefill configuration into ``cache_salt`` keeps steered and unsteered prompts apart while
-decode-only steering keeps its cache hits.
+decode-only steering keeps its cache hits (:mod:`dynsteer.engine.prefix_cache` keys the blocks generated later).
+What admission found rides the request to the engine core in ``extra_args`` (:mod:`dynsteer.engine.keys`).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import inspect
-import hashlib
 import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -21,19 +20,17 @@ from typing import Any
 import numpy as np
 
 from dynsteer.capture.consumers import consumer_class
-from dynsteer.config import CONFIG_KEY, DynsteerConfig, Limits
+from dynsteer.config import DynsteerConfig, Limits
+from dynsteer.controllers.registry import ControllerRegistry
+from dynsteer.engine import patching
+from dynsteer.engine.build import load_named_vector, load_probes, shape_from_vllm_config
+from dynsteer.engine.keys import CONFIG_KEY, DECODE_KEY, DYNAMIC_KEY, FRONTEND_ATTR, PAYLOAD_KEY, ROWS_KEY
+from dynsteer.engine.prefix_cache import salted
 from dynsteer.memo import BoundedMemo, body_digest
-from dynsteer.payload import PAYLOAD_KEY, check_envelope, config_fingerprint, decode_payload
+from dynsteer.payload import check_envelope, config_fingerprint, decode_payload
 from dynsteer.policy import admit_policy
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
 from dynsteer.request.compile_spec import compile_phase
-
-SALT_TAG = "dynsteer:"
-DECODE_KEY = "dynsteer_decode_fp"  # set by admission, read by the engine core's block hasher
-DYNAMIC_KEY = "dynsteer_dynamic"  # set by admission when a dynamic policy steers the request's decode tokens
-ACTED_TAG = "dynsteer:acted:"
-ROWS_KEY = "dynsteer_rows"  # set by admission: the table rows a request takes, read by the scheduler (it waits)
-
 
 # An admission made off the event loop for the request this task is adding (engine.admission): its memo key and
 # result, used by process_inputs when the memo could not keep it (an entry over the budget, or evicted meanwhile).
@@ -118,7 +115,8 @@ class FrontendState:
             A request that captures prompt positions gets a unique prefill fingerprint: prefix-cache hits skip
             the forward for cached tokens, and there would be nothing to capture for them. A dynamic policy is not
             part of the decode fingerprint: the workers report where it acted, and the engine core folds that into
-            the hashes of the blocks from there on (:func:`patch_block_hashing`, DESIGN §5).
+            the hashes of the blocks from there on (:func:`~dynsteer.engine.prefix_cache.patch_block_hashing`,
+            DESIGN §5).
 
         The payload's size and tag are checked on every call, memo hit or not.
         """
@@ -176,21 +174,29 @@ class FrontendState:
         self._memo.put(key, result)
         return result
 
-    def _admit(self, payload: Any) -> tuple[str, str, str, bool, bool]:
+    def request_config(self, decoded: Any) -> tuple[list[tuple[str, SteeringSpec]], tuple[str, Any] | None]:
+        """A request's effective configuration as admission sees it: its specs in the order they apply (the
+        global, then the request's own) and its dynamic policy (the request's own, with registered probes resolved,
+        else the global one), each with the field prefix its errors name. ``decoded``: the request's decoded
+        payload (None: it has none). Raises :class:`SteeringValidationError` naming the field."""
         specs = [("global.", self.global_spec)]
         policy = None if self.global_policy is None else ("global_policy.", self.global_policy)
-        recompute_prompt = False
-        if payload is not None:
-            decoded = decode_payload(payload, limits=self.limits)
+        if decoded is not None:
             specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", decoded.spec))
             if decoded.policy is not None:
                 where = f"extra_args.{PAYLOAD_KEY}.policy."
                 policy = (where, admit_policy(decoded.policy, self.probes, self.controllers, where))
-            if decoded.capture is not None:
-                decoded.capture.check(self.shape, self.capture_places, f"extra_args.{PAYLOAD_KEY}.capture",
-                                      self.consumers)
-                # the last prompt token is always recomputed (it yields the first logits); the others may be cached
-                recompute_prompt = decoded.capture.positions not in ("last_prompt", "all_generated")
+        return specs, policy
+
+    def _admit(self, payload: Any) -> tuple[str, str, str, bool, bool]:
+        decoded = None if payload is None else decode_payload(payload, limits=self.limits)
+        specs, policy = self.request_config(decoded)
+        recompute_prompt = False
+        if decoded is not None and decoded.capture is not None:
+            decoded.capture.check(self.shape, self.capture_places, f"extra_args.{PAYLOAD_KEY}.capture",
+                                  self.consumers)
+            # the last prompt token is always recomputed (it yields the first logits); the others may be cached
+            recompute_prompt = decoded.capture.positions not in ("last_prompt", "all_generated")
         prefill, decode = (compile_phase(specs, phase, self.shape, self.named, policy).digest.hex()
                            for phase in ("prefill", "decode"))
         salt = prefill
@@ -210,29 +216,8 @@ class FrontendState:
         return salt, static_decode, f"{prefill},{decode}", dynamic, recompute_prompt
 
 
-def shape_from_vllm_config(vllm_config: Any) -> ModelShape:
-    """The model's shape and hooked places as every process sees them (frontend admission and workers alike)."""
-    from dynsteer.engine.families import absent_sites
-
-    cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
-    text = vllm_config.model_config.hf_config.get_text_config()
-    num_layers = int(text.num_hidden_layers)
-    layers = None if cfg.layers is None else tuple(l for l in cfg.layers if l < num_layers)
-    architecture = (vllm_config.model_config.architectures or ["?"])[0]
-    absent = absent_sites(architecture, text)  # e.g. post_attn of a parallel attention + MLP block
-    return ModelShape(num_layers=num_layers, hidden_size=int(text.hidden_size),
-                      model_id=str(vllm_config.model_config.model), architecture=architecture,
-                      sites=tuple(s for s in cfg.sites if s not in absent), absent_sites=tuple(absent.items()),
-                      layers=layers, max_clamps=cfg.max_clamps, max_gates=cfg.max_gates,
-                      max_abs_value=cfg.limits.max_abs_value, max_dyn_scale=cfg.limits.max_dyn_scale,
-                      max_clamp_strength=cfg.limits.max_clamp_strength)
-
-
 def build_frontend_state(vllm_config: Any) -> FrontendState:
     """What admission validates against, loaded from the engine's config (named vectors, probes, controllers)."""
-    from dynsteer.controllers.registry import ControllerRegistry
-    from dynsteer.engine.adapters import load_named_vector, load_probes
-
     shape = shape_from_vllm_config(vllm_config)
     cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
     return FrontendState(shape, {n: load_named_vector(r, shape.hidden_size) for n, r in cfg.vectors.items()},
@@ -243,16 +228,12 @@ def build_frontend_state(vllm_config: Any) -> FrontendState:
 
 
 def frontend_state(input_processor: Any) -> FrontendState:
-    state = input_processor.__dict__.get("_dynsteer_frontend")
+    """The admission state of this process's ``InputProcessor`` (built from the engine's config on first use)."""
+    state = input_processor.__dict__.get(FRONTEND_ATTR)
     if state is None:
-        state = input_processor._dynsteer_frontend = build_frontend_state(input_processor.vllm_config)
+        state = build_frontend_state(input_processor.vllm_config)
+        setattr(input_processor, FRONTEND_ATTR, state)
     return state
-
-
-def salted(cache_salt: str | None, fingerprint: str) -> str | None:
-    if not fingerprint:
-        return cache_salt
-    return f"{cache_salt or ''}|{SALT_TAG}{fingerprint}"
 
 
 def check_engine_config(vllm_config: Any) -> None:
@@ -270,6 +251,7 @@ def check_engine_config(vllm_config: Any) -> None:
 
 
 def patch_input_processor(cls: type) -> None:
+    """Check the engine's dynsteer config before the engine core starts, and admit every request's payload."""
     orig = cls.process_inputs
     orig_init = cls.__init__
 
@@ -283,7 +265,8 @@ def patch_input_processor(cls: type) -> None:
 
             register_stream_metrics(cfg.monitor.endpoint)
 
-    cls.__init__ = __init__
+    patching.patch(cls, "__init__", __init__,
+                   why="a bad dynsteer config fails in the user's process, naming the field; /metrics of streams")
 
     @functools.wraps(orig)
     def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
@@ -305,199 +288,8 @@ def patch_input_processor(cls: type) -> None:
             request.sampling_params.extra_args = extra
         return request
 
-    cls.process_inputs = process_inputs
-
-
-def patch_block_hashing(module: Any) -> None:
-    """Engine core: blocks holding tokens generated under steering hash with what steered them.
-
-    ``cache_salt`` only reaches the first block; generated tokens join the hash chain later. So a block containing
-    a token decoded under static decode steering gets the admission's decode fingerprint as an extra key, and a
-    block containing a token at or after the first position where a dynamic policy acted gets the fold of what
-    acted (:class:`ActedState`, from the workers' reports). The chain then forks from that block on, while pure
-    prompt blocks, and blocks generated while nothing acted, keep their (shareable) hashes.
-    """
-    orig = module.generate_block_hash_extra_keys
-
-    @functools.wraps(orig)
-    def generate_block_hash_extra_keys(request: Any, start_token_idx: int, end_token_idx: int, *a: Any, **k: Any):
-        extra_keys, mm_idx = orig(request, start_token_idx, end_token_idx, *a, **k)
-        if end_token_idx > request.num_prompt_tokens:
-            extra = (request.sampling_params and request.sampling_params.extra_args) or {}
-            fp = extra.get(DECODE_KEY)
-            if fp:
-                extra_keys = (*(extra_keys or ()), f"{SALT_TAG}decode:{fp}")
-            # a dynamic policy's reports, or monitors' commands (engine.commands) on any request
-            acted = request.__dict__.get("_dynsteer_acted") if hasattr(request, "__dict__") else None
-            if acted is None and isinstance(request, _Upto):
-                acted = request.__dict__["_request"].__dict__.get("_dynsteer_acted")
-            fold = acted.fold_at(end_token_idx - 1) if acted is not None else ""
-            if fold:
-                extra_keys = (*(extra_keys or ()), f"{ACTED_TAG}{fold}")
-        return extra_keys, mm_idx
-
-    module.generate_block_hash_extra_keys = generate_block_hash_extra_keys
-
-
-@dataclass
-class ActedState:
-    """Engine core, per request with a dynamic policy: how far the workers have reported, and where steering acted.
-
-    ``reported``: tokens whose KV the workers computed and reported on (a block is hashed only once all its tokens
-    are, so a block is never cached before its step's report: with asynchronous scheduling too). ``events``:
-    ``(position, fold)`` where what acts changed; the fold chains every signature so far (forward only), so a block's
-    hash carries the history up to its last token. Lives on the ``Request`` (preemption keeps it; it goes with the
-    request).
-    """
-
-    reported: int = 0
-    events: list[tuple[int, str]] = field(default_factory=list)
-    last_signature: str = ""
-
-    def report(self, upto: int, acted_at: int, signature: str) -> None:
-        """Positions ``< upto`` are computed and reported; steering acted at ``acted_at`` (``-1``: not in this
-        report) under ``signature``."""
-        self.reported = max(self.reported, upto)
-        if acted_at >= 0 and signature != self.last_signature:
-            if self.events and acted_at <= self.events[-1][0]:
-                acted_at = self.events[-1][0]  # a recomputed position (preemption): history stays in order
-            self.events.append((acted_at, fold(self.events[-1][1] if self.events else "", signature)))
-            self.last_signature = signature
-
-    def command(self, position: int, signature: str) -> None:
-        """A monitor's command changes what positions ``>= position`` compute (forward only, like a report)."""
-        if self.events and position <= self.events[-1][0]:
-            position = self.events[-1][0]
-        self.events.append((position, fold(self.events[-1][1] if self.events else "", f"command|{signature}")))
-
-    def fold_at(self, position: int) -> str:
-        """The fold in effect at ``position`` ('' if nothing acted at or before it)."""
-        out = ""
-        for pos, f in self.events:
-            if pos > position:
-                break
-            out = f
-        return out
-
-
-def fold(previous: str, signature: str) -> str:
-    """Chain ``signature`` onto ``previous`` (deterministic on every process and rank)."""
-    return hashlib.sha256(f"{previous}|{signature}".encode()).hexdigest()[:32]
-
-
-class _Upto:
-    """A request seen by vLLM's block hasher as if it had only ``num_tokens`` tokens."""
-
-    def __init__(self, request: Any, num_tokens: int) -> None:
-        self.__dict__["_request"], self.__dict__["num_tokens"] = request, num_tokens
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_request"], name)
-
-
-def _block_size(hasher: Any) -> int | None:
-    """The block size vLLM's request block hasher hashes at (its closure's ``hash_block_size``), remembered on the
-    function; None if it cannot be read (then every call goes to the hasher, which stops early itself)."""
-    size = getattr(hasher, "_dynsteer_block_size", False)
-    if size is False:
-        try:
-            size = inspect.getclosurevars(hasher).nonlocals.get("hash_block_size")
-        except (TypeError, ValueError):
-            size = None
-        size = size if isinstance(size, int) and size > 0 else None
-        try:
-            hasher._dynsteer_block_size = size
-        except AttributeError:  # not a plain function: look it up every time
-            pass
-    return size
-
-
-def patch_request(cls: type) -> None:
-    """Engine core: a request with a dynamic policy hashes a block only once the workers reported on all its
-    tokens (prompt tokens need no report: dynamic steering acts on decode tokens).
-
-    Such a request becomes an instance of a subclass (:class:`HeldBackRequest`) that overrides
-    ``update_block_hashes``, set once when it is made; every other request keeps vLLM's own method, so the many
-    calls per step (one per request whose tokens grow) pay nothing for dynsteer. The hashes ``__init__`` computes
-    before the switch are the same either way: a new request has only prompt tokens.
-    """
-    if "_dynsteer_patched" in cls.__dict__:
-        return
-    orig_init, orig_update = cls.__init__, cls.update_block_hashes
-
-    def update_block_hashes(self: Any) -> None:
-        if self._block_hasher is None:
-            return orig_update(self)
-        limit = hash_limit(self, self.__dict__["_dynsteer_acted"])  # made with the switch in __init__
-        if limit is not None:  # else no new full block below the limit (most decode steps): no proxy, no hasher call
-            self.block_hashes.extend(self._block_hasher(_Upto(self, limit)))
-
-    # a module-level name, so that pickle and copy find the class
-    held = type("HeldBackRequest", (cls,), {"update_block_hashes": update_block_hashes, "__module__": __name__,
-                                            "__doc__": "A vLLM request with a dynamic policy (see patch_request)."})
-    globals()["HeldBackRequest"] = held
-
-    @functools.wraps(orig_init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        orig_init(self, *args, **kwargs)
-        params = self.sampling_params
-        if type(self) is cls and params is not None and DYNAMIC_KEY in (params.extra_args or {}):
-            self.__class__ = held
-            if self._block_hasher is not None:
-                self.__dict__.setdefault("_dynsteer_acted", ActedState())
-
-    cls.__init__ = __init__
-    cls._dynsteer_patched = True
-
-
-def hash_limit(request: Any, acted: ActedState) -> int | None:
-    """How many of a dynamic request's tokens may be hashed (computed and reported on; prompt tokens need no
-    report), or None when that completes no block beyond those hashed (most decode steps)."""
-    limit = min(request.num_tokens, max(request.num_prompt_tokens, acted.reported))
-    size = _block_size(request._block_hasher)
-    return None if size and (len(request.block_hashes) + 1) * size > limit else limit
-
-
-def command_event(request: Any, signature: str, hash_block_size: int) -> None:
-    """Engine core, when a command is taken at a step: positions from the first one that step computes (decode
-    positions only: prompt KV is never recomputed for a command) hash with the command's fold. Hashes of blocks
-    holding such positions are dropped and recomputed (none of them is cached yet: a block is cached only once all
-    its tokens were scheduled, and the command precedes this step's scheduling)."""
-    acted = request.__dict__.setdefault("_dynsteer_acted", ActedState())
-    position = max(int(request.num_computed_tokens), int(request.num_prompt_tokens))
-    acted.command(position, signature)
-    keep = position // hash_block_size
-    if len(request.block_hashes) > keep:
-        del request.block_hashes[keep:]
-        request.update_block_hashes()
-
-
-def resalt(request: Any, fingerprint: str) -> None:
-    """Engine core: add ``fingerprint`` to a request's cache salt and hash its whole chain again (it then shares no
-    block with requests salted otherwise; none of its own blocks is cached under the new hashes yet)."""
-    request.cache_salt = salted(request.cache_salt, fingerprint)
-    del request.block_hashes[:]
-    request.update_block_hashes()
-
-
-def global_change_event(request: Any, signature: str, hash_block_size: int) -> None:
-    """Engine core, after the global spec or policy changed while ``request`` is live: the workers recompile its
-    rows at once, so what it computes from its first uncomputed position on may differ from what its hashes (keyed
-    at admission) promise. A request still in its prompt is re-salted (its whole chain forks: the prompt's rest is
-    computed under the new global); one in decode forks from that position like a command. Conservative: blocks
-    computed after the change are not shared with requests admitted before or after it, even where the change
-    did not act on them; blocks computed before it keep their hashes."""
-    if int(request.num_computed_tokens) < int(request.num_prompt_tokens):
-        resalt(request, f"global:{signature}")
-    else:
-        command_event(request, f"global:{signature}", hash_block_size)
-
-
-def hashed_tokens(request: Any, hash_block_size: int) -> int | None:
-    """Tokens of ``request`` covered by block hashes, when a dynamic policy holds its hashing back (else None)."""
-    if "_dynsteer_acted" not in request.__dict__:
-        return None
-    return len(request.block_hashes) * hash_block_size
+    patching.patch(cls, "process_inputs", process_inputs,
+                   why="admission: validate the request's payload, salt its cache key, tell the engine core its rows")
 
 
 def state_of(llm: Any) -> FrontendState:
