@@ -8,8 +8,8 @@ anything reaches the engine.
 Semantics:
     * A :class:`Monitor` reads the residual at ``(layer, site)`` of each generated token and computes
       ``score = x·direction`` and ``gate = σ(sharpness · (score − threshold))`` inside the forward (the in-graph
-      monitor, :func:`dynsteer.kernels.monitor_reference.monitor_gate_reference`). Prompt (prefill) tokens are never
-      gated: their gate is 0. The monitor reads the residual *before* any dynamic action at the same site.
+      monitor, :func:`dynsteer.kernels.dynamic_reference.steer_site_dyn_reference`). Prompt (prefill) tokens are
+      never gated: their gate is 0. The monitor reads the residual *before* any dynamic action at the same site.
     * A :class:`Rule` ties a monitor to actions. ``gate`` values below ``gate_floor`` count as 0. Each action is the
       dynamic term ``g · dyn_scale · action`` of DESIGN §3: an ``add`` adds ``g · dyn_scale · scale · vector``; a
       ``clamp``/``ablate`` uses ``g · dyn_scale · strength`` as its strength. ``dyn_scale`` is the sync controller's
