@@ -214,3 +214,13 @@ def row_live(vec: Any, clamp_strength: Any, mon_mask: Any = None, dyn_mask: Any 
     live[0] = 0
     live[0] = int(np.bitwise_or.reduce(live.cpu().numpy()))
     return live.to(torch.int32)
+
+
+def site_args(kw: dict[str, Any]) -> dict[str, Any]:
+    """Flat keyword arguments in the site ops' order (``h``, ``r``, ``row_index``, one per table, ``stage``,
+    ``stage_slot``; what ``torch.ops.dynsteer.steer_site(_dyn)`` takes) as the launchers and references take them:
+    the tables packed into one ``SiteTables`` (the same tensors, so in-place writes show in ``kw``)."""
+    from dynsteer.kernels.site_tables import SiteTables
+
+    tables = SiteTables(**{k: v for k, v in kw.items() if k in SiteTables._fields})
+    return {k: v for k, v in kw.items() if k not in SiteTables._fields} | {"tables": tables}

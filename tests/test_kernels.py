@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from dynsteer.kernels import ENV_KERNEL, select_impl, steer_site, steer_site_reference
-from tests.conftest import row_live, run_interpreted
+from dynsteer.kernels import ENV_KERNEL, SiteTables, select_impl, steer_site, steer_site_reference
+from tests.conftest import row_live, run_interpreted, site_args
 
 NUM_ROWS = 6
 # Sentinel for row_index entries past T: out of range, so reading them would be caught.
@@ -147,15 +147,15 @@ def _interp_worker() -> int:
         dtype = DTYPES[dt]
         kw = make_inputs(num_tokens, hidden, num_k, has_r, dtype, seed=seed)
         got_stage, want_stage = kw["stage"].clone(), kw["stage"].clone()
-        got = steer_site_triton(**dict(kw, stage=got_stage))
-        want = steer_site_reference(**dict(kw, stage=want_stage))
-        unstaged = steer_site_triton(**dict(kw, stage=None, stage_slot=None))
+        got = steer_site_triton(**site_args(dict(kw, stage=got_stage)))
+        want = steer_site_reference(**site_args(dict(kw, stage=want_stage)))
+        unstaged = steer_site_triton(**site_args(dict(kw, stage=None, stage_slot=None)))
         # Without slots every token t goes to row t; with all slots -1 (an idle step) nothing is stored.
         ident_got, ident_want = kw["stage"].clone(), kw["stage"].clone()
-        steer_site_triton(**dict(kw, stage=ident_got, stage_slot=None))
-        steer_site_reference(**dict(kw, stage=ident_want, stage_slot=None))
+        steer_site_triton(**site_args(dict(kw, stage=ident_got, stage_slot=None)))
+        steer_site_reference(**site_args(dict(kw, stage=ident_want, stage_slot=None)))
         idle_stage = kw["stage"].clone()
-        steer_site_triton(**dict(kw, stage=idle_stage, stage_slot=torch.full_like(kw["stage_slot"], -1)))
+        steer_site_triton(**site_args(dict(kw, stage=idle_stage, stage_slot=torch.full_like(kw["stage_slot"], -1))))
         # The inline mode's separate capture kernel: the same rows.
         alone = kw["stage"].clone()
         stash_triton(kw["h"], kw["r"], alone, kw["stage_slot"])
@@ -186,7 +186,7 @@ def _interp_worker() -> int:
     kw = make_inputs(8, 64, 2, True, torch.float32, seed=123)
     results["op_forced_triton"] = {
         "impl": select_impl(kw["h"]).__name__,
-        "max_abs_err": (steer_site(**kw) - steer_site_reference(**kw)).abs().max().item(),
+        "max_abs_err": (steer_site(**site_args(kw)) - steer_site_reference(**site_args(kw))).abs().max().item(),
     }
     # Strided rows (h, r are column slices of wider buffers) exercise the stride arguments.
     kw = make_inputs(8, 64, 2, True, torch.float32, seed=7)
@@ -194,7 +194,8 @@ def _interp_worker() -> int:
     wide_h[:, :64], wide_r[:, :64] = kw["h"], kw["r"]
     kw_strided = dict(kw, h=wide_h[:, :64], r=wide_r[:, :64])
     results["strided_rows"] = {
-        "max_abs_err": (steer_site_triton(**kw_strided) - steer_site_reference(**kw)).abs().max().item()
+        "max_abs_err": (steer_site_triton(**site_args(kw_strided))
+                        - steer_site_reference(**site_args(kw))).abs().max().item()
     }
     results.update(site_live_metrics(steer_site_triton))
     print("RESULTS " + json.dumps(results))
@@ -217,7 +218,8 @@ def site_live_metrics(impl: Any, device: str = "cpu") -> dict[str, Any]:
         site_b["row_live"] = row_live(site_b["vec"], site_b["clamp_strength"])
         rows = kw["row_index"][:24].long()
         idle = torch.isin(rows, torch.tensor(LIVE_ELSEWHERE, device=device))
-        got_a, got_b, want_b = impl(**kw), impl(**site_b), steer_site_reference(**site_b)
+        got_a, got_b = impl(**site_args(kw)), impl(**site_args(site_b))
+        want_b = steer_site_reference(**site_args(site_b))
         atol, rtol = _tolerances(DTYPES[dt])
         excess = ((got_b.float() - want_b.float()).abs() - (atol + rtol * want_b.float().abs())).max().item()
         # Row 0's entry is the site's summary: 0 (no row of the batch holds anything here) copies every token,
@@ -228,8 +230,9 @@ def site_live_metrics(impl: Any, device: str = "cpu") -> dict[str, Any]:
         quiet["row_index"][:24] = torch.where(idle, rows, torch.zeros_like(rows)).to(torch.int32)
         quiet["row_live"][0] = 0
         out[f"summary_{dt}"] = {
-            "skips_all": torch.equal(impl(**skip), kw["h"]),
-            "quiet_exact": torch.equal(impl(**quiet), kw["h"]) and torch.equal(steer_site_reference(**quiet), kw["h"]),
+            "skips_all": torch.equal(impl(**site_args(skip)), kw["h"]),
+            "quiet_exact": torch.equal(impl(**site_args(quiet)), kw["h"])
+            and torch.equal(steer_site_reference(**site_args(quiet)), kw["h"]),
         }
         out[f"site_live_{dt}"] = {
             "flags_cleared": site_b["row_live"][list(LIVE_ELSEWHERE)].tolist() == [0, 0, 0]
@@ -327,14 +330,14 @@ def _flag(tab: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_zero_row_is_bit_identical(dtype: torch.dtype, has_r: bool) -> None:
     kw = make_inputs(16, 96, 2, has_r, dtype, seed=3)
     kw["row_index"][:16] = 0
-    out = steer_site_reference(**kw)
+    out = steer_site_reference(**site_args(kw))
     assert out.dtype == dtype and out.data_ptr() != kw["h"].data_ptr()
     assert torch.equal(out, kw["h"])
     # Same for a row whose slots are off but hold live directions and bounds (row 1 minus vec).
     kw["vec"][1] = 0.0
     kw["row_live"][1] = 0
     kw["row_index"][:16] = 1
-    assert torch.equal(steer_site_reference(**kw), kw["h"])
+    assert torch.equal(steer_site_reference(**site_args(kw)), kw["h"])
 
 
 @pytest.mark.parametrize("has_r", [False, True])
@@ -352,7 +355,7 @@ def test_full_clamp_lands_in_bounds(has_r: bool, bounds: tuple[float, float]) ->
     h = 2 * torch.randn(num_tokens, hidden, generator=gen)
     r = torch.randn(num_tokens, hidden, generator=gen) if has_r else None
     row_index = torch.ones(num_tokens, dtype=torch.int32)
-    out = steer_site_reference(h, r, row_index, **_flag(tab))
+    out = steer_site_reference(h, r, row_index, SiteTables(**_flag(tab)))
     full = out + r if r is not None else out
     p = _proj(full, u)
     lo, hi = bounds
@@ -370,13 +373,13 @@ def test_full_clamp_lands_in_bounds(has_r: bool, bounds: tuple[float, float]) ->
 def test_ablation_zeroes_projection_of_full_stream() -> None:
     kw = make_inputs(24, 256, 2, True, torch.float32, seed=5)
     kw["row_index"][:24] = 3  # row 3: ablation (lo = hi = 0) in both slots
-    out = steer_site_reference(**kw)
+    out = steer_site_reference(**site_args(kw))
     # Slots run in order, so the last slot's projection is exactly ablated; slot 0's direction is
     # only partially re-introduced by slot 1 (non-orthogonal random directions).
     assert _proj(out + kw["r"], kw["clamp_dir"][3, 1]).abs().max() < 1e-4
     first_slot = ("clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength")
     kw1 = dict(kw, **{name: kw[name][:, :1] for name in first_slot})
-    out1 = steer_site_reference(**kw1)
+    out1 = steer_site_reference(**site_args(kw1))
     assert _proj(out1 + kw["r"], kw["clamp_dir"][3, 0]).abs().max() < 1e-4
     assert _proj(kw["h"] + kw["r"], kw["clamp_dir"][3, 0]).abs().max() > 0.1  # it did something
 
@@ -391,7 +394,7 @@ def test_half_strength_moves_half_way() -> None:
     tab["clamp_strength"][1, 0] = 0.5
     h = torch.randn(num_tokens, hidden, generator=gen)
     r = torch.randn(num_tokens, hidden, generator=gen)
-    out = steer_site_reference(h, r, torch.ones(num_tokens, dtype=torch.int32), **_flag(tab))
+    out = steer_site_reference(h, r, torch.ones(num_tokens, dtype=torch.int32), SiteTables(**_flag(tab)))
     assert torch.allclose(_proj(out + r, u), 0.5 * _proj(h + r, u), atol=1e-5)
 
 
@@ -403,7 +406,7 @@ def test_sequential_clamps_match_loop() -> None:
     kw["clamp_dir"][2, 1] = torch.nn.functional.normalize(base + kw["clamp_dir"][2, 0], dim=0)
     kw["clamp_strength"][2] = torch.tensor([1.0, 0.7])
     kw["clamp_lo"][2], kw["clamp_hi"][2] = torch.tensor([-0.1, 0.3]), torch.tensor([0.1, 0.6])
-    out = steer_site_reference(**kw)
+    out = steer_site_reference(**site_args(kw))
     for t in range(10):
         i = int(kw["row_index"][t])
         x = kw["h"][t].double() + kw["vec"][i].double()
@@ -419,7 +422,7 @@ def test_sequential_clamps_match_loop() -> None:
 
 def test_no_nan_from_zero_directions_or_open_bounds() -> None:
     kw = make_inputs(30, 64, 2, True, torch.float32, seed=4)
-    out = steer_site_reference(**kw)
+    out = steer_site_reference(**site_args(kw))
     assert torch.isfinite(out).all()
     rows = kw["row_index"][:30].long()
     # Row 4: open-bounds clamp + zero-direction clamp are both no-ops: out == h + vec exactly.
@@ -448,7 +451,8 @@ def test_op_matches_reference_on_cpu(has_r: bool, monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv(ENV_KERNEL, raising=False)
     kw = make_inputs(12, 80, 2, has_r, torch.bfloat16, seed=6)
     want_stage = kw["stage"].clone()
-    assert torch.equal(torch.ops.dynsteer.steer_site(*kw.values()), steer_site_reference(**dict(kw, stage=want_stage)))
+    assert torch.equal(torch.ops.dynsteer.steer_site(*kw.values()),
+                       steer_site_reference(**site_args(dict(kw, stage=want_stage))))
     assert torch.equal(kw["stage"], want_stage)
 
 
@@ -459,20 +463,20 @@ def test_stage_receives_unsteered_residual(dtype: torch.dtype, has_r: bool) -> N
     the slots' order); every other row is untouched; the steered output is the same as without a buffer."""
     kw = make_inputs(12, 80, 2, has_r, dtype, seed=16)
     before = kw["stage"].clone()
-    out = steer_site(**kw)
+    out = steer_site(**site_args(kw))
     assert torch.equal(kw["stage"], expected_stage(before, kw["h"], kw["r"], kw["stage_slot"]))
     assert 0 < int((kw["stage_slot"][:12] >= 0).sum()) < 12  # some tokens captured, some not
     assert untargeted_kept(kw["stage"], kw["stage_slot"], 12)
-    assert torch.equal(out, steer_site(**dict(kw, stage=None, stage_slot=None)))
+    assert torch.equal(out, steer_site(**site_args(dict(kw, stage=None, stage_slot=None))))
     assert not torch.equal(out, kw["h"])  # the table steers these tokens: the buffer saw the input, not the output
     # No slots: token t to row t.
     ident = dict(kw, stage=before.clone(), stage_slot=None)
-    steer_site(**ident)
+    steer_site(**site_args(ident))
     assert torch.equal(ident["stage"], expected_stage(before, kw["h"], kw["r"], None))
     # An idle step (every slot -1) stores nothing; a slot past the buffer is ignored.
     idle = dict(kw, stage=before.clone(), stage_slot=torch.full_like(kw["stage_slot"], -1))
     idle["stage_slot"][3] = before.shape[0]
-    steer_site(**idle)
+    steer_site(**site_args(idle))
     assert torch.equal(idle["stage"], before)
 
 
@@ -482,7 +486,7 @@ def test_stash_op_matches_the_steering_ops_capture(has_r: bool) -> None:
     kw = make_inputs(12, 80, 2, has_r, torch.bfloat16, seed=17)
     alone = kw["stage"].clone()
     torch.ops.dynsteer.stash_residual(kw["h"], kw["r"], alone, kw["stage_slot"])
-    steer_site(**kw)
+    steer_site(**site_args(kw))
     assert torch.equal(alone, kw["stage"])
 
 
@@ -494,7 +498,7 @@ def test_registration_is_idempotent() -> None:
     importlib.reload(ops)
     importlib.reload(ops)
     kw = make_inputs(4, 32, 1, True, torch.float32, seed=8)
-    assert torch.equal(ops.steer_site(**kw), steer_site_reference(**kw))
+    assert torch.equal(ops.steer_site(**site_args(kw)), steer_site_reference(**site_args(kw)))
 
 
 def test_opcheck(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -518,7 +522,7 @@ def test_op_traces_under_compile(backend: str, has_r: bool, monkeypatch: pytest.
     compiled = torch.compile(layer, backend=backend, fullgraph=True)
     kw = make_inputs(10, 64, 2, has_r, torch.float32, seed=12)
     args = list(kw.values())
-    want = steer_site_reference(kw["h"] * 2.0, *args[1:]) + 1.0
+    want = steer_site_reference(**site_args(dict(kw, h=kw["h"] * 2.0))) + 1.0
     torch.testing.assert_close(compiled(*args), want, rtol=0, atol=0)
 
 
@@ -528,7 +532,7 @@ def test_reference_traces_fullgraph() -> None:
     torch._dynamo.reset()
     compiled = torch.compile(steer_site_reference, backend="aot_eager", fullgraph=True)
     kw = dict(make_inputs(10, 64, 2, True, torch.bfloat16, seed=13), stage=None, stage_slot=None)
-    torch.testing.assert_close(compiled(**kw), steer_site_reference(**kw), rtol=0, atol=0)
+    torch.testing.assert_close(compiled(**site_args(kw)), steer_site_reference(**site_args(kw)), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -540,7 +544,7 @@ def test_reference_traces_fullgraph() -> None:
 def test_empty_batch(has_r: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_KERNEL, raising=False)
     kw = make_inputs(0, 64, 2, has_r, torch.bfloat16, seed=14)
-    for out in (steer_site_reference(**kw), steer_site(**kw)):
+    for out in (steer_site_reference(**site_args(kw)), steer_site(**site_args(kw))):
         assert out.shape == (0, 64) and out.dtype == torch.bfloat16
 
 

@@ -19,8 +19,7 @@ import torch
 
 from dynsteer.kernels import (ENV_KERNEL, select_impl, steer_site_dyn, steer_site_dyn_reference,
                               steer_site_reference)
-from dynsteer.kernels.monitor_reference import monitor_gate_reference
-from tests.conftest import row_live, run_interpreted
+from tests.conftest import row_live, run_interpreted, site_args
 from tests.test_kernels import capture_slots, expected_stage, untargeted_kept
 
 NUM_ROWS = 8
@@ -194,7 +193,7 @@ def compare_impls(impl: Any, kw: dict[str, Any], static_impl: Any) -> dict[str, 
         if step:
             got_kw, want_kw = later_site(got_kw, 99), later_site(want_kw, 99)
         before = got_kw["gates"].clone(), got_kw["scores"].clone()
-        got, want = impl(**got_kw), steer_site_dyn_reference(**want_kw)
+        got, want = impl(**site_args(got_kw)), steer_site_dyn_reference(**site_args(want_kw))
         untouched = ~monitored(got_kw)
         diff = (got.float() - want.float()).abs()
         if num_tokens:
@@ -208,11 +207,11 @@ def compare_impls(impl: Any, kw: dict[str, Any], static_impl: Any) -> dict[str, 
         metrics[f"untouched_exact{step}"] = bool(
             torch.equal(got_kw["gates"][untouched], before[0][untouched])
             and torch.equal(got_kw["scores"][untouched], before[1][untouched]))
-        static_out = static_impl(**{name: got_kw[name] for name in STATIC_ARGS})
+        static_out = static_impl(**site_args({name: got_kw[name] for name in STATIC_ARGS}))
         metrics[f"static_exact{step}"] = torch.equal(got[static], static_out[static])
         static_stage = stage_buffer(got_kw["h"])
-        static_impl(**{name: got_kw[name] for name in STATIC_ARGS}, stage=static_stage,
-                    stage_slot=got_kw["stage_slot"])
+        static_impl(**site_args({name: got_kw[name] for name in STATIC_ARGS}
+                                | dict(stage=static_stage, stage_slot=got_kw["stage_slot"])))
         metrics[f"static_stage_exact{step}"] = torch.equal(static_stage, want_kw["stage"])
         # Capture: the unsteered residual of the tokens given a slot, compacted into the first rows; the rest
         # untouched.
@@ -257,10 +256,10 @@ def _interp_worker() -> int:
     os.environ[ENV_KERNEL] = "triton"
     kw = make_dyn_inputs(8, 64, 2, 2, True, torch.float32, seed=123)
     got_kw, want_kw = clone_buffers(kw), clone_buffers(kw)
-    out = steer_site_dyn(**got_kw)
+    out = steer_site_dyn(**site_args(got_kw))
     results["op_forced_triton"] = {
         "impl": select_impl(kw["h"], dynamic=True).__name__,
-        "out_err": (out - steer_site_dyn_reference(**want_kw)).abs().max().item(),
+        "out_err": (out - steer_site_dyn_reference(**site_args(want_kw))).abs().max().item(),
         "gate_err": (got_kw["gates"] - want_kw["gates"]).abs().max().item(),
     }
     # Strided everything: h / r column slices, gate buffers transposed (token stride G), table views of wider
@@ -278,8 +277,8 @@ def _interp_worker() -> int:
     for name in ("mon_mask", "dyn_mask", "row_live"):
         strided[name] = torch.stack([kw[name], kw[name]], dim=1)[:, 1]
     want_kw = clone_buffers(kw)
-    out = steer_site_dyn_triton(**strided)
-    want = steer_site_dyn_reference(**want_kw)
+    out = steer_site_dyn_triton(**site_args(strided))
+    want = steer_site_dyn_reference(**site_args(want_kw))
     results["strided"] = {
         "out_err": (out - want).abs().max().item(),
         "gate_err": (strided["gates"] - want_kw["gates"]).abs().max().item(),
@@ -306,12 +305,13 @@ def site_live_metrics(impl: Any, device: str = "cpu") -> dict[str, Any]:
     rows = kw["row_index"][:33].long()
     idle = torch.isin(rows, torch.tensor(LIVE_ELSEWHERE, device=device))
     got_a_kw, got_kw, want_kw = clone_buffers(kw), clone_buffers(site_b), clone_buffers(site_b)
-    got_a, got, want = impl(**got_a_kw), impl(**got_kw), steer_site_dyn_reference(**want_kw)
+    got_a, got = impl(**site_args(got_a_kw)), impl(**site_args(got_kw))
+    want = steer_site_dyn_reference(**site_args(want_kw))
     written = monitored(site_b)
     # the site's summary (row 0's row_live) 0: every token copied, no monitor run, whatever the rows hold
     skip_kw = clone_buffers(dict(kw, row_live=kw["row_live"].clone()))
     skip_kw["row_live"][0] = 0
-    skipped = impl(**skip_kw)
+    skipped = impl(**site_args(skip_kw))
     return {
         "summary_zero_skips": torch.equal(skipped, kw["h"]) and torch.equal(skip_kw["gates"], kw["gates"])
         and torch.equal(skip_kw["scores"], kw["scores"]),
@@ -389,7 +389,8 @@ def test_cuda_triton_matches_reference(case: Case) -> None:
     stash_residual(kw["h"], kw["r"], want, kw["stage_slot"])
     assert torch.equal(alone, want)
     idle = stage_buffer(kw["h"])
-    steer_site_dyn_triton(**dict(clone_buffers(kw), stage=idle, stage_slot=torch.full_like(kw["stage_slot"], -1)))
+    steer_site_dyn_triton(**site_args(dict(clone_buffers(kw), stage=idle,
+                                           stage_slot=torch.full_like(kw["stage_slot"], -1))))
     assert bool((idle == STAGE_SENTINEL).all())
 
 
@@ -410,7 +411,7 @@ def test_cuda_graph_replay(monkeypatch: pytest.MonkeyPatch) -> None:
     later = dict(later_site(kw, 0), h=kw["h"], stage=stage_buffer(kw["h"]))  # no monitors, its own capture place
 
     def forward() -> torch.Tensor:  # two sites sharing the gate buffers, as in a forward
-        return steer_site_dyn(**dict(later, h=steer_site_dyn(**kw)))
+        return steer_site_dyn(**site_args(dict(later, h=steer_site_dyn(**site_args(kw)))))
 
     forward()  # compile / warm up outside the capture
     torch.cuda.synchronize()
@@ -422,8 +423,8 @@ def test_cuda_graph_replay(monkeypatch: pytest.MonkeyPatch) -> None:
         kw["h"].copy_(torch.randn(kw["h"].shape, generator=gen).to(kw["h"].dtype))
         kw["gate_add"].copy_(torch.rand(kw["gate_add"].shape, generator=gen))
         want_kw = clone_buffers(kw)
-        want = steer_site_dyn_reference(**dict(later, h=steer_site_dyn_reference(**want_kw), gates=want_kw["gates"],
-                                               scores=want_kw["scores"]))
+        want = steer_site_dyn_reference(**site_args(dict(later, h=steer_site_dyn_reference(**site_args(want_kw)),
+                                                         gates=want_kw["gates"], scores=want_kw["scores"])))
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
@@ -432,7 +433,7 @@ def test_cuda_graph_replay(monkeypatch: pytest.MonkeyPatch) -> None:
         # reads the first's output); then the slots change in place and the next replay follows them.
         slot = kw["stage_slot"]
         assert torch.equal(kw["stage"], expected_stage(stage_buffer(kw["h"]), kw["h"], kw["r"], slot))
-        mid = steer_site_dyn(**dict(clone_buffers(kw), stage=stage_buffer(kw["h"])))
+        mid = steer_site_dyn(**site_args(dict(clone_buffers(kw), stage=stage_buffer(kw["h"]))))
         assert torch.equal(later["stage"], expected_stage(stage_buffer(kw["h"]), mid, kw["r"], slot))
         for buf in (kw["stage"], later["stage"]):
             buf.fill_(STAGE_SENTINEL)
@@ -483,7 +484,7 @@ def test_reference_matches_loop_oracle(num_k: int, num_g: int, has_r: bool) -> N
         if site:
             kw = later_site(kw, seed=5)
         want_out, want_gates, want_scores = loop_oracle(kw)
-        out = steer_site_dyn_reference(**kw)
+        out = steer_site_dyn_reference(**site_args(kw))
         torch.testing.assert_close(out.double(), want_out, atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(kw["gates"].double(), want_gates, atol=1e-6, rtol=0)
         torch.testing.assert_close(kw["scores"].double(), want_scores, atol=1e-5, rtol=1e-6)
@@ -498,26 +499,40 @@ def test_static_rows_equal_steer_site(dtype: torch.dtype, has_r: bool) -> None:
         kw = make_dyn_inputs(num_tokens, hidden, num_k, num_g, has_r, dtype, seed=seed)
         rows = torch.tensor(STATIC_ROWS, dtype=torch.int32)
         kw["row_index"][:num_tokens] = rows[torch.arange(num_tokens) % len(rows)]
-        out = steer_site_dyn_reference(**kw)
-        assert torch.equal(out, steer_site_reference(**{name: kw[name] for name in STATIC_ARGS})), (hidden, num_k)
+        out = steer_site_dyn_reference(**site_args(kw))
+        static = steer_site_reference(**site_args({name: kw[name] for name in STATIC_ARGS}))
+        assert torch.equal(out, static), (hidden, num_k)
         zero = kw["row_index"][:num_tokens] == 0
         assert torch.equal(out[zero], kw["h"][zero])
 
 
+def monitor_gate(x: torch.Tensor, row_index: torch.Tensor, probe: torch.Tensor, sharpness: torch.Tensor,
+                 threshold: torch.Tensor, is_decode: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One monitor slot, token by token (float32 ``[T]`` each): ``score = x . probe[row]``, ``gate = sigmoid(sharpness
+    * (score - threshold))`` for decode tokens of rows with a monitor (sharpness != 0), else 0."""
+    t = x.shape[0]
+    rows = row_index[:t].long()
+    score = (x.to(torch.float32) * probe.to(torch.float32).index_select(0, rows)).sum(dim=-1)
+    s = sharpness.to(torch.float32).index_select(0, rows)
+    gate = torch.sigmoid(s * (score - threshold.to(torch.float32).index_select(0, rows)))
+    return score, torch.where(is_decode[:t].to(torch.bool) & (s != 0), gate, torch.zeros_like(gate))
+
+
 @pytest.mark.parametrize("has_r", [False, True])
 @pytest.mark.parametrize("num_g", [1, 3])
-def test_monitor_matches_monitor_gate_reference(has_r: bool, num_g: int) -> None:
-    """gate_mul = 1, gate_add = 0 is monitor_gate_reference on decode tokens; (0, 0) is its prefill rule."""
+def test_monitor_matches_monitor_gate(has_r: bool, num_g: int) -> None:
+    """gate_mul = 1, gate_add = 0 is the single-slot monitor gate (``monitor_gate``) on decode tokens; (0, 0) is its
+    prefill rule."""
     kw = make_dyn_inputs(40, 96, 1, num_g, has_r, torch.float32, seed=17)
     kw["mon_floor"].zero_()
     is_decode = torch.rand(40 + TAIL, generator=torch.Generator().manual_seed(3)) < 0.7
     kw["gate_mul"].copy_(is_decode.float().expand_as(kw["gate_mul"]))
     kw["gate_add"].zero_()
     x = kw["h"] + kw["r"] if has_r else kw["h"]
-    steer_site_dyn_reference(**kw)
+    steer_site_dyn_reference(**site_args(kw))
     written = monitored(kw)
     for s in range(num_g):
-        score, gate = monitor_gate_reference(x, kw["row_index"], kw["mon_probe"][:, s], kw["mon_sharp"][:, s],
+        score, gate = monitor_gate(x, kw["row_index"], kw["mon_probe"][:, s], kw["mon_sharp"][:, s],
                                              kw["mon_thresh"][:, s], is_decode)
         sel = written[s, :40]
         assert sel.any() and (~is_decode[:40] & sel).any() and (is_decode[:40] & sel).any()
@@ -534,7 +549,7 @@ def test_logistic_probe_identity() -> None:
     kw["row_index"][:16] = 4
     kw["gate_mul"].fill_(1.0)
     kw["gate_add"].zero_()
-    steer_site_dyn_reference(**kw)
+    steer_site_dyn_reference(**site_args(kw))
     torch.testing.assert_close(kw["gates"][0, :16], torch.sigmoid(kw["h"] @ w + b), atol=1e-6, rtol=1e-5)
 
 
@@ -548,14 +563,14 @@ def _one_row(hidden: int = 64, num_k: int = 1, num_g: int = 1, seed: int = 0) ->
 
 
 def _static_part(kw: dict[str, Any], **overrides: torch.Tensor) -> torch.Tensor:
-    return steer_site_reference(**{name: overrides.get(name, kw[name]) for name in STATIC_ARGS})
+    return steer_site_reference(**site_args({name: overrides.get(name, kw[name]) for name in STATIC_ARGS}))
 
 
 def test_floor_zeroes_gate_and_its_terms() -> None:
     kw = _one_row()
     kw["mon_floor"][4, 0] = 2.0  # above any sigmoid: every gate is floored to 0
     kw["gate_add"][0, :4] = 0.3  # ... then gate_add still applies
-    out = steer_site_dyn_reference(**kw)
+    out = steer_site_dyn_reference(**site_args(kw))
     assert torch.equal(kw["gates"][0, 4:16], torch.zeros(12))
     assert torch.equal(kw["gates"][0, :4], torch.full((4,), 0.3))
     # Gate 0: the dyn term and the gated clamp are exactly off.
@@ -566,10 +581,10 @@ def test_floor_zeroes_gate_and_its_terms() -> None:
 def test_floor_keeps_gates_above_it() -> None:
     kw = _one_row(seed=4)
     raw = clone_buffers(kw)
-    steer_site_dyn_reference(**raw)  # floor 0: the raw sigmoid
+    steer_site_dyn_reference(**site_args(raw))  # floor 0: the raw sigmoid
     floor = float(raw["gates"][0, :16].median())
     kw["mon_floor"][4, 0] = floor
-    steer_site_dyn_reference(**kw)
+    steer_site_dyn_reference(**site_args(kw))
     keep = raw["gates"][0, :16] >= floor
     assert keep.any() and (~keep).any()
     assert torch.equal(kw["gates"][0, :16], torch.where(keep, raw["gates"][0, :16], 0.0))
@@ -581,8 +596,8 @@ def test_gate_mul_and_add() -> None:
     kw["gate_add"][0, :16] = torch.tensor([0.7, 0.0, 0.1, 0.0]).repeat(4)
     raw = clone_buffers(kw)
     raw["gate_mul"], raw["gate_add"] = torch.ones_like(kw["gate_mul"]), torch.zeros_like(kw["gate_add"])
-    steer_site_dyn_reference(**raw)
-    out = steer_site_dyn_reference(**kw)
+    steer_site_dyn_reference(**site_args(raw))
+    out = steer_site_dyn_reference(**site_args(kw))
     g = kw["gates"][0, :16]
     torch.testing.assert_close(g, raw["gates"][0, :16] * kw["gate_mul"][0, :16] + kw["gate_add"][0, :16])
     assert torch.equal(g[::4], torch.full((4,), 0.7))  # mul 0: forced gate
@@ -597,7 +612,7 @@ def test_gated_clamp_scales_strength() -> None:
     kw["mon_floor"][4, 0] = 2.0
     for add, strength in ((0.0, 0.0), (1.0, 1.0), (0.5, 0.5)):
         kw["gate_add"].fill_(add)
-        out = steer_site_dyn_reference(**kw)
+        out = steer_site_dyn_reference(**site_args(kw))
         cs = kw["clamp_strength"].clone()
         cs[4, 0] = strength
         assert torch.equal(out, _static_part(kw, clamp_strength=cs)), add
@@ -607,7 +622,7 @@ def test_gate_computed_here_is_used_here() -> None:
     """A row that monitors and consumes a slot at one site reads this site's gate, not the buffer's old value."""
     kw = _one_row(num_k=0, seed=8)
     kw["gates"].fill_(123.0)
-    out = steer_site_dyn_reference(**kw)
+    out = steer_site_dyn_reference(**site_args(kw))
     g = kw["gates"][0, :16]
     assert bool((g < 1.0).all())
     torch.testing.assert_close(out, kw["h"] + kw["vec"][4] + g.unsqueeze(-1) * kw["dyn_vec"][4, 0])
@@ -616,7 +631,7 @@ def test_gate_computed_here_is_used_here() -> None:
 def test_untouched_entries_stay_untouched() -> None:
     kw = make_dyn_inputs(33, 64, 2, 3, True, torch.float32, seed=9)
     before = clone_buffers(kw)
-    steer_site_dyn_reference(**kw)
+    steer_site_dyn_reference(**site_args(kw))
     written = monitored(kw)
     assert written.any() and (~written).any()
     assert torch.equal(kw["gates"][~written], before["gates"][~written])
@@ -630,14 +645,14 @@ def test_gate_carried_across_sites() -> None:
     initial = clone_buffers(kw)
     site_a = dict(kw, dyn_mask=torch.zeros_like(kw["dyn_mask"]), clamp_gate=torch.full_like(kw["clamp_gate"], -1))
     site_b = later_site(kw, seed=11)
-    assert torch.equal(steer_site_dyn_reference(**site_a), _static_part(site_a))
+    assert torch.equal(steer_site_dyn_reference(**site_args(site_a)), _static_part(site_a))
     after_a = clone_buffers(kw)
     assert not torch.equal(after_a["gates"], initial["gates"])
     want_b, _, _ = loop_oracle(site_b)  # site_b shares kw's buffers, which now hold A's gates
-    out_b = steer_site_dyn_reference(**site_b)
+    out_b = steer_site_dyn_reference(**site_args(site_b))
     torch.testing.assert_close(out_b.double(), want_b, atol=1e-5, rtol=1e-5)
     assert torch.equal(kw["gates"], after_a["gates"]) and torch.equal(kw["scores"], after_a["scores"])
-    stale = steer_site_dyn_reference(**dict(site_b, gates=initial["gates"], scores=initial["scores"]))
+    stale = steer_site_dyn_reference(**site_args(dict(site_b, gates=initial["gates"], scores=initial["scores"])))
     assert not torch.allclose(stale, out_b)  # B really depends on what A wrote
 
 
@@ -665,7 +680,7 @@ def test_op_matches_reference_and_mutates(has_r: bool, monkeypatch: pytest.Monke
     want_kw = clone_buffers(kw)
     before = kw["gates"].clone()
     out = torch.ops.dynsteer.steer_site_dyn(*kw.values())
-    assert torch.equal(out, steer_site_dyn_reference(**want_kw))
+    assert torch.equal(out, steer_site_dyn_reference(**site_args(want_kw)))
     assert torch.equal(kw["gates"], want_kw["gates"]) and torch.equal(kw["scores"], want_kw["scores"])
     assert not torch.equal(kw["gates"], before)
 
@@ -677,7 +692,7 @@ def test_registration_is_idempotent() -> None:
     importlib.reload(ops)
     kw = make_dyn_inputs(4, 32, 1, 1, True, torch.float32, seed=8)
     want_kw = clone_buffers(kw)
-    assert torch.equal(ops.steer_site_dyn(**kw), steer_site_dyn_reference(**want_kw))
+    assert torch.equal(ops.steer_site_dyn(**site_args(kw)), steer_site_dyn_reference(**site_args(want_kw)))
 
 
 def test_opcheck(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -703,8 +718,8 @@ def test_op_traces_under_compile(backend: str, has_r: bool, monkeypatch: pytest.
         return torch.ops.dynsteer.steer_site_dyn(*later.values()) + 1.0
 
     want_kw = clone_buffers(kw)
-    want_mid = steer_site_dyn_reference(**(want_kw | {"h": kw["h"] * 2.0}))
-    want = steer_site_dyn_reference(**(want_kw | {"h": want_mid, "mon_mask": kw["mon_mask"] * 0})) + 1.0
+    want_mid = steer_site_dyn_reference(**site_args(want_kw | {"h": kw["h"] * 2.0}))
+    want = steer_site_dyn_reference(**site_args(want_kw | {"h": want_mid, "mon_mask": kw["mon_mask"] * 0})) + 1.0
     compiled = torch.compile(two_sites, backend=backend, fullgraph=True)
     got = compiled(*kw.values())
     torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -719,7 +734,8 @@ def test_reference_traces_fullgraph() -> None:
     compiled = torch.compile(steer_site_dyn_reference, backend="aot_eager", fullgraph=True)
     kw = dict(make_dyn_inputs(10, 64, 2, 3, True, torch.bfloat16, seed=13), stage=None, stage_slot=None)
     want_kw = clone_buffers(kw)
-    torch.testing.assert_close(compiled(**kw), steer_site_dyn_reference(**want_kw), rtol=0, atol=0)
+    torch.testing.assert_close(compiled(**site_args(kw)), steer_site_dyn_reference(**site_args(want_kw)), rtol=0,
+                               atol=0)
     torch.testing.assert_close(kw["gates"], want_kw["gates"], rtol=0, atol=0)
     torch.testing.assert_close(kw["scores"], want_kw["scores"], rtol=0, atol=0)
 
@@ -729,7 +745,7 @@ def test_empty_batch(has_r: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_KERNEL, raising=False)
     kw = make_dyn_inputs(0, 64, 2, 2, has_r, torch.bfloat16, seed=14)
     before = clone_buffers(kw)
-    for out in (steer_site_dyn_reference(**kw), steer_site_dyn(**kw)):
+    for out in (steer_site_dyn_reference(**site_args(kw)), steer_site_dyn(**site_args(kw))):
         assert out.shape == (0, 64) and out.dtype == torch.bfloat16
     assert torch.equal(kw["gates"], before["gates"]) and torch.equal(kw["scores"], before["scores"])
 

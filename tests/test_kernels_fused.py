@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from dynsteer.kernels import ENV_KERNEL, steer_site_dyn_reference, steer_site_reference
+from dynsteer.kernels import ENV_KERNEL, SiteTables, steer_site_dyn_reference, steer_site_reference
 from dynsteer.kernels.fused_reference import add_rms_norm_reference, steer_add_rms_norm_reference
 from dynsteer.kernels.ops import steer_add_rms_norm
 from tests.conftest import run_interpreted
@@ -85,7 +85,7 @@ def separate_ops(kw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         if tabs:
             fn = steer_site_dyn_reference if len(tabs) == len(DYN_FIELDS) else steer_site_reference
             extra = kw["gate_bufs"] if len(tabs) == len(DYN_FIELDS) else []
-            x = fn(x, kw["r"], kw["row_index"], *tabs, *extra, stage, kw["stage_slot"])
+            x = fn(x, kw["r"], kw["row_index"], SiteTables(*tabs, *extra), stage, kw["stage_slot"])
     weight = kw["weight"].float() + 1.0 if kw["unit_offset"] else kw["weight"]  # as GemmaRMSNorm calls it
     return fused_add_rms_norm(x, kw["r"], weight, kw["eps"])
 
@@ -240,7 +240,7 @@ def written_tables(num_g: int, device: str = "cpu") -> tuple[Any, list[Any]]:
     for row, content in ((1, {a: SiteProgram(vec=vec())}), (2, {b: SiteProgram(clamps=[clamp])}), (3, third),
                          (4, {a: SiteProgram(vec=vec()), b: SiteProgram(vec=vec())})):
         tables.write_row(row, RowContent(sites=content, digest=bytes([row])))
-    names = SteeringTables.FIELDS + (SteeringTables.DYN_FIELDS if num_g else ())
+    names = DYN_FIELDS if num_g else STATIC_FIELDS
     return tables, [[tables.views(*key)[n] for n in names] for key in sites]
 
 
@@ -383,7 +383,7 @@ def plain_norm_metrics(full: Any, plain: Any, device: str = "cpu") -> dict[str, 
         vec = np.random.default_rng(hidden).standard_normal(hidden).astype(np.float32)
         tables.write_row(1, RowContent(sites={sites[0]: SiteProgram(vec=vec)}, digest=b"1"))
         tables.summarize(np.array([0]))
-        names = SteeringTables.FIELDS + SteeringTables.DYN_FIELDS
+        names = DYN_FIELDS
         tabs_a, tabs_b = ([tables.views(*key)[n] for n in names] for key in sites)
         gen = torch.Generator().manual_seed(hidden)
         h, r = ((torch.randn(19, hidden, generator=gen) * 4).to(dtype).to(device) for _ in range(2))

@@ -181,3 +181,34 @@ def test_summaries_follow_the_batch_rows():
     assert tables.views(*a)["row_live"][0].item() == 1 and tables.views(*b)["row_live"][0].item() == 2
     with pytest.raises(ValueError, match="row 0"):
         tables.write_row(0, RowContent(sites={a: SiteProgram(vec=np.ones(H, np.float32))}, digest=b"z"))
+
+
+@pytest.mark.parametrize("gates", [0, G])
+def test_site_tables_are_the_allocated_tensors_in_the_kernels_order(gates: int) -> None:
+    """Each site's ``SiteTables`` (built once, what its hook hands the kernels) holds the very tensors ``views`` and
+    ``gate_buffers`` expose, shaped and typed as its layout says; a static engine's leaves the dynamic fields unset.
+    The static fields are a prefix of the field list (the static op takes that prefix), and the site's own fields
+    precede the shared gate buffers (the fused op's split)."""
+    from dynsteer.kernels.site_tables import (DYNAMIC_FIELDS, GATE_FIELDS, LAYOUT, ROW_LIVE, SITE_FIELDS,
+                                              STATIC_FIELDS, SiteTables)
+
+    assert DYNAMIC_FIELDS == SiteTables._fields == tuple(LAYOUT)
+    assert DYNAMIC_FIELDS[:len(STATIC_FIELDS)] == STATIC_FIELDS and SITE_FIELDS + GATE_FIELDS == DYNAMIC_FIELDS
+    assert STATIC_FIELDS == ("vec", "clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength", "row_live")
+    assert GATE_FIELDS == ("gate_mul", "gate_add", "gates", "scores") and DYNAMIC_FIELDS[ROW_LIVE] == "row_live"
+    tables = SteeringTables(SITES, H, ROWS, K, max_tokens=8, max_gates=gates)
+    sizes = dict(R=ROWS, K=K, H=H, G=gates, N=8)
+    for key in SITES:
+        site = tables.site_tables(*key)
+        assert site.dynamic == bool(gates) and site is tables.site_tables(*key)
+        own = tables.views(*key)
+        assert tuple(own) == (SITE_FIELDS if gates else STATIC_FIELDS)
+        for name in DYNAMIC_FIELDS:
+            tensor = getattr(site, name)
+            if not gates and name not in STATIC_FIELDS:
+                assert tensor is None, name
+                continue
+            assert tensor is (own[name] if name in own else tables.gate_buffers[name]), name
+            layout = LAYOUT[name]
+            assert tensor.shape == layout.shape(sizes) and tensor.dtype == layout.dtype, name
+            assert bool((tensor == layout.fill).all()), name

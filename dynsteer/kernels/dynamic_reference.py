@@ -2,12 +2,11 @@
 
 Contract (shared by every implementation of ``steer_site_dyn``)::
 
-    steer_site_dyn(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, row_live, clamp_gate,
-                   mon_mask, mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec,
-                   gate_mul, gate_add, gates, scores, stage=None, stage_slot=None) -> out
-                                                              (mutates gates, scores, stage)
-      h, r, row_index, vec, clamp_*, row_live, stage, stage_slot: exactly as steer_site (dynsteer.kernels.reference);
-                   row_live also flags monitors (4: mon_mask[i] != 0) and dyn terms (8: dyn_mask[i] != 0)
+    steer_site_dyn(h, r, row_index, tables, stage=None, stage_slot=None) -> out
+                                                              (mutates tables.gates, tables.scores, stage)
+      h, r, row_index, stage, stage_slot and the tables' vec, clamp_*, row_live: exactly as steer_site
+                   (dynsteer.kernels.reference); row_live also flags monitors (4: mon_mask[i] != 0) and dyn terms
+                   (8: dyn_mask[i] != 0); every field of tables (a SiteTables of a dynamic tier) is read:
       R rows, K clamp slots, G gate slots (G >= 1, small), N >= T tokens of capacity
       clamp_gate:  int32 [R, K]     gate slot scaling that clamp's strength; -1 = static (ungated)
       mon_mask:    int32 [R]        bit s set => this site computes gate slot s for tokens of that row
@@ -46,35 +45,13 @@ from __future__ import annotations
 import torch
 
 from dynsteer.kernels.reference import apply_clamps, stash_residual
+from dynsteer.kernels.site_tables import SiteTables
 
 __all__ = ["steer_site_dyn_reference"]
 
 
-def steer_site_dyn_reference(
-    h: torch.Tensor,
-    r: torch.Tensor | None,
-    row_index: torch.Tensor,
-    vec: torch.Tensor,
-    clamp_dir: torch.Tensor,
-    clamp_lo: torch.Tensor,
-    clamp_hi: torch.Tensor,
-    clamp_strength: torch.Tensor,
-    row_live: torch.Tensor,
-    clamp_gate: torch.Tensor,
-    mon_mask: torch.Tensor,
-    mon_probe: torch.Tensor,
-    mon_sharp: torch.Tensor,
-    mon_thresh: torch.Tensor,
-    mon_floor: torch.Tensor,
-    dyn_mask: torch.Tensor,
-    dyn_vec: torch.Tensor,
-    gate_mul: torch.Tensor,
-    gate_add: torch.Tensor,
-    gates: torch.Tensor,
-    scores: torch.Tensor,
-    stage: torch.Tensor | None = None,
-    stage_slot: torch.Tensor | None = None,
-) -> torch.Tensor:
+def steer_site_dyn_reference(h: torch.Tensor, r: torch.Tensor | None, row_index: torch.Tensor, tables: SiteTables,
+                             stage: torch.Tensor | None = None, stage_slot: torch.Tensor | None = None) -> torch.Tensor:
     """Monitor gates, then gated steering (additive vector, gated dyn vectors, gated clamps), per token.
 
     Free of data-dependent Python control flow, so it traces into ``torch.compile(fullgraph=True)`` graphs and is
@@ -85,24 +62,14 @@ def steer_site_dyn_reference(
         h: [T, H] branch activations (float32 / bfloat16 / float16).
         r: [T, H] carried residual in h's dtype, or None.
         row_index: int32 [N >= T] table row per token; entries past T are ignored.
-        vec: float32 [R, H] additive vectors.
-        clamp_dir: float32 [R, K, H] unit clamp directions.
-        clamp_lo: float32 [R, K] lower bounds.
-        clamp_hi: float32 [R, K] upper bounds.
-        clamp_strength: float32 [R, K] clamp strengths (0 = off).
-        row_live: int32 [R] per-row flags of what the row holds here (derived from the tables; unused here).
-        clamp_gate: int32 [R, K] gate slot scaling each clamp's strength, -1 = ungated.
-        mon_mask: int32 [R] bitmask of gate slots this site computes.
-        mon_probe: float32 [R, G, H] probe directions.
-        mon_sharp: float32 [R, G] sigmoid slopes.
-        mon_thresh: float32 [R, G] sigmoid thresholds (in score units).
-        mon_floor: float32 [R, G] gates below the floor become 0 (before gate_mul / gate_add).
-        dyn_mask: int32 [R] bitmask of gate slots whose dyn vector is added here.
-        dyn_vec: float32 [R, G, H] gated vectors.
-        gate_mul: float32 [G, N] per-token gate multipliers.
-        gate_add: float32 [G, N] per-token gate offsets.
-        gates: float32 [G, N] gate buffer, updated in place.
-        scores: float32 [G, N] raw probe scores, updated in place.
+        tables: the site's tables with every dynamic field set: ``vec``, ``clamp_*`` and ``row_live`` as in
+            ``steer_site_reference``; ``clamp_gate`` (int32 [R, K] gate slot scaling each clamp's strength, -1 =
+            ungated); ``mon_mask`` (int32 [R] bitmask of gate slots this site computes); ``mon_probe`` (float32
+            [R, G, H] probe directions); ``mon_sharp`` / ``mon_thresh`` (float32 [R, G] sigmoid slopes and
+            thresholds, in score units); ``mon_floor`` (float32 [R, G]: gates below it become 0, before gate_mul /
+            gate_add); ``dyn_mask`` (int32 [R] bitmask of gate slots whose dyn vector is added here); ``dyn_vec``
+            (float32 [R, G, H] gated vectors); ``gate_mul`` / ``gate_add`` (float32 [G, N] per-token multipliers and
+            offsets); ``gates`` / ``scores`` (float32 [G, N] gate buffer and raw probe scores, updated in place).
         stage, stage_slot: capture, as in ``steer_site_reference``.
 
     Returns:
@@ -110,37 +77,40 @@ def steer_site_dyn_reference(
 
     Example:
         >>> import torch
+        >>> from dynsteer.kernels.site_tables import SiteTables
         >>> h, row = torch.tensor([[3.0, 4.0]]), torch.tensor([1], dtype=torch.int32)
         >>> zeros = lambda *s: torch.zeros(2, *s)
         >>> probe, dvec = zeros(1, 2), zeros(1, 2)
         >>> probe[1, 0], dvec[1, 0] = torch.tensor([0.6, 0.8]), torch.tensor([10.0, 0.0])
         >>> gates, scores = torch.zeros(1, 4), torch.zeros(1, 4)
         >>> one = torch.ones(1, 4)
-        >>> out = steer_site_dyn_reference(
-        ...     h, None, row, zeros(2), zeros(0, 2), zeros(0), zeros(0), zeros(0),
-        ...     torch.tensor([0, 12], dtype=torch.int32), torch.zeros(2, 0, dtype=torch.int32),
-        ...     torch.tensor([0, 1], dtype=torch.int32), probe,
+        >>> tables = SiteTables(
+        ...     zeros(2), zeros(0, 2), zeros(0), zeros(0), zeros(0), torch.tensor([0, 12], dtype=torch.int32),
+        ...     torch.zeros(2, 0, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), probe,
         ...     torch.tensor([[0.0], [2.0]]), torch.tensor([[0.0], [5.0]]), zeros(1),
         ...     torch.tensor([0, 1], dtype=torch.int32), dvec, one, 0 * one, gates, scores)
+        >>> out = steer_site_dyn_reference(h, None, row, tables)
         >>> scores[0, 0].item(), gates[0, 0].item(), out.tolist()
         (5.0, 0.5, [[8.0, 4.0]])
     """
     stash_residual(h, r, stage, stage_slot)
+    gates, scores, gate_mul, gate_add = tables.gates, tables.scores, tables.gate_mul, tables.gate_add
     num_tokens, num_slots = h.shape[0], gates.shape[0]
     idx = row_index[:num_tokens].long()
     h32 = h.float()
     r32 = r.float() if r is not None else None
     res = h32 + r32 if r32 is not None else h32
-    mon_rows = mon_mask.index_select(0, idx)
-    dyn_rows = dyn_mask.index_select(0, idx)
+    mon_rows = tables.mon_mask.index_select(0, idx)
+    dyn_rows = tables.dyn_mask.index_select(0, idx)
 
     # Gate value per slot as later terms see it: computed here where the row monitors the slot, carried otherwise.
     gate_now: list[torch.Tensor] = []
     for s in range(num_slots):
         on = (mon_rows & (1 << s)) != 0
-        score = (res * mon_probe[:, s].index_select(0, idx)).sum(dim=-1)
-        g = torch.sigmoid(mon_sharp[:, s].index_select(0, idx) * (score - mon_thresh[:, s].index_select(0, idx)))
-        g = torch.where(g >= mon_floor[:, s].index_select(0, idx), g, torch.zeros_like(g))
+        score = (res * tables.mon_probe[:, s].index_select(0, idx)).sum(dim=-1)
+        sharp, thresh = tables.mon_sharp[:, s].index_select(0, idx), tables.mon_thresh[:, s].index_select(0, idx)
+        g = torch.sigmoid(sharp * (score - thresh))
+        g = torch.where(g >= tables.mon_floor[:, s].index_select(0, idx), g, torch.zeros_like(g))
         g = g * gate_mul[s, :num_tokens] + gate_add[s, :num_tokens]
         g = torch.where(on, g, gates[s, :num_tokens])
         scores[s, :num_tokens].copy_(torch.where(on, score, scores[s, :num_tokens]))
@@ -148,16 +118,16 @@ def steer_site_dyn_reference(
         gate_now.append(g)
 
     # h.float() + 0.0 is exact and where() drops untaken terms, so static rows stay bit-identical to steer_site.
-    x = h32 + vec.index_select(0, idx)
+    x = h32 + tables.vec.index_select(0, idx)
     for s in range(num_slots):
         on = (dyn_rows & (1 << s)) != 0
-        term = gate_now[s].unsqueeze(-1) * dyn_vec[:, s].index_select(0, idx)
+        term = gate_now[s].unsqueeze(-1) * tables.dyn_vec[:, s].index_select(0, idx)
         x = torch.where(on.unsqueeze(-1), x + term, x)
 
-    slot = clamp_gate.index_select(0, idx).long()  # [T, K]
+    slot = tables.clamp_gate.index_select(0, idx).long()  # [T, K]
     picked = torch.stack(gate_now, dim=1).gather(1, slot.clamp(min=0))  # [T, K]
     # strength * 1.0 is exact for ungated clamps; a gate of 0 turns the clamp off like strength 0 does.
     scale = torch.where(slot < 0, torch.ones_like(picked), picked)
-    strength = clamp_strength.index_select(0, idx) * scale
-    x = apply_clamps(x, r32, idx, clamp_dir, clamp_lo, clamp_hi, strength)
+    strength = tables.clamp_strength.index_select(0, idx) * scale
+    x = apply_clamps(x, r32, idx, tables, strength)
     return x.to(h.dtype)

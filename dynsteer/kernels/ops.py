@@ -15,15 +15,17 @@ Semantics: see ``dynsteer.kernels.reference`` (static) and ``dynsteer.kernels.dy
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from dynsteer.kernels import site_summary
 from dynsteer.kernels.dynamic_reference import steer_site_dyn_reference
 from dynsteer.kernels.reference import stash_residual, steer_site_reference
+from dynsteer.kernels.site_tables import DYNAMIC_FIELDS, STATIC_FIELDS, SiteTables
 
 __all__ = ["DYN_OP_NAME", "FUSED_OP_NAME", "OP_NAME", "ENV_KERNEL", "TRACED_FUSED_OP_NAME", "no_stage",
            "select_controller_impl", "select_impl", "select_readback_impl", "steer_add_rms_norm", "steer_site",
@@ -34,6 +36,7 @@ DYN_OP_NAME = "dynsteer::steer_site_dyn"
 ENV_KERNEL = "DYNSTEER_KERNEL"
 
 SteerImpl = Callable[..., torch.Tensor]
+_N_STATIC = len(STATIC_FIELDS)
 
 
 def forced_kernel() -> str:
@@ -98,184 +101,67 @@ def select_readback_impl(t: torch.Tensor) -> Callable[..., torch.Tensor]:
     return readback_triton
 
 
-def _steer_site_impl(
-    h: torch.Tensor,
-    r: Optional[torch.Tensor],
-    row_index: torch.Tensor,
-    vec: torch.Tensor,
-    clamp_dir: torch.Tensor,
-    clamp_lo: torch.Tensor,
-    clamp_hi: torch.Tensor,
-    clamp_strength: torch.Tensor,
-    row_live: torch.Tensor,
-    stage: torch.Tensor,
-    stage_slot: Optional[torch.Tensor],
-) -> torch.Tensor:
-    # Looks select_impl up through module globals on each call, so importlib.reload of this
-    # module updates the behaviour of the already-registered op.
-    impl = select_impl(h)
-    return impl(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, row_live, stage, stage_slot)
-
-
-def _steer_site_fake(
-    h: torch.Tensor,
-    r: Optional[torch.Tensor],
-    row_index: torch.Tensor,
-    vec: torch.Tensor,
-    clamp_dir: torch.Tensor,
-    clamp_lo: torch.Tensor,
-    clamp_hi: torch.Tensor,
-    clamp_strength: torch.Tensor,
-    row_live: torch.Tensor,
-    stage: torch.Tensor,
-    stage_slot: Optional[torch.Tensor],
-) -> torch.Tensor:
-    return torch.empty_like(h)
-
-
-def _op_registered(name: str = "steer_site") -> bool:
+def _op_registered(name: str) -> bool:
     # hasattr on the namespace resolves registered ops and is False for unknown names.
     return hasattr(torch.ops.dynsteer, name)
 
 
-def _register() -> None:
-    """Define the op once per process; a second import or a reload is a no-op."""
-    if _op_registered():
+def _site_signature(fields: tuple[str, ...]) -> inspect.Signature:
+    """``(h, r, row_index, <fields>, stage, stage_slot) -> Tensor``: a site op's flat signature, from which
+    ``custom_op`` infers its schema."""
+    tensor, optional = torch.Tensor, Optional[torch.Tensor]
+    names = [("h", tensor), ("r", optional), ("row_index", tensor), *((f, tensor) for f in fields),
+             ("stage", tensor), ("stage_slot", optional)]
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature([inspect.Parameter(n, kind, annotation=a) for n, a in names], return_annotation=tensor)
+
+
+def _register_site_op(name: str, fields: tuple[str, ...], mutates: tuple[str, ...]) -> None:
+    """Define ``dynsteer::<name>`` once per process (a second import or a reload is a no-op): the site op over the
+    ``SiteTables`` ``fields``. torch.library takes flat tensors, so this is the one place a :class:`SiteTables`
+    becomes the op's arguments (the schema, from ``fields``) and is rebuilt from them (the implementation)."""
+    if _op_registered(name):
         return
+    n, dynamic = len(fields), len(fields) > len(STATIC_FIELDS)
+
+    def impl(h: torch.Tensor, r: Optional[torch.Tensor], row_index: torch.Tensor, *args: Any) -> torch.Tensor:
+        # Looks select_impl up through module globals on each call, so importlib.reload of this
+        # module updates the behaviour of the already-registered op.
+        return select_impl(h, dynamic)(h, r, row_index, SiteTables(*args[:n]), args[n], args[n + 1])
+
+    impl.__signature__ = _site_signature(fields)  # type: ignore[attr-defined]
     # stage (the capture buffer) is a required tensor, empty when the place captures nothing: an optional mutable
     # argument breaks both eager dispatch (None) and Dynamo tracing.
-    op = torch.library.custom_op(OP_NAME, mutates_args=("stage",))(_steer_site_impl)
-    op.register_fake(_steer_site_fake)
+    op = torch.library.custom_op(f"dynsteer::{name}", mutates_args=mutates)(impl)
+    # the mutated tensors are declared in mutates_args: only the output needs a shape
+    op.register_fake(lambda h, *args: torch.empty_like(h))
 
 
-_register()
+_register_site_op(OP_NAME.split("::")[1], STATIC_FIELDS, ("stage",))
+_register_site_op(DYN_OP_NAME.split("::")[1], DYNAMIC_FIELDS, ("gates", "scores", "stage"))
 
 
-def steer_site(
-    h: torch.Tensor,
-    r: Optional[torch.Tensor],
-    row_index: torch.Tensor,
-    vec: torch.Tensor,
-    clamp_dir: torch.Tensor,
-    clamp_lo: torch.Tensor,
-    clamp_hi: torch.Tensor,
-    clamp_strength: torch.Tensor,
-    row_live: torch.Tensor,
-    stage: Optional[torch.Tensor] = None,
-    stage_slot: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Call ``torch.ops.dynsteer.steer_site`` (contract: ``dynsteer.kernels.reference``).
+def steer_site(h: torch.Tensor, r: Optional[torch.Tensor], row_index: torch.Tensor, tables: SiteTables,
+               stage: Optional[torch.Tensor] = None, stage_slot: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Call ``torch.ops.dynsteer.steer_site`` on the static six of ``tables`` (contract:
+    ``dynsteer.kernels.reference``).
 
     Arguments and result: see ``steer_site_reference`` (the contract every implementation shares).
     """
-    return torch.ops.dynsteer.steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength,
-                                         row_live, no_stage(h) if stage is None else stage, stage_slot)
+    return torch.ops.dynsteer.steer_site(h, r, row_index, *tables[:_N_STATIC], no_stage(h) if stage is None else stage,
+                                         stage_slot)
 
 
-# ---- dynamic steering (monitors + gated terms) -----------------------------------------------------------------
-def _steer_site_dyn_impl(
-    h: torch.Tensor,
-    r: Optional[torch.Tensor],
-    row_index: torch.Tensor,
-    vec: torch.Tensor,
-    clamp_dir: torch.Tensor,
-    clamp_lo: torch.Tensor,
-    clamp_hi: torch.Tensor,
-    clamp_strength: torch.Tensor,
-    row_live: torch.Tensor,
-    clamp_gate: torch.Tensor,
-    mon_mask: torch.Tensor,
-    mon_probe: torch.Tensor,
-    mon_sharp: torch.Tensor,
-    mon_thresh: torch.Tensor,
-    mon_floor: torch.Tensor,
-    dyn_mask: torch.Tensor,
-    dyn_vec: torch.Tensor,
-    gate_mul: torch.Tensor,
-    gate_add: torch.Tensor,
-    gates: torch.Tensor,
-    scores: torch.Tensor,
-    stage: torch.Tensor,
-    stage_slot: Optional[torch.Tensor],
-) -> torch.Tensor:
-    impl = select_impl(h, dynamic=True)
-    return impl(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, row_live, clamp_gate,
-                mon_mask, mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec, gate_mul, gate_add, gates,
-                scores, stage, stage_slot)
+def steer_site_dyn(h: torch.Tensor, r: Optional[torch.Tensor], row_index: torch.Tensor, tables: SiteTables,
+                   stage: Optional[torch.Tensor] = None, stage_slot: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Call ``torch.ops.dynsteer.steer_site_dyn`` on every field of ``tables`` (contract:
+    ``dynsteer.kernels.dynamic_reference``).
 
-
-def _steer_site_dyn_fake(
-    h: torch.Tensor,
-    r: Optional[torch.Tensor],
-    row_index: torch.Tensor,
-    vec: torch.Tensor,
-    clamp_dir: torch.Tensor,
-    clamp_lo: torch.Tensor,
-    clamp_hi: torch.Tensor,
-    clamp_strength: torch.Tensor,
-    row_live: torch.Tensor,
-    clamp_gate: torch.Tensor,
-    mon_mask: torch.Tensor,
-    mon_probe: torch.Tensor,
-    mon_sharp: torch.Tensor,
-    mon_thresh: torch.Tensor,
-    mon_floor: torch.Tensor,
-    dyn_mask: torch.Tensor,
-    dyn_vec: torch.Tensor,
-    gate_mul: torch.Tensor,
-    gate_add: torch.Tensor,
-    gates: torch.Tensor,
-    scores: torch.Tensor,
-    stage: torch.Tensor,
-    stage_slot: Optional[torch.Tensor],
-) -> torch.Tensor:
-    # gates / scores / stage are mutated in place (declared in mutates_args): only the output needs a shape.
-    return torch.empty_like(h)
-
-
-def _register_dyn() -> None:
-    if _op_registered("steer_site_dyn"):
-        return
-    op = torch.library.custom_op(DYN_OP_NAME, mutates_args=("gates", "scores", "stage"))(_steer_site_dyn_impl)
-    op.register_fake(_steer_site_dyn_fake)
-
-
-_register_dyn()
-
-
-def steer_site_dyn(
-    h: torch.Tensor,
-    r: Optional[torch.Tensor],
-    row_index: torch.Tensor,
-    vec: torch.Tensor,
-    clamp_dir: torch.Tensor,
-    clamp_lo: torch.Tensor,
-    clamp_hi: torch.Tensor,
-    clamp_strength: torch.Tensor,
-    row_live: torch.Tensor,
-    clamp_gate: torch.Tensor,
-    mon_mask: torch.Tensor,
-    mon_probe: torch.Tensor,
-    mon_sharp: torch.Tensor,
-    mon_thresh: torch.Tensor,
-    mon_floor: torch.Tensor,
-    dyn_mask: torch.Tensor,
-    dyn_vec: torch.Tensor,
-    gate_mul: torch.Tensor,
-    gate_add: torch.Tensor,
-    gates: torch.Tensor,
-    scores: torch.Tensor,
-    stage: Optional[torch.Tensor] = None,
-    stage_slot: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Call ``torch.ops.dynsteer.steer_site_dyn`` (contract: ``dynsteer.kernels.dynamic_reference``).
-
-    Arguments and result: see ``steer_site_dyn_reference``; ``gates``, ``scores`` (and ``stage``) are updated in place.
+    Arguments and result: see ``steer_site_dyn_reference``; ``tables.gates``, ``tables.scores`` (and ``stage``) are
+    updated in place.
     """
-    return torch.ops.dynsteer.steer_site_dyn(
-        h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, row_live, clamp_gate, mon_mask,
-        mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec, gate_mul, gate_add, gates, scores,
-        no_stage(h) if stage is None else stage, stage_slot)
+    return torch.ops.dynsteer.steer_site_dyn(h, r, row_index, *tables, no_stage(h) if stage is None else stage,
+                                             stage_slot)
 
 
 def no_stage(h: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,11 @@
 
 Contract (shared by every implementation of ``steer_site``)::
 
-    steer_site(h, r, row_index, vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, row_live, stage=None,
-               stage_slot=None) -> out
+    steer_site(h, r, row_index, tables, stage=None, stage_slot=None) -> out
       h:              [T, H] float32 | bfloat16 | float16, the branch tensor we may modify
       r:              [T, H] same dtype, or None (carried residual; the residual stream is h + r, or h)
       row_index:      int32 [N >= T]; only the first T entries are used
+      tables:         the site's SiteTables (dynsteer.kernels.site_tables); steer_site reads the static six:
       vec:            float32 [R, H]     additive vector per table row (row 0 is the identity: zeros, and the
                                          Triton kernels copy its tokens without reading the tables)
       clamp_dir:      float32 [R, K, H]  unit directions (zeros where unused)
@@ -47,22 +47,13 @@ from __future__ import annotations
 
 import torch
 
+from dynsteer.kernels.site_tables import SiteTables
+
 __all__ = ["apply_clamps", "stash_residual", "steer_site_reference"]
 
 
-def steer_site_reference(
-    h: torch.Tensor,
-    r: torch.Tensor | None,
-    row_index: torch.Tensor,
-    vec: torch.Tensor,
-    clamp_dir: torch.Tensor,
-    clamp_lo: torch.Tensor,
-    clamp_hi: torch.Tensor,
-    clamp_strength: torch.Tensor,
-    row_live: torch.Tensor,
-    stage: torch.Tensor | None = None,
-    stage_slot: torch.Tensor | None = None,
-) -> torch.Tensor:
+def steer_site_reference(h: torch.Tensor, r: torch.Tensor | None, row_index: torch.Tensor, tables: SiteTables,
+                         stage: torch.Tensor | None = None, stage_slot: torch.Tensor | None = None) -> torch.Tensor:
     """Apply per-token steering (additive vector, then sequential projection clamps).
 
     Free of data-dependent Python control flow so it traces into torch.compile graphs: every
@@ -73,12 +64,10 @@ def steer_site_reference(
         h: [T, H] branch activations (float32 / bfloat16 / float16).
         r: [T, H] carried residual in h's dtype, or None.
         row_index: int32 [N >= T] table row per token; entries past T are ignored.
-        vec: float32 [R, H] additive vectors.
-        clamp_dir: float32 [R, K, H] unit clamp directions.
-        clamp_lo: float32 [R, K] lower bounds.
-        clamp_hi: float32 [R, K] upper bounds.
-        clamp_strength: float32 [R, K] clamp strengths (0 = off).
-        row_live: int32 [R] per-row flags of what the row holds here (derived from the tables; unused here).
+        tables: the site's tables; this reads ``vec`` (float32 [R, H] additive vectors), ``clamp_dir`` (float32
+            [R, K, H] unit clamp directions), ``clamp_lo`` / ``clamp_hi`` (float32 [R, K] bounds) and
+            ``clamp_strength`` (float32 [R, K], 0 = off); ``row_live`` (int32 [R] per-row flags, derived from the
+            tables) is unused here, and so are a dynamic tier's fields.
         stage: capture buffer [N, H] written in place with the unsteered residual (None / empty: none).
         stage_slot: int32 [M >= T] stage row per token (-1: not captured); None: token t to row t.
 
@@ -89,9 +78,9 @@ def steer_site_reference(
     num_tokens = h.shape[0]
     idx = row_index[:num_tokens].long()
     # h.float() + 0.0 is exact, so rows with vec == 0 stay bit-identical after the final cast.
-    x = h.float() + vec.index_select(0, idx)
+    x = h.float() + tables.vec.index_select(0, idx)
     r32 = r.float() if r is not None else None
-    x = apply_clamps(x, r32, idx, clamp_dir, clamp_lo, clamp_hi, clamp_strength.index_select(0, idx))
+    x = apply_clamps(x, r32, idx, tables, tables.clamp_strength.index_select(0, idx))
     return x.to(h.dtype)
 
 
@@ -132,9 +121,7 @@ def apply_clamps(
     x: torch.Tensor,
     r32: torch.Tensor | None,
     idx: torch.Tensor,
-    clamp_dir: torch.Tensor,
-    clamp_lo: torch.Tensor,
-    clamp_hi: torch.Tensor,
+    tables: SiteTables,
     strength: torch.Tensor,
 ) -> torch.Tensor:
     """The K sequential projection clamps of the contract, given per-token strengths.
@@ -145,16 +132,15 @@ def apply_clamps(
         x: float32 [T, H] branch values so far (h + vec, ...).
         r32: float32 [T, H] carried residual, or None.
         idx: int64 [T] table row per token.
-        clamp_dir: float32 [R, K, H] unit clamp directions.
-        clamp_lo: float32 [R, K] lower bounds.
-        clamp_hi: float32 [R, K] upper bounds.
+        tables: the site's tables (``clamp_dir``, ``clamp_lo``, ``clamp_hi`` are read).
         strength: float32 [T, K] per-token strengths (0 = slot off for that token).
 
     Returns:
         New float32 [T, H] tensor.
     """
-    lo = clamp_lo.index_select(0, idx)
-    hi = clamp_hi.index_select(0, idx)
+    clamp_dir = tables.clamp_dir
+    lo = tables.clamp_lo.index_select(0, idx)
+    hi = tables.clamp_hi.index_select(0, idx)
     # K is a static shape, so this loop unrolls at trace time (no value-dependent branching).
     for k in range(clamp_dir.shape[1]):
         u = clamp_dir[:, k].index_select(0, idx)  # [T, H]

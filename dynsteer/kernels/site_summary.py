@@ -21,9 +21,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from dynsteer.kernels.site_tables import ROW_LIVE
+
 __all__ = ["idle", "watch"]
 
-ROW_LIVE = 5  # index of row_live in a site's table list (SteeringTables.FIELDS)
 
 _watched: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray, int]] = {}
 

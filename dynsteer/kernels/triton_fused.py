@@ -28,12 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
+from dynsteer.kernels.site_tables import ROW_LIVE, SITE_FIELDS, STATIC_FIELDS
 from dynsteer.kernels.triton_steer import _check_stage, _clamp_slots, _dyn_terms, _monitor_slots, _num_warps, _stash
 
 __all__ = ["add_rms_norm_triton", "steer_add_rms_norm_triton"]
 
-STATIC_TABLES = 6  # vec, clamp_dir, clamp_lo, clamp_hi, clamp_strength, row_live (SteeringTables.FIELDS)
-DYN_TABLES = 14  # + clamp_gate, mon_mask, mon_probe, mon_sharp, mon_thresh, mon_floor, dyn_mask, dyn_vec
+STATIC_TABLES = len(STATIC_FIELDS)  # a static site's tables, in SiteTables order
+DYN_TABLES = len(SITE_FIELDS)  # a dynamic site's own tables (the gate buffers come once, as gate_bufs)
+_DIR, _PROBE = SITE_FIELDS.index("clamp_dir"), SITE_FIELDS.index("mon_probe")  # [R, K, H] and [R, G, H]
 
 
 @triton.jit
@@ -240,8 +242,9 @@ def steer_add_rms_norm_triton(
             raise ValueError(f"steer_add_rms_norm_triton: {name} tables must be contiguous and on {h.device}")
         if tabs and tabs[0].shape[1] != hidden:
             raise ValueError(f"steer_add_rms_norm_triton: {name} vec has hidden size {tabs[0].shape[1]}, h {hidden}")
-        if tabs and (tabs[5].dtype != torch.int32 or tabs[5].shape != tabs[0].shape[:1]):
-            raise ValueError(f"steer_add_rms_norm_triton: {name}[5] (row_live) must be int32 [{tabs[0].shape[0]}]")
+        if tabs and (tabs[ROW_LIVE].dtype != torch.int32 or tabs[ROW_LIVE].shape != tabs[0].shape[:1]):
+            raise ValueError(f"steer_add_rms_norm_triton: {name}[{ROW_LIVE}] (row_live) must be int32 "
+                             f"[{tabs[0].shape[0]}]")
     _check_norm_args(h, r, weight, "steer_add_rms_norm_triton")
     if dyn and (len(gate_bufs) != 4 or any(not g.is_contiguous() or g.dtype != torch.float32 for g in gate_bufs)):
         raise ValueError("steer_add_rms_norm_triton: a dynamic site needs the 4 contiguous float32 gate buffers "
@@ -254,8 +257,8 @@ def steer_add_rms_norm_triton(
     if not traced and num_tokens == 0:
         return normed, resout
     tabs = tabs_a or tabs_b
-    num_k = tabs[1].shape[1] if tabs else 0
-    num_g = tabs[8].shape[1] if dyn else 0  # mon_probe [R, G, H]
+    num_k = tabs[_DIR].shape[1] if tabs else 0
+    num_g = tabs[_PROBE].shape[1] if dyn else 0
     n_buf = gate_bufs[0].shape[1] if dyn else 0
     dummy = row_index  # a valid pointer for every argument a constexpr flag compiles away
     bufs = list(gate_bufs) if dyn else [dummy] * 4

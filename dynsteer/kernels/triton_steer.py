@@ -21,8 +21,10 @@ rides the steering launch instead of adding a kernel per captured place, so an e
 enabled runs as many kernels per step as one without, and a step that captures nothing stores nothing.
 ``stash_triton`` is the same store on its own (the ``inline`` forward mode's capture op).
 
-Both launchers are CUDA-graph safe: they never sync with the device, allocate nothing but the
-output (``torch.empty_like``), and their grids depend only on shapes.
+Both launchers take the site's tables as one :class:`~dynsteer.kernels.site_tables.SiteTables` and share their
+host side (:func:`_launch`): the kernels take the tables in its field order, and the checks and stride arguments
+follow from its layout. Both are CUDA-graph safe: they never sync with the device, allocate nothing but the output
+(``torch.empty_like``), and their grids depend only on shapes.
 
 Note: ``triton.jit`` decides between compiled and interpreted mode when this module is
 imported, so ``TRITON_INTERPRET=1`` must be in the environment before the first import of this
@@ -35,38 +37,16 @@ import torch
 import triton
 import triton.language as tl
 
+from dynsteer.kernels.site_tables import DYNAMIC_FIELDS, LAYOUT, ROW_LIVE, SITE_FIELDS, STATIC_FIELDS, SiteTables
+
 __all__ = ["stash_triton", "steer_site_dyn_triton", "steer_site_triton"]
 
 
 @triton.jit
 def _clamp_slots(
-    x,
-    res,
-    row,
-    t,
-    offs,
-    mask,
-    K,
-    dir_ptr,
-    lo_ptr,
-    hi_ptr,
-    s_ptr,
-    cgate_ptr,
-    gates_ptr,
-    stride_dir_row,
-    stride_dir_k,
-    stride_lo_row,
-    stride_lo_k,
-    stride_hi_row,
-    stride_hi_k,
-    stride_s_row,
-    stride_s_k,
-    stride_cg_row,
-    stride_cg_k,
-    stride_gates_g,
-    stride_gates_t,
-    HAS_R: tl.constexpr,
-    GATED: tl.constexpr,
+    x, res, row, t, offs, mask, K, dir_ptr, lo_ptr, hi_ptr, s_ptr, cgate_ptr, gates_ptr, stride_dir_row,
+    stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k, stride_s_row, stride_s_k, stride_cg_row,
+    stride_cg_k, stride_gates_g, stride_gates_t, HAS_R: tl.constexpr, GATED: tl.constexpr,
 ):
     """The K sequential clamps of one token (x: fp32 [BLOCK_H]); GATED scales strengths by gates."""
     # Runtime loop over K (not constexpr): one compiled kernel serves every table width.
@@ -163,39 +143,10 @@ def _stash_kernel(h_ptr, r_ptr, stage_ptr, slot_ptr, H, n_stage, stride_h, strid
 
 @triton.jit
 def _steer_site_kernel(
-    h_ptr,
-    r_ptr,
-    idx_ptr,
-    vec_ptr,
-    dir_ptr,
-    lo_ptr,
-    hi_ptr,
-    s_ptr,
-    live_ptr,
-    out_ptr,
-    stage_ptr,
-    slot_ptr,
-    H,
-    K,
-    n_stage,
-    stride_h,
-    stride_r,
-    stride_out,
-    stride_stage,
-    stride_vec,
-    stride_dir_row,
-    stride_dir_k,
-    stride_lo_row,
-    stride_lo_k,
-    stride_hi_row,
-    stride_hi_k,
-    stride_s_row,
-    stride_s_k,
-    stride_live,
-    HAS_R: tl.constexpr,
-    STASH: tl.constexpr,
-    SLOTTED: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    h_ptr, r_ptr, idx_ptr, vec_ptr, dir_ptr, lo_ptr, hi_ptr, s_ptr, live_ptr, out_ptr, stage_ptr, slot_ptr, H, K,
+    n_stage, stride_h, stride_r, stride_out, stride_stage, stride_vec, stride_dir_row, stride_dir_k, stride_lo_row,
+    stride_lo_k, stride_hi_row, stride_hi_k, stride_s_row, stride_s_k, stride_live, HAS_R: tl.constexpr,
+    STASH: tl.constexpr, SLOTTED: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # int64 offsets: T * H and R * K * H can exceed 2**31 for large batches / tables.
     t = tl.program_id(0).to(tl.int64)
@@ -233,73 +184,14 @@ def _steer_site_kernel(
 
 @triton.jit
 def _steer_site_dyn_kernel(
-    h_ptr,
-    r_ptr,
-    idx_ptr,
-    vec_ptr,
-    dir_ptr,
-    lo_ptr,
-    hi_ptr,
-    s_ptr,
-    live_ptr,
-    cgate_ptr,
-    mmask_ptr,
-    probe_ptr,
-    sharp_ptr,
-    thresh_ptr,
-    floor_ptr,
-    dmask_ptr,
-    dvec_ptr,
-    gmul_ptr,
-    gadd_ptr,
-    gates_ptr,
-    scores_ptr,
-    out_ptr,
-    stage_ptr,
-    slot_ptr,
-    H,
-    K,
-    G,
-    n_stage,
-    stride_h,
-    stride_r,
-    stride_out,
-    stride_stage,
-    stride_vec,
-    stride_dir_row,
-    stride_dir_k,
-    stride_lo_row,
-    stride_lo_k,
-    stride_hi_row,
-    stride_hi_k,
-    stride_s_row,
-    stride_s_k,
-    stride_live,
-    stride_cg_row,
-    stride_cg_k,
-    stride_mmask,
-    stride_probe_row,
-    stride_probe_g,
-    stride_sharp_row,
-    stride_sharp_g,
-    stride_thresh_row,
-    stride_thresh_g,
-    stride_floor_row,
-    stride_floor_g,
-    stride_dmask,
-    stride_dvec_row,
-    stride_dvec_g,
-    stride_gmul_g,
-    stride_gmul_t,
-    stride_gadd_g,
-    stride_gadd_t,
-    stride_gates_g,
-    stride_gates_t,
-    stride_scores_g,
-    stride_scores_t,
-    HAS_R: tl.constexpr,
-    STASH: tl.constexpr,
-    SLOTTED: tl.constexpr,
+    h_ptr, r_ptr, idx_ptr, vec_ptr, dir_ptr, lo_ptr, hi_ptr, s_ptr, live_ptr, cgate_ptr, mmask_ptr, probe_ptr,
+    sharp_ptr, thresh_ptr, floor_ptr, dmask_ptr, dvec_ptr, gmul_ptr, gadd_ptr, gates_ptr, scores_ptr, out_ptr,
+    stage_ptr, slot_ptr, H, K, G, n_stage, stride_h, stride_r, stride_out, stride_stage, stride_vec, stride_dir_row,
+    stride_dir_k, stride_lo_row, stride_lo_k, stride_hi_row, stride_hi_k, stride_s_row, stride_s_k, stride_live,
+    stride_cg_row, stride_cg_k, stride_mmask, stride_probe_row, stride_probe_g, stride_sharp_row, stride_sharp_g,
+    stride_thresh_row, stride_thresh_g, stride_floor_row, stride_floor_g, stride_dmask, stride_dvec_row,
+    stride_dvec_g, stride_gmul_g, stride_gmul_t, stride_gadd_g, stride_gadd_t, stride_gates_g, stride_gates_t,
+    stride_scores_g, stride_scores_t, HAS_R: tl.constexpr, STASH: tl.constexpr, SLOTTED: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -401,20 +293,61 @@ def _num_warps(block_h: int) -> int:
     return 4
 
 
-def steer_site_triton(
-    h: torch.Tensor,
-    r: torch.Tensor | None,
-    row_index: torch.Tensor,
-    vec: torch.Tensor,
-    clamp_dir: torch.Tensor,
-    clamp_lo: torch.Tensor,
-    clamp_hi: torch.Tensor,
-    clamp_strength: torch.Tensor,
-    row_live: torch.Tensor,
-    stage: torch.Tensor | None = None,
-    stage_slot: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Launch the fused steering kernel (same contract as ``steer_site_reference``).
+def _layout(fields: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """For a kernel taking the tables ``fields``: the positions of those with a hidden dimension and how many strides
+    each takes (both from the tables' :data:`~dynsteer.kernels.site_tables.LAYOUT`)."""
+    return tuple(i for i, f in enumerate(fields) if LAYOUT[f].hidden), tuple(LAYOUT[f].strides for f in fields)
+
+
+_STATIC, _DYNAMIC = _layout(STATIC_FIELDS), _layout(DYNAMIC_FIELDS)
+_N_STATIC, _N_SITE = len(STATIC_FIELDS), len(SITE_FIELDS)
+
+
+def _launch(kernel: triton.JITFunction, who: str, layout: tuple[tuple[int, ...], tuple[int, ...]], h: torch.Tensor,
+            r: torch.Tensor | None, row_index: torch.Tensor, tables: tuple[torch.Tensor, ...],
+            sizes: tuple[int, ...], stage: torch.Tensor | None, stage_slot: torch.Tensor | None) -> torch.Tensor:
+    """What both site launchers share: the metadata checks (no device sync; cheap enough for the hot path), then one
+    program per token of ``kernel(h, r, row_index, *tables, out, stage, stage_slot, H, *sizes, n_stage, stride_h,
+    stride_r, stride_out, stride_stage, *tables' strides)``, the tables in ``SiteTables`` order."""
+    hidden_at, stride_counts = layout
+    num_tokens, hidden = h.shape
+    if r is not None and (r.shape != h.shape or r.dtype != h.dtype or r.stride(1) != 1):
+        raise ValueError(f"{who}: r must match h in shape and dtype, with contiguous rows")
+    if h.stride(1) != 1:
+        raise ValueError(f"{who}: the hidden dimension must be contiguous")
+    for i in hidden_at:
+        if tables[i].stride(-1) != 1:
+            raise ValueError(f"{who}: the hidden dimension must be contiguous")
+        if tables[i].shape[-1] != hidden:
+            raise ValueError(f"{who}: table hidden size does not match h")
+    row_live, num_rows = tables[ROW_LIVE], tables[0].shape[0]
+    if row_live.dtype != torch.int32 or row_live.shape != (num_rows,):
+        raise ValueError(f"{who}: row_live must be int32 [{num_rows}]")
+
+    stash = _check_stage(stage, stage_slot, h, who)
+    out = torch.empty_like(h)
+    if num_tokens == 0:
+        return out
+    block_h = triton.next_power_of_2(hidden)
+    # r_ptr / stage_ptr / slot_ptr must be valid pointers even when unused; HAS_R / STASH=False compile their
+    # accesses away.
+    r_arg = r if r is not None else h
+    stage_arg = stage if stash else h
+    slot_arg = stage_slot if stash and stage_slot is not None else row_index
+    strides = [s for t, n in zip(tables, stride_counts) for s in t.stride()[:n]]
+    kernel[(num_tokens,)](
+        h, r_arg, row_index, *tables, out, stage_arg, slot_arg, hidden, *sizes,
+        stage_arg.shape[0] if stash else 0,  # a constant when unused: no extra specialisations by T
+        h.stride(0), r_arg.stride(0), out.stride(0), stage_arg.stride(0), *strides,
+        HAS_R=r is not None, STASH=stash, SLOTTED=stage_slot is not None, BLOCK_H=block_h,
+        num_warps=_num_warps(block_h),
+    )
+    return out
+
+
+def steer_site_triton(h: torch.Tensor, r: torch.Tensor | None, row_index: torch.Tensor, tables: SiteTables,
+                      stage: torch.Tensor | None = None, stage_slot: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the fused steering kernel on the static six of ``tables`` (same contract as ``steer_site_reference``).
 
     Only shape/stride metadata is inspected on the host, so this is safe under CUDA graph
     capture. Rows may be strided, but the hidden dimension of h, r, vec and clamp_dir must be
@@ -422,195 +355,26 @@ def steer_site_triton(
 
     Arguments and result: see ``steer_site_reference``.
     """
-    num_tokens, hidden = h.shape
-    num_k = clamp_dir.shape[1]
-    # Metadata-only checks (no device sync); cheap enough to keep on the hot path.
-    if h.stride(1) != 1 or vec.stride(1) != 1 or clamp_dir.stride(2) != 1:
-        raise ValueError("steer_site_triton: the hidden dimension must be contiguous")
-    if r is not None and (r.shape != h.shape or r.dtype != h.dtype or r.stride(1) != 1):
-        raise ValueError("steer_site_triton: r must match h in shape and dtype, with contiguous rows")
-    if vec.shape[1] != hidden or clamp_dir.shape[2] != hidden:
-        raise ValueError("steer_site_triton: vec / clamp_dir hidden size does not match h")
-    if row_live.dtype != torch.int32 or row_live.shape != vec.shape[:1]:
-        raise ValueError(f"steer_site_triton: row_live must be int32 [{vec.shape[0]}]")
-
-    stash = _check_stage(stage, stage_slot, h, "steer_site_triton")
-    out = torch.empty_like(h)
-    if num_tokens == 0:
-        return out
-    block_h = triton.next_power_of_2(hidden)
-    # r_ptr / stage_ptr must be valid pointers even when unused; HAS_R / STASH=False compile their accesses away.
-    r_arg = r if r is not None else h
-    stage_arg = stage if stash else h
-    slot_arg = stage_slot if stash and stage_slot is not None else row_index  # a valid pointer when unused
-    _steer_site_kernel[(num_tokens,)](
-        h,
-        r_arg,
-        row_index,
-        vec,
-        clamp_dir,
-        clamp_lo,
-        clamp_hi,
-        clamp_strength,
-        row_live,
-        out,
-        stage_arg,
-        slot_arg,
-        hidden,
-        num_k,
-        stage_arg.shape[0] if stash else 0,  # a constant when unused: no extra specialisations by T
-        h.stride(0),
-        r_arg.stride(0),
-        out.stride(0),
-        stage_arg.stride(0),
-        vec.stride(0),
-        clamp_dir.stride(0),
-        clamp_dir.stride(1),
-        clamp_lo.stride(0),
-        clamp_lo.stride(1),
-        clamp_hi.stride(0),
-        clamp_hi.stride(1),
-        clamp_strength.stride(0),
-        clamp_strength.stride(1),
-        row_live.stride(0),
-        HAS_R=r is not None,
-        STASH=stash,
-        SLOTTED=stage_slot is not None,
-        BLOCK_H=block_h,
-        num_warps=_num_warps(block_h),
-    )
-    return out
+    return _launch(_steer_site_kernel, "steer_site_triton", _STATIC, h, r, row_index, tables[:_N_STATIC],
+                   (tables.clamp_dir.shape[1],), stage, stage_slot)
 
 
-def steer_site_dyn_triton(
-    h: torch.Tensor,
-    r: torch.Tensor | None,
-    row_index: torch.Tensor,
-    vec: torch.Tensor,
-    clamp_dir: torch.Tensor,
-    clamp_lo: torch.Tensor,
-    clamp_hi: torch.Tensor,
-    clamp_strength: torch.Tensor,
-    row_live: torch.Tensor,
-    clamp_gate: torch.Tensor,
-    mon_mask: torch.Tensor,
-    mon_probe: torch.Tensor,
-    mon_sharp: torch.Tensor,
-    mon_thresh: torch.Tensor,
-    mon_floor: torch.Tensor,
-    dyn_mask: torch.Tensor,
-    dyn_vec: torch.Tensor,
-    gate_mul: torch.Tensor,
-    gate_add: torch.Tensor,
-    gates: torch.Tensor,
-    scores: torch.Tensor,
-    stage: torch.Tensor | None = None,
-    stage_slot: torch.Tensor | None = None,
-) -> torch.Tensor:
+def steer_site_dyn_triton(h: torch.Tensor, r: torch.Tensor | None, row_index: torch.Tensor, tables: SiteTables,
+                          stage: torch.Tensor | None = None, stage_slot: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the fused dynamic steering kernel (same contract as ``steer_site_dyn_reference``).
 
-    Writes ``gates`` / ``scores`` in place for the monitored slots of the first T tokens. Only
+    Writes ``tables.gates`` / ``tables.scores`` in place for the monitored slots of the first T tokens. Only
     shape/stride metadata is inspected on the host, so this is safe under CUDA graph capture. Any
     strides are accepted except that the hidden dimension of h, r, vec, clamp_dir, mon_probe and
     dyn_vec must be contiguous.
 
     Arguments and result: see ``steer_site_dyn_reference``.
     """
-    num_tokens, hidden = h.shape
-    num_k, num_g = clamp_dir.shape[1], gates.shape[0]
-    if any(t.stride(-1) != 1 for t in (h, vec, clamp_dir, mon_probe, dyn_vec)):
-        raise ValueError("steer_site_dyn_triton: the hidden dimension must be contiguous")
-    if r is not None and (r.shape != h.shape or r.dtype != h.dtype or r.stride(1) != 1):
-        raise ValueError("steer_site_dyn_triton: r must match h in shape and dtype, with contiguous rows")
-    if vec.shape[1] != hidden or clamp_dir.shape[2] != hidden or mon_probe.shape[2] != hidden or (
-        dyn_vec.shape[2] != hidden
-    ):
-        raise ValueError("steer_site_dyn_triton: table hidden size does not match h")
-    if mon_probe.shape[1] != num_g or dyn_vec.shape[1] != num_g or clamp_gate.shape[1] != num_k:
+    num_k, num_g = tables.clamp_dir.shape[1], tables.gates.shape[0]
+    if tables.mon_probe.shape[1] != num_g or tables.dyn_vec.shape[1] != num_g or tables.clamp_gate.shape[1] != num_k:
         raise ValueError("steer_site_dyn_triton: gate slots / clamp slots differ between tables and buffers")
-    if row_live.dtype != torch.int32 or row_live.shape != vec.shape[:1]:
-        raise ValueError(f"steer_site_dyn_triton: row_live must be int32 [{vec.shape[0]}]")
-    for buf in (gate_mul, gate_add, gates, scores):
-        if buf.dtype != torch.float32 or buf.shape[0] != num_g or buf.shape[1] < num_tokens:
+    for buf in tables[_N_SITE:]:
+        if buf.dtype != torch.float32 or buf.shape[0] != num_g or buf.shape[1] < h.shape[0]:
             raise ValueError("steer_site_dyn_triton: gate buffers must be float32 [G, N >= T]")
-
-    stash = _check_stage(stage, stage_slot, h, "steer_site_dyn_triton")
-    out = torch.empty_like(h)
-    if num_tokens == 0:
-        return out
-    block_h = triton.next_power_of_2(hidden)
-    r_arg = r if r is not None else h
-    stage_arg = stage if stash else h
-    slot_arg = stage_slot if stash and stage_slot is not None else row_index  # a valid pointer when unused
-    _steer_site_dyn_kernel[(num_tokens,)](
-        h,
-        r_arg,
-        row_index,
-        vec,
-        clamp_dir,
-        clamp_lo,
-        clamp_hi,
-        clamp_strength,
-        row_live,
-        clamp_gate,
-        mon_mask,
-        mon_probe,
-        mon_sharp,
-        mon_thresh,
-        mon_floor,
-        dyn_mask,
-        dyn_vec,
-        gate_mul,
-        gate_add,
-        gates,
-        scores,
-        out,
-        stage_arg,
-        slot_arg,
-        hidden,
-        num_k,
-        num_g,
-        stage_arg.shape[0] if stash else 0,  # a constant when unused: no extra specialisations by T
-        h.stride(0),
-        r_arg.stride(0),
-        out.stride(0),
-        stage_arg.stride(0),
-        vec.stride(0),
-        clamp_dir.stride(0),
-        clamp_dir.stride(1),
-        clamp_lo.stride(0),
-        clamp_lo.stride(1),
-        clamp_hi.stride(0),
-        clamp_hi.stride(1),
-        clamp_strength.stride(0),
-        clamp_strength.stride(1),
-        row_live.stride(0),
-        clamp_gate.stride(0),
-        clamp_gate.stride(1),
-        mon_mask.stride(0),
-        mon_probe.stride(0),
-        mon_probe.stride(1),
-        mon_sharp.stride(0),
-        mon_sharp.stride(1),
-        mon_thresh.stride(0),
-        mon_thresh.stride(1),
-        mon_floor.stride(0),
-        mon_floor.stride(1),
-        dyn_mask.stride(0),
-        dyn_vec.stride(0),
-        dyn_vec.stride(1),
-        gate_mul.stride(0),
-        gate_mul.stride(1),
-        gate_add.stride(0),
-        gate_add.stride(1),
-        gates.stride(0),
-        gates.stride(1),
-        scores.stride(0),
-        scores.stride(1),
-        HAS_R=r is not None,
-        STASH=stash,
-        SLOTTED=stage_slot is not None,
-        BLOCK_H=block_h,
-        num_warps=_num_warps(block_h),
-    )
-    return out
+    return _launch(_steer_site_dyn_kernel, "steer_site_dyn_triton", _DYNAMIC, h, r, row_index, tables,
+                   (num_k, num_g), stage, stage_slot)

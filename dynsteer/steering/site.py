@@ -15,6 +15,7 @@ from torch import nn
 from dynsteer.kernels import ops  # registers torch.ops.dynsteer.*
 from dynsteer.kernels.dynamic_reference import steer_site_dyn_reference
 from dynsteer.kernels.reference import steer_site_reference
+from dynsteer.kernels.site_tables import DYNAMIC_FIELDS, SITE_FIELDS, STATIC_FIELDS, SiteTables
 from dynsteer.spec import Site
 from dynsteer.steering.tables import SteeringTables
 
@@ -34,10 +35,16 @@ class SiteHook(nn.Module):
         # only where that norm is not reached with a residual (a model's first layer)
         self.fused = False
         self.capturing = stage is not None
-        self.dynamic = tables.max_gates > 0
+        # the site's tables as the kernels take them, built once with the tables (never per step)
+        self.site_tables: SiteTables = tables.site_tables(layer, site)
+        self.dynamic = self.site_tables.dynamic
+        self._fields = DYNAMIC_FIELDS if self.dynamic else STATIC_FIELDS
+        self._own = len(SITE_FIELDS if self.dynamic else STATIC_FIELDS)  # then the shared gate buffers
+        self._op = ops.steer_site_dyn if self.dynamic else ops.steer_site
+        self._reference = steer_site_dyn_reference if self.dynamic else steer_site_reference
         self.register_buffer("row_index", tables.row_index, persistent=False)
-        for name, view in (tables.views(layer, site) | tables.gate_buffers).items():
-            self.register_buffer(name, view, persistent=False)
+        for name in self._fields:
+            self.register_buffer(name, getattr(self.site_tables, name), persistent=False)
         # The op writes the unsteered residual into the capture buffer in the same launch, at the rows the host
         # gave this step's captured tokens in ``stage_slot`` (shared by every place; -1 everywhere when nothing is
         # captured, so an idle step stores nothing). A place without a buffer passes an empty tensor (the op's
@@ -47,25 +54,31 @@ class SiteHook(nn.Module):
         self.register_buffer("stage", stage, persistent=False)
         self.register_buffer("stage_slot", stage_slot if self.capturing else None, persistent=False)
 
+    def live_tables(self) -> SiteTables:
+        """The site's tables for this call: :attr:`site_tables` itself when called eagerly; while Dynamo traces, the
+        same tensors read as this module's buffers, so compiled graphs keep taking them as the module's inputs (as
+        vLLM's compile cache expects). Eager calls skip nn.Module's attribute lookup, ~1 µs per table."""
+        if torch.compiler.is_compiling():
+            return SiteTables(*[getattr(self, name) for name in self._fields])
+        return self.site_tables
+
     def forward(self, h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
-        static = (h, r, self.row_index, self.vec, self.clamp_dir, self.clamp_lo, self.clamp_hi, self.clamp_strength,
-                  self.row_live)
-        dyn = ()
-        if self.dynamic:  # monitors write gates/scores in place; later sites of the same forward read them
-            dyn = (self.clamp_gate, self.mon_mask, self.mon_probe, self.mon_sharp, self.mon_thresh, self.mon_floor,
-                   self.dyn_mask, self.dyn_vec, self.gate_mul, self.gate_add, self.gates, self.scores)
+        # dynamic: monitors write gates/scores in place; later sites of the same forward read them
+        row_index, tables = self.row_index, self.live_tables()
         if self.inline:  # plain torch ops: traced into the graph, fusable by torch.compile
             if self.capturing:  # the unsteered residual, read before this site's steering
                 torch.ops.dynsteer.stash_residual(h, r, self.stage, self.stage_slot)
-            return steer_site_dyn_reference(*static, *dyn) if self.dynamic else steer_site_reference(*static)
-        if self.dynamic:
-            return torch.ops.dynsteer.steer_site_dyn(*static, *dyn, self.stage, self.stage_slot)
-        return torch.ops.dynsteer.steer_site(*static, self.stage, self.stage_slot)
+            return self._reference(h, r, row_index, tables)
+        return self._op(h, r, row_index, tables, self.stage, self.stage_slot)
 
     def tables(self) -> list[torch.Tensor]:
-        """This site's tables in ``SteeringTables`` order (the fused op's ``tabs_a`` / ``tabs_b``)."""
-        names = SteeringTables.FIELDS + (SteeringTables.DYN_FIELDS if self.dynamic else ())
-        return [getattr(self, name) for name in names]
+        """This site's own tables in ``SiteTables`` order (the fused op's ``tabs_a`` / ``tabs_b``)."""
+        return list(self.live_tables()[:self._own])
+
+    def gate_buffers(self) -> list[torch.Tensor]:
+        """The shared gate buffers in ``SiteTables`` order (the fused op's ``gate_bufs``); empty without a dynamic
+        tier."""
+        return list(self.live_tables()[self._own:]) if self.dynamic else []
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer}, site={self.site}, inline={self.inline}, capturing={self.capturing}, "
@@ -81,9 +94,8 @@ def fused_add_rms_norm(first: SiteHook | None, second: SiteHook | None, x: torch
     (``dynsteer.kernels.fused_reference``)."""
     hooks = [h for h in (first, second) if h is not None]
     lead = hooks[0]
-    gate_bufs = [lead.gate_mul, lead.gate_add, lead.gates, lead.scores] if lead.dynamic else []
     slot = next((h.stage_slot for h in hooks if h.capturing), None)
     return ops.steer_add_rms_norm(  # an absent site: no tables, the op's empty capture buffer
         x, residual, weight, eps, lead.row_index, first.tables() if first is not None else [],
-        second.tables() if second is not None else [], gate_bufs, first.stage if first is not None else None,
+        second.tables() if second is not None else [], lead.gate_buffers(), first.stage if first is not None else None,
         second.stage if second is not None else None, slot, unit_offset)

@@ -1,19 +1,19 @@
 """Persistent device tables for every hooked (layer, site); the row pool that shares rows between requests is in
 ``dynsteer.steering.rows``.
 
-Layout per hooked site (R = rows, K = clamp slots, G = gate slots, H = hidden): ``vec[R, H]``, ``clamp_dir[R, K, H]``,
-``clamp_lo/hi/strength[R, K]`` in float32 and ``row_live[R]`` (int32 flags of what the row holds at this site: 1 a
-non-zero vector, 2 a clamp with non-zero strength, 4 monitors, 8 dyn terms; the kernels skip the site for a row whose
-flags are 0 and load only the flagged tables otherwise). Row 0 holds nothing, so its ``row_live`` entry carries the
-site's summary instead: the OR of the flags of every row tokens may read this step (a superset: ``write_row`` ORs a
-new row in, :meth:`SteeringTables.summarize` narrows it to the batch's rows). A kernel finding it 0 skips the site for
-every token without the dependent load of a token's row flags (one load in the chain of every steered token at
-every site it does not steer: ~35 µs per forward on an 8B model at batch 64 for one steered site of 96). With a
-dynamic tier (G > 0) also ``clamp_gate[R, K]`` and the bitmasks ``mon_mask[R]``/``dyn_mask[R]`` (int32), ``mon_probe[R, G, H]``, ``mon_sharp/thresh/floor[R, G]`` and
-``dyn_vec[R, G, H]``. Shared by all sites: ``row_index[max_tokens]`` (int32) and, with G > 0, the per-token
-``gate_mul/gate_add`` (staged by the host) and ``gates/scores`` (written by monitors, read by later sites), each
-``[G, max_tokens]`` float32. Row 0 is all zeros and is what padding and unsteered tokens read. Tensors are allocated
-once, before vLLM profiles memory, and only ever written in place, so CUDA graphs captured over them stay valid.
+Each hooked site owns the tables :class:`dynsteer.kernels.site_tables.SiteTables` defines (their shapes, dtypes and
+defaults are declared there): the vector, clamps and ``row_live`` flags of every row (1 a non-zero vector, 2 a clamp
+with non-zero strength, 4 monitors, 8 dyn terms; the kernels skip the site for a row whose flags are 0 and load only
+the flagged tables otherwise), and with a dynamic tier (G > 0) the row's monitors and dyn terms. Row 0 holds nothing,
+so its ``row_live`` entry carries the site's summary instead: the OR of the flags of every row tokens may read this
+step (a superset: ``write_row`` ORs a new row in, :meth:`SteeringTables.summarize` narrows it to the batch's rows). A
+kernel finding it 0 skips the site for every token without the dependent load of a token's row flags (one load in
+the chain of every steered token at every site it does not steer: ~35 µs per forward on an 8B model at batch 64 for
+one steered site of 96). Shared by all sites: ``row_index[max_tokens]`` (int32) and, with G > 0, the per-token gate
+buffers ``gate_mul/gate_add`` (staged by the host) and ``gates/scores`` (written by monitors, read by later sites),
+each ``[G, max_tokens]`` float32. Row 0 is all zeros and is what padding and unsteered tokens read. Tensors are
+allocated once, before vLLM profiles memory, and only ever written in place, so CUDA graphs captured over them stay
+valid; each site's :class:`SiteTables` is built once here, and the hook in its layer hands it to the kernels.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from dynsteer.kernels import site_summary
+from dynsteer.kernels.site_tables import GATE_FIELDS, LAYOUT, SITE_FIELDS, STATIC_FIELDS, SiteTables
 from dynsteer.spec import Site
 from dynsteer.request.programs import RowContent, SiteKey
 
@@ -40,32 +41,20 @@ class SteeringTables:
     standalone buffers are read live.
     """
 
-    FIELDS = ("vec", "clamp_dir", "clamp_lo", "clamp_hi", "clamp_strength", "row_live")
-    DYN_FIELDS = ("clamp_gate", "mon_mask", "mon_probe", "mon_sharp", "mon_thresh", "mon_floor", "dyn_mask",
-                  "dyn_vec")
-
     def __init__(self, sites: list[SiteKey], hidden_size: int, num_rows: int, max_clamps: int, max_tokens: int,
                  device: torch.device | str | None = None, max_gates: int = 0) -> None:
         self.sites = list(sites)
         self.slot = {key: i for i, key in enumerate(self.sites)}
         self.hidden_size, self.num_rows, self.max_clamps, self.max_gates = hidden_size, num_rows, max_clamps, max_gates
-        R, K, H, G = num_rows, max_clamps, hidden_size, max_gates
-        f32 = dict(dtype=torch.float32, device=device)
-        i32 = dict(dtype=torch.int32, device=device)
+        sizes = dict(R=num_rows, K=max_clamps, H=hidden_size, G=max_gates, N=max_tokens)
 
-        def site_tensors() -> dict[str, torch.Tensor]:
-            t = {"vec": torch.zeros(R, H, **f32), "clamp_dir": torch.zeros(R, K, H, **f32),
-                 "clamp_lo": torch.full((R, K), -float("inf"), **f32),
-                 "clamp_hi": torch.full((R, K), float("inf"), **f32), "clamp_strength": torch.zeros(R, K, **f32),
-                 "row_live": torch.zeros(R, **i32)}
-            if G:
-                t.update(clamp_gate=torch.full((R, K), -1, **i32), mon_mask=torch.zeros(R, **i32),
-                         mon_probe=torch.zeros(R, G, H, **f32), mon_sharp=torch.zeros(R, G, **f32),
-                         mon_thresh=torch.zeros(R, G, **f32), mon_floor=torch.zeros(R, G, **f32),
-                         dyn_mask=torch.zeros(R, **i32), dyn_vec=torch.zeros(R, G, H, **f32))
-            return t
+        def alloc(name: str) -> torch.Tensor:
+            table = LAYOUT[name]
+            return torch.full(table.shape(sizes), table.fill, dtype=table.dtype, device=device)
 
-        self._site: dict[SiteKey, dict[str, torch.Tensor]] = {key: site_tensors() for key in self.sites}
+        fields = SITE_FIELDS if max_gates else STATIC_FIELDS
+        self._site: dict[SiteKey, dict[str, torch.Tensor]] = {
+            key: {name: alloc(name) for name in fields} for key in self.sites}
         # per row, the sites whose tables hold something other than the defaults, and which field groups there
         self._dirty: list[dict[SiteKey, frozenset[str]]] = [{} for _ in range(num_rows)]
         # host mirror of row_live per (site, row), and of each site's summary (row 0's device entry)
@@ -76,12 +65,17 @@ class SteeringTables:
         self.row_index = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.device = self.row_index.device
         # Standalone tensors (not views of one buffer), for the same reason as the site tables.
-        self.gate_buffers: dict[str, torch.Tensor] = (
-            {name: torch.zeros(G, max_tokens, **f32) for name in ("gate_mul", "gate_add", "gates", "scores")}
-            if G else {})
+        self.gate_buffers: dict[str, torch.Tensor] = {name: alloc(name) for name in GATE_FIELDS} if max_gates else {}
+        # each site's tables as the kernels take them, built once
+        self._tables = {key: SiteTables(**self._site[key], **self.gate_buffers) for key in self.sites}
 
     def views(self, layer: int, site: Site) -> dict[str, torch.Tensor]:
+        """The site's own tables by name (without the shared gate buffers)."""
         return self._site[(layer, site)]
+
+    def site_tables(self, layer: int, site: Site) -> SiteTables:
+        """The site's tables as its kernels take them (the same tensors, built once)."""
+        return self._tables[(layer, site)]
 
     def vec_at(self, key: SiteKey, row: int) -> torch.Tensor:
         """The additive vector a row holds at one site (for inspection and tests)."""
