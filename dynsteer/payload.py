@@ -146,7 +146,7 @@ def _decode_packed(packed: str, field: str, limits: Limits) -> RequestPayload:
 
 
 def _check_tag(tag: Any, field: str) -> str:
-    from dynsteer.capture.store import check_tag  # the one rule for what may name capture files
+    from dynsteer.capture.names import check_tag  # the one rule for what may name capture files
 
     return check_tag(tag, f"{field}.tag")
 

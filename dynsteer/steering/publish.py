@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable, Collection
 
 import numpy as np
 
-from dynsteer.capture.store import Place, StreamSelection, place_key
+from dynsteer.capture.names import Place, place_key
+from dynsteer.capture.step import StreamSelection
 from dynsteer.config import StreamSpec
 from dynsteer.steering.stats import RuntimeStats
 
