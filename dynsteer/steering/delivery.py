@@ -48,7 +48,7 @@ class CaptureDelivery:
     def begin(self, req_id: str, tag: str | None, spec: CaptureSpec | None, prompt_len: int) -> None:
         self.collector.begin(req_id, tag, spec, prompt_len)
 
-    def plan(self, ids: tuple[str, ...], query_start_loc: Any, num_computed: np.ndarray,
+    def plan(self, ids: tuple[str, ...], query_start_loc: np.ndarray, num_computed: np.ndarray,
              streams: list[StreamSelection]) -> None:
         """This step's captured tokens and the streams' selected ones (nothing when neither has any)."""
         if streams or self.collector.needs_plan:
@@ -111,7 +111,7 @@ class NullCaptureDelivery:
     def begin(self, req_id: str, tag: str | None, spec: CaptureSpec | None, prompt_len: int) -> None:
         pass
 
-    def plan(self, ids: tuple[str, ...], query_start_loc: Any, num_computed: np.ndarray,
+    def plan(self, ids: tuple[str, ...], query_start_loc: np.ndarray, num_computed: np.ndarray,
              streams: list[StreamSelection]) -> None:
         pass
 

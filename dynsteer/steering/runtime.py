@@ -346,7 +346,7 @@ class SteeringRuntime:
         """
         return self.dynamic_tier.take_traces(tags, self.requests)
 
-    def _stop(self, req_id: str, error: Any) -> str:
+    def _stop(self, req_id: str, error: BaseException) -> str:
         """Record that ``req_id`` must stop: a validation error names its field; anything else is internal."""
         if isinstance(error, (SteeringValidationError, RowsExhausted, ControllerFault)):
             message = str(error)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from dynsteer.steering.batch import BatchArrays
     from dynsteer.steering.requests import RequestEntry
 
+
 class ControllerOptionsError(Exception):
     """A custom controller's factory refused a policy's options (operator code): the request must stop."""
 
