@@ -37,7 +37,7 @@ HIDDEN = 128
 
 
 def heavy_payload(seed: int, n: int) -> str:
-    from dynsteer.payload import encode_payload
+    from dynsteer.request.payload import encode_payload
     from dynsteer.spec import AddVector, SteeringSpec
 
     rng = np.random.default_rng(seed)

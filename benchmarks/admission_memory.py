@@ -45,7 +45,7 @@ MIB = 1 << 20
 
 
 def _vectors(seed: int, n: int) -> str:
-    from dynsteer.payload import encode_payload
+    from dynsteer.request.payload import encode_payload
     from dynsteer.spec import AddVector, SteeringSpec
 
     rng = np.random.default_rng(seed)
@@ -55,7 +55,7 @@ def _vectors(seed: int, n: int) -> str:
 
 def _positions(seed: int, n: int) -> str:
     from dynsteer.capture.spec import CaptureSpec
-    from dynsteer.payload import encode_payload
+    from dynsteer.request.payload import encode_payload
 
     return encode_payload(capture=CaptureSpec(layers=(1,), positions=tuple(range(seed, seed + n))))
 
@@ -70,7 +70,7 @@ def _rss() -> int:
 def memo_child(kind: str, count: int, trace: bool) -> dict[str, Any]:
     """Runs in a fresh process: ``count`` distinct payloads of ``kind`` through admission; what each memo holds
     (RSS untraced: tracemalloc's own record of every block would be freed with them)."""
-    import dynsteer.payload as payload_mod
+    import dynsteer.request.payload as payload_mod
     from dynsteer.config import Limits
     from dynsteer.engine.frontend import FrontendState
     from dynsteer.spec import ModelShape

@@ -33,7 +33,7 @@ from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControlle
 from dynsteer.capture.consumers import MemoryConsumer  # noqa: E402
 from dynsteer.capture.spec import CaptureSpec  # noqa: E402
 from dynsteer.capture.store import CaptureCollector  # noqa: E402
-from dynsteer.payload import encode_payload  # noqa: E402
+from dynsteer.request.payload import encode_payload  # noqa: E402
 from dynsteer.spec import ModelShape, SteeringSpec  # noqa: E402
 from dynsteer.steering.runtime import BatchView, SteeringRuntime  # noqa: E402
 from dynsteer.steering.tables import SteeringTables  # noqa: E402

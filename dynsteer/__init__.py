@@ -10,7 +10,7 @@ from dynsteer.capture.reader import CaptureReader
 from dynsteer.capture.result import Capture
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.config import DynsteerConfig
-from dynsteer.payload import decode_payload, encode_payload
+from dynsteer.request.payload import decode_payload, encode_payload
 from dynsteer.policy import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec
 from dynsteer.spec import (SITES, TIERS, Ablation, AddVector, ModelShape, ProjectionClamp, SteeringSpec,
                            SteeringValidationError)

@@ -24,7 +24,7 @@ from dynsteer.capture.result import Capture, host_id, merge_captures, unpack_rec
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.engine import keys
 from dynsteer.engine.frontend import state_of
-from dynsteer.payload import PAYLOAD_KEY, encode_payload, with_tag
+from dynsteer.request.payload import PAYLOAD_KEY, encode_payload, with_tag
 from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import (AddVector, Ablation, ModelShape, ProjectionClamp, Site, SteeringSpec,
                            SteeringValidationError, Tier, VectorSource, check_name, check_vector)

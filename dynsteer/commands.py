@@ -30,8 +30,7 @@ import msgspec
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, TypeAdapter, ValidationError,
                       field_validator)
 
-from dynsteer.config import CommandOp, Limits
-from dynsteer.payload import DEFAULT_LIMITS, check_shape
+from dynsteer.config import DEFAULT_LIMITS, CommandOp, Limits, check_shape
 from dynsteer.policy import DynamicSteeringPolicy, gate_param_problem
 from dynsteer.spec import Real, SteeringSpec, SteeringValidationError
 

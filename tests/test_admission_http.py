@@ -14,7 +14,7 @@ import openai
 import psutil
 import pytest
 
-from dynsteer.payload import encode_payload
+from dynsteer.request.payload import encode_payload
 from dynsteer.spec import AddVector, SteeringSpec
 from tests.conftest import ON_GPU, served
 

@@ -10,7 +10,7 @@ import pytest
 
 import dynsteer.steering.requests as requests_mod
 from dynsteer.engine.frontend import FrontendState
-from dynsteer.payload import config_fingerprint, encode_payload
+from dynsteer.request.payload import config_fingerprint, encode_payload
 from dynsteer.request.compile_spec import compile_phase
 from dynsteer.spec import AddVector, ModelShape, SteeringSpec, SteeringValidationError
 from dynsteer.steering.runtime import SteeringRuntime

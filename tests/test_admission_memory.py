@@ -11,11 +11,11 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-import dynsteer.payload as payload_mod
+import dynsteer.request.payload as payload_mod
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.config import Limits
 from dynsteer.engine.frontend import FrontendState
-from dynsteer.payload import decode_payload, encode_payload
+from dynsteer.request.payload import decode_payload, encode_payload
 from dynsteer.spec import AddVector, ModelShape, SteeringSpec
 from dynsteer.steering.runtime import SteeringRuntime
 from dynsteer.steering.tables import SteeringTables

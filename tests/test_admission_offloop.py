@@ -14,7 +14,7 @@ import pytest
 
 from dynsteer.config import Limits
 from dynsteer.engine.frontend import FrontendState, frontend_state
-from dynsteer.payload import encode_payload
+from dynsteer.request.payload import encode_payload
 from dynsteer.spec import AddVector, ModelShape, SteeringSpec, SteeringValidationError
 from tests.conftest import ENGINE_DEFAULTS, ON_GPU
 

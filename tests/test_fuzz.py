@@ -244,7 +244,7 @@ def _widen(body):
 def test_engine_survives_fuzzed_batches_and_good_requests_stay_exact(engine, batch):
     import time as _time
 
-    from dynsteer.payload import encode_payload
+    from dynsteer.request.payload import encode_payload
 
     llm, good, ref, params = engine
     eng = llm.llm_engine

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dynsteer import (Action, AddVector, DynamicSteeringPolicy, ModelShape, Monitor, Rule, SteeringSpec,
                       SyncControllerSpec)
-from dynsteer.payload import encode_payload
+from dynsteer.request.payload import encode_payload
 from dynsteer.device.readback import ReadbackStore
 from dynsteer.steering.runtime import BatchView, SteeringRuntime
 from dynsteer.steering.tables import SteeringTables

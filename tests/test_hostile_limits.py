@@ -18,7 +18,8 @@ from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, Mon
                       SteeringValidationError)
 from dynsteer.config import Limits
 from dynsteer.engine.frontend import FrontendState
-from dynsteer.payload import check_shape, encode_payload
+from dynsteer.config import check_shape
+from dynsteer.request.payload import encode_payload
 from dynsteer.spec import ModelShape
 
 H, LAYERS = 8, 4
@@ -123,7 +124,7 @@ def test_gate_parameters_within_the_bounds_give_finite_float32_tables():
         for threshold in (-MAX_ABS_THRESHOLD, -1e9, 0.0, 1e9, MAX_ABS_THRESHOLD):
             payload = monitor_payload(sharpness=sharpness, threshold=threshold)
             frontend().admit(payload)
-            from dynsteer.payload import decode_payload
+            from dynsteer.request.payload import decode_payload
 
             pol = decode_payload(payload).policy
             row = compile_phase([], "decode", SHAPE, {}, ("policy.", pol))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dynsteer.payload import encode_payload
+from dynsteer.request.payload import encode_payload
 from dynsteer.request.compile_spec import compile_phase
 from dynsteer.spec import AddVector, ModelShape, SteeringSpec
 from dynsteer.steering.rows import RowPool, RowsExhausted

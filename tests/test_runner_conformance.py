@@ -12,7 +12,7 @@ import numpy as np
 
 from dynsteer import AddVector, ModelShape, SteeringSpec
 from dynsteer.engine.runner import v1_batch_view, v2_batch_view
-from dynsteer.payload import encode_payload
+from dynsteer.request.payload import encode_payload
 from dynsteer.steering.runtime import SteeringRuntime
 from dynsteer.steering.tables import SteeringTables
 

@@ -22,7 +22,7 @@ import dynsteer
 from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, DynsteerConfig, Monitor, ProjectionClamp,
                       Rule, SteeringSpec)
 from dynsteer.config import Limits
-from dynsteer.payload import encode_payload, with_tag
+from dynsteer.request.payload import encode_payload, with_tag
 from tests.conftest import make_llm, openai_server, token_ids
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning", "she opened the door and"]

@@ -8,7 +8,7 @@ import torch
 
 from dynsteer import Ablation, AddVector, ModelShape, ProjectionClamp, SteeringSpec, SteeringValidationError
 from dynsteer.config import DynsteerConfig
-from dynsteer.payload import decode_payload, encode_payload
+from dynsteer.request.payload import decode_payload, encode_payload
 from dynsteer.request.compile_spec import compile_phase
 from dynsteer.spec import check_spec
 from dynsteer.steering.runtime import BatchView, SteeringRuntime

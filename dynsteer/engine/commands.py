@@ -73,7 +73,7 @@ from dynsteer.engine.frontend import build_frontend_state
 from dynsteer.engine.keys import (PATCHES_ENGINE_CORE, PAYLOAD_KEY, RPC_PATCHES, RPC_PREFIX, RPC_REGISTER_VECTOR,
                                   RPC_SET_GLOBAL, RPC_UNREGISTER_VECTOR, SCHEDULER_ATTR)
 from dynsteer.engine.prefix_cache import command_event, global_change_event
-from dynsteer.payload import decode_payload
+from dynsteer.request.payload import decode_payload
 from dynsteer.policy import admit_policy
 from dynsteer.spec import SteeringSpec, SteeringValidationError
 from dynsteer.request.compile_spec import compile_phase

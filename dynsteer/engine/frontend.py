@@ -27,7 +27,7 @@ from dynsteer.engine.build import load_named_vector, load_probes, shape_from_vll
 from dynsteer.engine.keys import CONFIG_KEY, DECODE_KEY, DYNAMIC_KEY, FRONTEND_ATTR, PAYLOAD_KEY, ROWS_KEY
 from dynsteer.engine.prefix_cache import salted
 from dynsteer.memo import BoundedMemo, body_digest
-from dynsteer.payload import check_envelope, config_fingerprint, decode_payload
+from dynsteer.request.payload import check_envelope, config_fingerprint, decode_payload
 from dynsteer.policy import admit_policy
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
 from dynsteer.request.compile_spec import compile_phase

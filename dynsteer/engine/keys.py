@@ -11,8 +11,8 @@ from __future__ import annotations
 
 # additional_config["dynsteer"]: the user writes the engine config (dynsteer.config), every process reads it
 from dynsteer.config import CONFIG_KEY  # noqa: F401
-# extra_args["dynsteer"]: the user writes a request's payload (dynsteer.payload); admission and the workers read it
-from dynsteer.payload import PAYLOAD_KEY  # noqa: F401
+# extra_args["dynsteer"]: the user writes a request's payload (dynsteer.request.payload); admission and the workers read it
+from dynsteer.request.payload import PAYLOAD_KEY  # noqa: F401
 
 # ---- SamplingParams.extra_args (frontend → engine core → workers) ----------------------------------------------
 ROWS_KEY = "dynsteer_rows"  # frontend admission writes "prefill,decode" row digests; the scheduler reads (rows wait)

@@ -43,7 +43,7 @@ from dynsteer.engine.dev_routes import DevRouteGuard, dev_routes
 from dynsteer.engine.frontend import FrontendState, frontend_state
 from dynsteer.engine.keys import (APP_STATE_ATTR, HTTP_PREFIX, PAYLOAD_KEY, RPC_REGISTER_VECTOR, RPC_SET_GLOBAL,
                                   RPC_UNREGISTER_VECTOR)
-from dynsteer.payload import decode_payload, encode_payload
+from dynsteer.request.payload import decode_payload, encode_payload
 from dynsteer.spec import SteeringValidationError, check_name, check_vector
 from dynsteer.vectors import as_vector, pack_vector
 

@@ -16,7 +16,7 @@ from dynsteer.engine import keys, patching
 from dynsteer.engine.adapters import SUPPORTED_ARCHITECTURES
 from dynsteer.engine.build import UnsupportedArchitectureError
 from dynsteer.engine.runner import runtime_of
-from dynsteer.payload import decode_payload
+from dynsteer.request.payload import decode_payload
 from dynsteer.spec import check_name
 from dynsteer.steering.runtime import SteeringRuntime
 from dynsteer.vectors import unpack_vector

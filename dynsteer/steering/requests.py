@@ -16,7 +16,7 @@ import numpy as np
 
 from dynsteer.config import Limits
 from dynsteer.memo import BoundedMemo
-from dynsteer.payload import PAYLOAD_KEY, config_fingerprint
+from dynsteer.request.payload import PAYLOAD_KEY, config_fingerprint
 from dynsteer.request.compile_spec import compile_phase
 from dynsteer.request.programs import EMPTY, RowContent
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector

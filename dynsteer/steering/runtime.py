@@ -25,7 +25,7 @@ from dynsteer.commands import COMMAND_ADAPTER, Command, SteerCommand, patch_poli
 from dynsteer.config import Limits, StreamSpec
 from dynsteer.controllers.registry import ControllerFault, ControllerRegistry
 from dynsteer.memo import body_digest
-from dynsteer.payload import PAYLOAD_KEY, decode_payload, payload_body
+from dynsteer.request.payload import PAYLOAD_KEY, decode_payload, payload_body
 from dynsteer.policy import DynamicSteeringPolicy, admit_policy
 from dynsteer.request.programs import EMPTY, SiteKey
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError

@@ -21,7 +21,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from dynsteer.capture.spec import CaptureSpec
-from dynsteer.config import Limits
+from dynsteer.config import DEFAULT_LIMITS, Limits, check_shape
 from dynsteer.memo import BoundedMemo, body_digest
 from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import SteeringSpec, SteeringValidationError
@@ -87,9 +87,6 @@ def payload_body(payload: Any) -> Any:
     return payload.split(_TAG_SEP, 1)[0] if isinstance(payload, str) else payload
 
 
-DEFAULT_LIMITS = Limits()
-
-
 def decode_payload(obj: Any, field: str = f"extra_args.{PAYLOAD_KEY}",
                    limits: Limits = DEFAULT_LIMITS) -> RequestPayload:
     """Decode and schema-validate a payload within ``limits``; raises :class:`SteeringValidationError` naming the
@@ -149,54 +146,6 @@ def _check_tag(tag: Any, field: str) -> str:
     from dynsteer.capture.names import check_tag  # the one rule for what may name capture files
 
     return check_tag(tag, f"{field}.tag")
-
-
-#: Lists whose items are a payload's entries (``Limits.max_entries``): a spec's steering entries, a policy's
-#: monitors, rules and their actions, a capture's layers. Recognised by key at any depth, so the same walk serves a
-#: payload body, a ``{"policy": ...}`` HTTP body and a monitor's command.
-ENTRY_KEYS = frozenset({"vectors", "clamps", "ablations", "monitors", "rules", "actions", "layers"})
-#: Objects that are not entries (the body and its spec/policy/capture, controllers, inline-vector objects, a custom
-#: controller's options) are bounded too, by ``max_entries + OTHER_OBJECTS``: a valid payload holds at most one
-#: inline-vector object per entry plus a few wrappers, and the walk before schema validation stays bounded.
-OTHER_OBJECTS = 64
-
-
-def check_shape(body: Any, field: str, limits: Limits) -> None:
-    """Reject a decoded body that nests deeper than ``limits.max_depth``, holds more than ``limits.max_entries``
-    entries (items of the lists named in :data:`ENTRY_KEYS`, all together) or more than ``max_entries +``
-    :data:`OTHER_OBJECTS` other objects, before any schema validation runs (iterative: no recursion for an attacker
-    to exhaust). Exactly ``max_entries`` entries pass, whichever sections hold them."""
-    entries = objects = 0
-    # (node, depth, what it is: "entries" a list of entries, "entry" one entry, "" anything else)
-    stack: list[tuple[Any, int, str]] = [(body, 1, "")]
-    while stack:
-        node, depth, role = stack.pop()
-        if depth > limits.max_depth:
-            raise SteeringValidationError(f"{field}: payload nests deeper than the engine's limit max_depth = "
-                                          f"{limits.max_depth}")
-        if isinstance(node, dict):
-            if role != "entry":
-                objects += 1
-                if objects > limits.max_entries + OTHER_OBJECTS:
-                    raise SteeringValidationError(
-                        f"{field}: payload holds more than {limits.max_entries + OTHER_OBJECTS} objects besides "
-                        f"its entries (the engine's limit max_entries = {limits.max_entries}, plus "
-                        f"{OTHER_OBJECTS})")
-            stack.extend((v, depth + 1, "entries" if k in ENTRY_KEYS and isinstance(v, (list, tuple)) else "")
-                         for k, v in node.items())
-        elif isinstance(node, (list, tuple)):
-            if len(node) > limits.max_capture_positions:
-                raise SteeringValidationError(f"{field}: payload holds a list of {len(node)} items, over the "
-                                              f"engine's limit max_capture_positions = "
-                                              f"{limits.max_capture_positions}")
-            if role == "entries":
-                entries += len(node)
-                if entries > limits.max_entries:
-                    raise SteeringValidationError(
-                        f"{field}: payload holds more than the engine's limit max_entries = {limits.max_entries} "
-                        f"entries (steering entries, monitors, rules, actions and capture layers together)")
-            item_role = "entry" if role == "entries" else ""
-            stack.extend((v, depth + 1, item_role) for v in node if isinstance(v, (dict, list, tuple)))
 
 
 def _decode_body(body: Any, field: str, limits: Limits = DEFAULT_LIMITS) -> RequestPayload:
