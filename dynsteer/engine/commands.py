@@ -66,29 +66,23 @@ import msgspec
 import zmq
 
 from dynsteer.commands import (Ack, AbortCommand, CommandEnvelope, GlobalCommand, SteerCommand, check_steer,
-                               command_head, decode_message, max_message_bytes, parse_command, patch_policy)
+                               command_head, decode_message, max_message_bytes, parse_command)
 from dynsteer.config import DynsteerConfig, MonitorConfig
 from dynsteer.engine import patching
 from dynsteer.engine.frontend import build_frontend_state
 from dynsteer.engine.keys import (PATCHES_ENGINE_CORE, PAYLOAD_KEY, RPC_PATCHES, RPC_PREFIX, RPC_REGISTER_VECTOR,
                                   RPC_SET_GLOBAL, RPC_UNREGISTER_VECTOR, SCHEDULER_ATTR)
 from dynsteer.engine.prefix_cache import command_event, global_change_event
-from dynsteer.request.payload import decode_payload
 from dynsteer.policy import admit_policy
-from dynsteer.spec import SteeringSpec, SteeringValidationError
 from dynsteer.request.compile_spec import compile_phase
+from dynsteer.request.payload import decode_payload
+from dynsteer.request.resolve import (NO_COMMAND, REQUEST_POLICY, CommandPatch, Configuration, apply_command,
+                                      resolve)
+from dynsteer.spec import SteeringSpec, SteeringValidationError
 from dynsteer.transport.security import bind
 from dynsteer.vectors import unpack_vector
 
 logger = logging.getLogger("dynsteer")
-
-
-@dataclass
-class _Overrides:
-    """What commands changed for one live request (the next command is validated on top of it)."""
-
-    spec: SteeringSpec | None = None  # the current ``steer`` command's spec
-    policy: Any = None  # the request's policy with thresholds/rules patched (None: as admitted)
 
 
 @dataclass
@@ -122,7 +116,7 @@ class CommandDesk:
         assert cfg.monitor is not None
         self.cfg = cfg.monitor
         self.state = build_frontend_state(vllm_config)
-        self.overrides: dict[str, _Overrides] = {}
+        self.overrides: dict[str, CommandPatch] = {}  # what commands changed, per live request
         self.stats = DeskStats()
         self.max_message_bytes = max_message_bytes(self.state.limits)
         self._carried: _Message | None = None
@@ -248,22 +242,19 @@ class CommandDesk:
             reason = f"dynsteer monitor {env.monitor}: {cmd.reason or 'aborted'}"
             getattr(scheduler, SCHEDULER_ATTR).aborts[cmd.request] = reason
             return None  # the scheduler finishes it; the workers learn it as a finished request
-        ov = self.overrides.get(cmd.request) or _Overrides()
-        base_spec, base_policy = self._request_config(request)
-        spec, policy = ov.spec, ov.policy
+        state = self.state
         if isinstance(cmd, SteerCommand):
             check_steer(cmd.spec)
-            spec = None if cmd.spec is None or cmd.spec.is_empty() else cmd.spec
-        else:
-            policy = patch_policy(policy if policy is not None else base_policy, cmd)
-        specs, effective, pol = self._command_config(base_spec, base_policy, spec, policy)
-        state = self.state
-        entries = sum(_entries(s) for _, s in specs) + _policy_entries(effective)
+        own, current = self._request_config(request), Configuration(state.global_spec, state.global_policy)
+        patch = apply_command(self.overrides.get(cmd.request, NO_COMMAND), cmd, current, own)
+        effective = resolve(current, own, patch)
+        specs = effective.phase_specs("decode")
+        entries = sum(_entries(s) for _, s in specs) + _policy_entries(effective.policy)
         self._charge = 4 * state.shape.hidden_size * entries  # charged whether or not it compiles
-        decode = compile_phase(specs, "decode", state.shape, state.named, pol).digest.hex()
+        decode = compile_phase(specs, "decode", state.shape, state.named, effective.gated_policy).digest.hex()
         rows = getattr(scheduler, SCHEDULER_ATTR)
         rows.swap_decode_row(request, decode)  # raises naming the field when no row is free
-        self.overrides[cmd.request] = _Overrides(spec, policy)
+        self.overrides[cmd.request] = patch
         command_event(request, f"{env.monitor}:{decode}", rows.hash_block_size)
         rows.hold(request.request_id)
         return {"monitor": env.monitor, "command": cmd.model_dump(mode="json")}
@@ -281,34 +272,17 @@ class CommandDesk:
         state.global_salt = "" if spec.is_empty() and cmd.policy is None else signature
         return {"monitor": env.monitor, "command": cmd.model_dump(mode="json")}
 
-    def _command_config(self, base_spec: SteeringSpec | None, base_policy: Any, spec: SteeringSpec | None,
-                        policy: Any) -> tuple[list[tuple[str, SteeringSpec]], Any, tuple[str, Any] | None]:
-        """A request's effective decode configuration under its commands: its specs in the order they apply (the
-        global, the request's own ``base_spec``, the current ``steer`` command's ``spec``), its effective dynamic
-        policy (``policy`` as commands patched it, else ``base_policy`` as admitted), and that policy with the field
-        prefix its errors name where it has rules or a controller to compile (else None)."""
-        effective = policy if policy is not None else base_policy
-        specs = [("global.", self.state.global_spec)]
-        if base_spec is not None and not base_spec.is_empty():
-            specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", base_spec))
-        if spec is not None:
-            specs.append(("command.spec.", spec))
-        compiled = effective is not None and bool(effective.rules or effective.controller)
-        return specs, effective, ("command.policy.", effective) if compiled else None
-
-    def _request_config(self, request: Any) -> tuple[SteeringSpec | None, Any]:
-        """The request's own spec and its effective dynamic policy as admitted."""
+    def _request_config(self, request: Any) -> Configuration:
+        """The request's own configuration as admitted: its spec and its policy (registered probes resolved)."""
         extra = (request.sampling_params and request.sampling_params.extra_args) or {}
         payload = extra.get(PAYLOAD_KEY)
-        spec = policy = None
+        if payload is None:
+            return Configuration()
         state = self.state
-        if payload is not None:
-            decoded = decode_payload(payload, limits=state.limits)
-            spec = decoded.spec
-            if decoded.policy is not None:
-                policy = admit_policy(decoded.policy, state.probes, state.controllers,
-                                      f"extra_args.{PAYLOAD_KEY}.policy.")
-        return spec, policy if policy is not None else state.global_policy
+        decoded = decode_payload(payload, limits=state.limits)
+        policy = None if decoded.policy is None else admit_policy(decoded.policy, state.probes, state.controllers,
+                                                                  REQUEST_POLICY)
+        return Configuration(decoded.spec, policy)
 
     def _answer(self, ident: bytes, ack: Ack) -> None:
         try:

@@ -27,10 +27,11 @@ from dynsteer.engine.build import load_named_vector, load_probes, shape_from_vll
 from dynsteer.engine.keys import CONFIG_KEY, DECODE_KEY, DYNAMIC_KEY, FRONTEND_ATTR, PAYLOAD_KEY, ROWS_KEY
 from dynsteer.engine.prefix_cache import salted
 from dynsteer.memo import BoundedMemo, body_digest
-from dynsteer.request.payload import check_envelope, config_fingerprint, decode_payload
 from dynsteer.policy import admit_policy
-from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
 from dynsteer.request.compile_spec import compile_phase
+from dynsteer.request.payload import check_envelope, config_fingerprint, decode_payload
+from dynsteer.request.resolve import GLOBAL_POLICY, REQUEST_POLICY, Configuration, Effective, check_global, resolve
+from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
 
 # An admission made off the event loop for the request this task is adding (engine.admission): its memo key and
 # result, used by process_inputs when the memo could not keep it (an entry over the budget, or evicted meanwhile).
@@ -94,10 +95,8 @@ class FrontendState:
         """Validate a global spec and policy as the workers will; returns the policy with registered probes
         resolved. Raises :class:`SteeringValidationError` naming the field."""
         if policy is not None:
-            policy = admit_policy(policy, self.probes, self.controllers, "global_policy.")
-        pol = None if policy is None else ("global_policy.", policy)
-        for phase in ("prefill", "decode"):
-            compile_phase([("global.", spec)], phase, self.shape, self.named, pol)
+            policy = admit_policy(policy, self.probes, self.controllers, GLOBAL_POLICY)
+        check_global(Configuration(spec, policy), self.shape, self.named)
         return policy
 
     @property
@@ -174,45 +173,44 @@ class FrontendState:
         self._memo.put(key, result)
         return result
 
-    def request_config(self, decoded: Any) -> tuple[list[tuple[str, SteeringSpec]], tuple[str, Any] | None]:
-        """A request's effective configuration as admission sees it: its specs in the order they apply (the
-        global, then the request's own) and its dynamic policy (the request's own, with registered probes resolved,
-        else the global one), each with the field prefix its errors name. ``decoded``: the request's decoded
-        payload (None: it has none). Raises :class:`SteeringValidationError` naming the field."""
-        specs = [("global.", self.global_spec)]
-        policy = None if self.global_policy is None else ("global_policy.", self.global_policy)
+    def effective(self, decoded: Any) -> Effective:
+        """A request's effective configuration as admission sees it (:func:`~dynsteer.request.resolve.resolve`:
+        the global configuration, then the request's own, its policy admitted with registered probes resolved).
+        ``decoded``: the request's decoded payload (None: it has none). Raises :class:`SteeringValidationError`
+        naming the field."""
+        request = None
         if decoded is not None:
-            specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", decoded.spec))
-            if decoded.policy is not None:
-                where = f"extra_args.{PAYLOAD_KEY}.policy."
-                policy = (where, admit_policy(decoded.policy, self.probes, self.controllers, where))
-        return specs, policy
+            policy = None if decoded.policy is None else admit_policy(decoded.policy, self.probes, self.controllers,
+                                                                      REQUEST_POLICY)
+            request = Configuration(decoded.spec, policy)
+        return resolve(Configuration(self.global_spec, self.global_policy), request)
 
     def _admit(self, payload: Any) -> tuple[str, str, str, bool, bool]:
         decoded = None if payload is None else decode_payload(payload, limits=self.limits)
-        specs, policy = self.request_config(decoded)
+        effective = self.effective(decoded)
         recompute_prompt = False
         if decoded is not None and decoded.capture is not None:
             decoded.capture.check(self.shape, self.capture_places, f"extra_args.{PAYLOAD_KEY}.capture",
                                   self.consumers)
             # the last prompt token is always recomputed (it yields the first logits); the others may be cached
             recompute_prompt = decoded.capture.positions not in ("last_prompt", "all_generated")
-        prefill, decode = (compile_phase(specs, phase, self.shape, self.named, policy).digest.hex()
-                           for phase in ("prefill", "decode"))
+        prefill, decode = (compile_phase(effective.phase_specs(phase), phase, self.shape, self.named,
+                                         effective.policy_entry).digest.hex() for phase in ("prefill", "decode"))
         salt = prefill
-        if policy is not None and any(m.reads != "token" for m in policy[1].monitors):
+        if effective.reads_prompt:
             # Prompt-level monitors sit in the prefill row but only read: the KV is that of the policy-free prefill,
             # so the cache key is too (a gated request still shares prompt blocks with unsteered traffic). A mean
             # over the prompt must see every prompt token: such a request never starts from cached blocks.
-            salt = compile_phase(specs, "prefill", self.shape, self.named).digest.hex()
-            recompute_prompt |= any(m.reads == "prompt_mean" for m in policy[1].monitors)
+            salt = compile_phase(effective.phase_specs("prefill"), "prefill", self.shape, self.named).digest.hex()
+            recompute_prompt |= effective.prompt_mean
         needed = len({d for d in (prefill, decode) if d})
         if needed > self.capacity:
             raise SteeringValidationError(
                 f"extra_args.{PAYLOAD_KEY}: this configuration needs {needed} steering rows (its prefill and decode "
                 f"phases differ); the engine has {self.capacity} (raise DynsteerConfig.max_rows)")
-        dynamic = policy is not None and bool(policy[1].rules or policy[1].controller)
-        static_decode = compile_phase(specs, "decode", self.shape, self.named).digest.hex() if dynamic else decode
+        dynamic = effective.gates
+        static_decode = (compile_phase(effective.phase_specs("decode"), "decode", self.shape, self.named).digest.hex()
+                         if dynamic else decode)
         return salt, static_decode, f"{prefill},{decode}", dynamic, recompute_prompt
 
 

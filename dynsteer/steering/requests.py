@@ -1,11 +1,9 @@
 """The registry of a worker's live requests and the table rows their compiled configurations hold.
 
-A request's rows compile ``global + request`` (and, for the decode phase, a monitor's ``steer`` command) per phase,
-with its effective dynamic policy (a command's patch, over the request's own, over the global one) in the decode
-row. Rows are shared
-by configuration (:class:`~dynsteer.steering.rows.RowPool`); compiled contents are memoised per (global
-configuration, payload body), since most traffic repeats a few configurations and compiling hashes every vector.
-"""
+A request's rows compile its effective configuration (:func:`dynsteer.request.resolve.resolve`: the global one, the
+request's own and a monitor's commands) per phase. Rows are shared by configuration
+(:class:`~dynsteer.steering.rows.RowPool`); compiled contents are memoised per (global configuration, payload
+body), since most traffic repeats a few configurations and compiling hashes every vector."""
 
 from __future__ import annotations
 
@@ -16,9 +14,10 @@ import numpy as np
 
 from dynsteer.config import Limits
 from dynsteer.memo import BoundedMemo
-from dynsteer.request.payload import PAYLOAD_KEY, config_fingerprint
 from dynsteer.request.compile_spec import compile_phase
+from dynsteer.request.payload import config_fingerprint
 from dynsteer.request.programs import EMPTY, RowContent
+from dynsteer.request.resolve import CommandPatch, Configuration, Effective, check_global, resolve
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError, check_vector
 from dynsteer.steering.rows import RowPool, RowsExhausted
 from dynsteer.steering.tables import SteeringTables
@@ -76,9 +75,7 @@ class RequestRegistry:
 
     def check_global(self, spec: SteeringSpec, policy: DynamicSteeringPolicy | None) -> None:
         """Compile a global configuration for both phases (raises naming the bad field; changes nothing)."""
-        for phase in ("prefill", "decode"):
-            compile_phase([("global.", spec)], phase, self.shape, self.named,
-                          None if policy is None else ("global_policy.", policy))
+        check_global(Configuration(spec, policy), self.shape, self.named)
 
     def set_global(self, spec: SteeringSpec, policy: DynamicSteeringPolicy | None) -> None:
         """Take a (checked) global configuration; live requests' rows are the caller's to release and assign."""
@@ -87,16 +84,25 @@ class RequestRegistry:
 
     def global_fingerprint(self) -> str:
         """Hex id of the global prefill configuration ('' when prompts are unsteered globally)."""
-        return compile_phase([("global.", self.global_spec)], "prefill", self.shape, self.named).digest.hex()
+        return compile_phase(resolve(self.global_config).phase_specs("prefill"), "prefill", self.shape,
+                             self.named).digest.hex()
+
+    @property
+    def global_config(self) -> Configuration:
+        return Configuration(self.global_spec, self.global_policy)
+
+    def effective(self, entry: RequestEntry) -> Effective:
+        """The request's effective configuration: the global one, its own, its commands."""
+        return resolve(self.global_config, Configuration(entry.spec, entry.policy),
+                       CommandPatch(entry.cmd_spec, entry.cmd_policy))
 
     def effective_policy(self, entry: RequestEntry) -> DynamicSteeringPolicy | None:
         """The policy a request runs under (a command's patch, else its own, else the global one); ``None`` when
         stopped or when the policy gates nothing."""
         if entry.error is not None:
             return None
-        policy = entry.cmd_policy if entry.cmd_policy is not None else (
-            entry.policy if entry.policy is not None else self.global_policy)
-        return policy if policy is not None and (policy.rules or policy.controller) else None
+        effective = self.effective(entry)
+        return effective.policy if effective.gates else None
 
     def assign(self, entry: RequestEntry) -> None:
         """Compile the request's configuration and give it the rows holding it (a stopped request reads row 0).
@@ -109,20 +115,14 @@ class RequestRegistry:
         if entry.error is not None:  # stopped: it runs unsteered until the scheduler finishes it
             entry.prefill, entry.decode, entry.rows = EMPTY, EMPTY, (0, 0)
             return
-        specs = [("global.", self.global_spec)]
-        key: bytes | None = b""  # the global configuration alone
-        if entry.spec is not None and not entry.spec.is_empty():
-            specs.append((f"extra_args.{PAYLOAD_KEY}.spec.", entry.spec))
-            key = entry.payload_key
-        policy = self.effective_policy(entry)
-        if entry.policy is not None and policy is not None:
-            key = entry.payload_key
-        extra: list[tuple[str, SteeringSpec]] = []
+        effective = self.effective(entry)
+        # the memo key: the global configuration alone, or with the payload when the request's own spec or policy
+        # counts; a commanded request is not worth memoising
+        own = (entry.spec is not None and not entry.spec.is_empty()) or (entry.policy is not None and effective.gates)
+        key: bytes | None = entry.payload_key if own else b""
         if entry.cmd_spec is not None or entry.cmd_policy is not None:
-            key = None  # commanded: not worth memoising
-            if entry.cmd_spec is not None:
-                extra = [("command.spec.", entry.cmd_spec)]
-        contents = self._compile(specs, key, policy, extra)
+            key = None
+        contents = self._compile(effective, key)
         entry.rows = self._acquire(contents)
         entry.prefill, entry.decode = contents
 
@@ -134,17 +134,13 @@ class RequestRegistry:
         entry.prefill = entry.decode = EMPTY
         entry.rows = (0, 0)
 
-    def _compile(self, specs: list[tuple[str, SteeringSpec]], key: Hashable | None,
-                 policy: DynamicSteeringPolicy | None = None,
-                 decode_extra: list[tuple[str, SteeringSpec]] = ()) -> list[RowContent]:
-        """Both phases' contents, memoised per (global configuration, payload). ``decode_extra``: specs added to
-        the decode phase only (a monitor's ``steer`` command)."""
+    def _compile(self, effective: Effective, key: Hashable | None) -> list[RowContent]:
+        """Both phases' contents, memoised per (global configuration, payload)."""
         key = None if key is None else (self._global_key, key)
         cached = self.compiled.get(key) if key is not None else None
         if cached is None:
-            pol = None if policy is None else (f"extra_args.{PAYLOAD_KEY}.policy.", policy)
-            cached = [compile_phase(specs, "prefill", self.shape, self.named, pol),
-                      compile_phase([*specs, *decode_extra], "decode", self.shape, self.named, pol)]
+            cached = [compile_phase(effective.phase_specs(phase), phase, self.shape, self.named,
+                                    effective.gated_policy) for phase in ("prefill", "decode")]
             if key is not None:
                 self.compiled.put(key, cached)
         return cached

@@ -21,13 +21,14 @@ import numpy as np
 
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.capture.store import CaptureCollector, CaptureRecord
-from dynsteer.commands import COMMAND_ADAPTER, Command, SteerCommand, patch_policy
+from dynsteer.commands import COMMAND_ADAPTER, Command, SteerCommand
 from dynsteer.config import Limits, StreamSpec
 from dynsteer.controllers.registry import ControllerFault, ControllerRegistry
 from dynsteer.memo import body_digest
-from dynsteer.request.payload import PAYLOAD_KEY, decode_payload, payload_body
 from dynsteer.policy import DynamicSteeringPolicy, admit_policy
+from dynsteer.request.payload import PAYLOAD_KEY, decode_payload, payload_body
 from dynsteer.request.programs import EMPTY, SiteKey
+from dynsteer.request.resolve import GLOBAL_POLICY, REQUEST_POLICY, CommandPatch, Configuration, apply_command
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
 from dynsteer.steering.batch import BatchArrays
 from dynsteer.steering.delivery import CaptureDelivery, NullCaptureDelivery
@@ -146,7 +147,7 @@ class SteeringRuntime:
         request's rows are recompiled (global is folded into rows)."""
         policy = self.global_policy if policy is _KEEP else policy
         if policy is not None and policy is not self.global_policy:
-            policy = admit_policy(policy, self.probes, self.controllers, "global_policy.")
+            policy = admit_policy(policy, self.probes, self.controllers, GLOBAL_POLICY)
         self.registry.check_global(spec, policy)  # validate before touching state
         old_entries = list(self.requests.items())
         for _, entry in old_entries:
@@ -213,8 +214,7 @@ class SteeringRuntime:
                 decoded = decode_payload(payload, limits=self.limits)
                 spec, tag, capture, trace = decoded.spec, decoded.tag, decoded.capture, decoded.trace
                 if decoded.policy is not None:
-                    policy = admit_policy(decoded.policy, self.probes, self.controllers,
-                                          f"extra_args.{PAYLOAD_KEY}.policy.")
+                    policy = admit_policy(decoded.policy, self.probes, self.controllers, REQUEST_POLICY)
                 if capture is not None:
                     capture.check(self.shape, self.delivery.engine_places, f"extra_args.{PAYLOAD_KEY}.capture",
                                   self.consumer_names)
@@ -290,18 +290,17 @@ class SteeringRuntime:
     def _command_entry(self, req_id: str, entry: RequestEntry, cmd: Command) -> None:
         """Record a command on the request (kept across preemption) and on its entry: a ``steer`` command's spec,
         or the request's policy as a ``threshold`` or ``rule`` command patches it (then retuned)."""
+        patch = apply_command(CommandPatch(self._cmd_specs.get(req_id), self._cmd_policies.get(req_id)), cmd,
+                              self.registry.global_config, Configuration(entry.spec, entry.policy))
         if isinstance(cmd, SteerCommand):
-            spec = None if cmd.spec is None or cmd.spec.is_empty() else cmd.spec
-            if spec is None:
+            if patch.spec is None:
                 self._cmd_specs.pop(req_id, None)
             else:
-                self._cmd_specs[req_id] = spec
-            entry.cmd_spec = spec
+                self._cmd_specs[req_id] = patch.spec
+            entry.cmd_spec = patch.spec
             return
-        current = self._cmd_policies.get(req_id)  # (abort commands never reach the workers)
-        if current is None:
-            current = entry.policy if entry.policy is not None else self.global_policy
-        self._cmd_policies[req_id] = entry.cmd_policy = patch_policy(current, cmd)
+        # (abort commands never reach the workers)
+        self._cmd_policies[req_id] = entry.cmd_policy = patch.policy
         self.retune(req_id, entry)
 
     def retune(self, req_id: str, entry: RequestEntry) -> None:
