@@ -14,7 +14,7 @@ same step; the ack names that step::
 Commands change what a request computes from the acked step on; they never touch tokens computed before it.
 Request ids are the engine's ids, as stream frames name them.
 
-Who may send what is the engine core's business (``dynsteer.engine.commands``): ``monitor`` is checked against the
+Who may send what is the engine core's business (``dynsteer.engine.command_desk``): ``monitor`` is checked against the
 connection's CURVE key when there is one, and ``op`` against ``MonitorConfig.grants``, before the command is
 validated. A message holds at most ``Limits.max_payload_bytes + COMMAND_ENVELOPE_BYTES`` bytes and its ``command``
 map the payload shape limits (:func:`check_command_shape`).
