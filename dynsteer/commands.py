@@ -1,4 +1,4 @@
-"""Commands external monitor services send back to the engine (the async tier, DESIGN §4), and their acks.
+"""Commands external monitor services send back to the engine (the async tier, architecture §4), and their acks.
 
 A command travels as one msgpack map over the engine core's command socket (``MonitorConfig.command_endpoint``)::
 

@@ -1,4 +1,4 @@
-"""Limits a hostile client leans on, checked without an engine (DESIGN §10): payload entries counted exactly, gate
+"""Limits a hostile client leans on, checked without an engine (architecture §10): payload entries counted exactly, gate
 parameters that stay finite in float32 tables, capture consumers and repeats, the named-vector count.
 
 The same cases through a real engine are in ``tests/test_security.py`` (in process) and ``tests/test_serve.py``

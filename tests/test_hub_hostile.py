@@ -1,4 +1,4 @@
-"""The stream hub against hostile or broken subscribers (DESIGN §10: a monitor is a peer, not the operator).
+"""The stream hub against hostile or broken subscribers (architecture §10: a monitor is a peer, not the operator).
 
 A monitor must not delay a step beyond the operator's cap, take another monitor's name, exhaust subscriber slots or
 streams, or make the hub hold unbounded memory or disk. Each test drives a raw connection that sends exactly what an

@@ -1,4 +1,4 @@
-"""Requests are untrusted (DESIGN §10): tried as an attacker would, in process and over HTTP on loopback.
+"""Requests are untrusted (architecture §10): tried as an attacker would, in process and over HTTP on loopback.
 
 Every case is rejected with the field named (a 400 over HTTP), or, when it can only show at run time, the request
 alone is stopped with the reason; other requests stay byte-identical and the engine keeps serving.

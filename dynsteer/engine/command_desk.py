@@ -12,7 +12,7 @@ request it names exactly as the workers will compile it, and takes it at that st
   recomputed, so KV computed under the command is never served to a request that would compute it differently;
 * ``abort`` finishes the request at the next output with a reason naming the monitor.
 
-Who may send what (DESIGN §10: a connected monitor is a peer, not the operator):
+Who may send what (architecture §10: a connected monitor is a peer, not the operator):
 
 * connection: ``ipc://`` (socket file 0600 in a 0700 directory: only this user's processes connect), or, for any
   ``tcp://`` endpoint, CURVE with the operator's allowlist (``MonitorConfig.curve``): a client with another key

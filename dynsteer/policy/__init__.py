@@ -1,6 +1,6 @@
 """Dynamic steering policies: monitors (in-graph probe gates), rules (what a gate switches on) and a sync controller.
 
-A :class:`DynamicSteeringPolicy` is the schema of the dynamic tiers of DESIGN §4. Like :mod:`dynsteer.spec` it is
+A :class:`DynamicSteeringPolicy` is the schema of the dynamic tiers of architecture §4. Like :mod:`dynsteer.spec` it is
 pydantic, immutable, versioned and free of vLLM and torch imports, so it can be written in a notebook, saved as
 YAML/JSON, shipped with a request and validated against a model's shape (:meth:`DynamicSteeringPolicy.check`) before
 anything reaches the engine.
@@ -11,7 +11,7 @@ Semantics:
       monitor of the dynamic op, :mod:`dynsteer.kernels.dynamic_reference`). Prompt (prefill) tokens are never
       gated: their gate is 0. The monitor reads the residual *before* any dynamic action at the same site.
     * A :class:`Rule` ties a monitor to actions. ``gate`` values below ``gate_floor`` count as 0. Each action is the
-      dynamic term ``g · dyn_scale · action`` of DESIGN §3: an ``add`` adds ``g · dyn_scale · scale · vector``; a
+      dynamic term ``g · dyn_scale · action`` of architecture §3: an ``add`` adds ``g · dyn_scale · scale · vector``; a
       ``clamp``/``ablate`` uses ``g · dyn_scale · strength`` as its strength. ``dyn_scale`` is the sync controller's
       output (1 without a controller).
     * ``scope`` says when the gate acts: ``this_token`` — in the same forward pass, on the same token (the gate is

@@ -60,11 +60,12 @@ class Monitor(FrozenModel):
 
     * ``probe``: the name of a probe file the operator registered (``DynsteerConfig(probes={name: path})``); the
       only probe form a request sent to an engine may use;
-    * ``probe_file``: a dynsteer probe file (DESIGN §7) read in the caller's process: :func:`dynsteer.encode_payload`
-      and :meth:`dynsteer.Steerer.set_policy` load it and send the inline form (an engine rejects file paths);
+    * ``probe_file``: a dynsteer probe file (architecture §7) read in the caller's process:
+      :func:`dynsteer.encode_payload` and :meth:`dynsteer.Steerer.set_policy` load it and send the inline form (an
+      engine rejects file paths);
     * inline ``direction`` + ``sharpness`` + ``threshold``: ``gate = σ(sharpness · (x·direction − threshold))``.
 
-    :meth:`from_probe_file` builds the inline form from a probe file (exact logistic-probe identity, DESIGN §4).
+    :meth:`from_probe_file` builds the inline form from a probe file (exact logistic-probe identity, architecture §4).
 
     Args:
         name: unique name that rules refer to.

@@ -1,7 +1,7 @@
 """Linear probes on the residual stream: collect activations from vLLM, fit, evaluate, calibrate, export.
 
 A probe trained here is a ``(w, b)`` pair on one ``(layer, site)``; it is saved in the probe file format
-(DESIGN §7) and maps exactly onto the in-graph gate (DESIGN §4, :func:`gate_params`).
+(architecture §7) and maps exactly onto the in-graph gate (architecture §4, :func:`gate_params`).
 
 Example:
     >>> from dynsteer.probes import LogisticProbe, collect, layer_sweep     # doctest: +SKIP
