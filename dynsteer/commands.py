@@ -30,6 +30,7 @@ import msgspec
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, TypeAdapter, ValidationError,
                       field_validator)
 
+from dynsteer._deprecated import renamed
 from dynsteer.config import CommandOp, Limits
 from dynsteer.payload import DEFAULT_LIMITS, check_shape
 from dynsteer.policy import DynamicSteeringPolicy, gate_param_problem
@@ -124,7 +125,7 @@ class CommandEnvelope(_Cmd):
     command: Command
 
 
-class Ack(BaseModel):
+class CommandAck(BaseModel):
     """The engine's answer to one command."""
 
     model_config = ConfigDict(extra="forbid")
@@ -276,3 +277,7 @@ def check_steer(spec: SteeringSpec | None) -> None:
             if entry.tier == "prefill":
                 raise SteeringValidationError(f"command.spec.{group}[{i}].tier: commands steer generated tokens "
                                               f"only ('base' or 'decode'); prompt tokens are not recomputed")
+
+
+# Old name kept for one release (the stream wire has its own ack, :class:`dynsteer.transport.wire.StreamAck`).
+__getattr__ = renamed(__name__, {"Ack": ("CommandAck", CommandAck)})

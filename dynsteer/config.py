@@ -232,7 +232,7 @@ class DynsteerConfig(BaseModel):
             names one with ``SyncControllerSpec(kind="custom", name=...)``. Entry points of the group
             ``dynsteer.controllers`` are registered too. Requests never carry import paths.
         probes: probe files requests may use as monitors, ``{name: path}``, loaded at start-up in every process;
-            a monitor names one with ``Monitor(probe=name, ...)``. Requests never carry file paths.
+            a monitor names one with ``ProbeGate(probe=name, ...)``. Requests never carry file paths.
         limits: bounds on request payloads and on what the engine keeps (:class:`Limits`).
         monitor: the async tier's streams and command channel (:class:`MonitorConfig`; None: off).
         sync_tier: where built-in sync controllers and carried scopes run: ``"device"`` (a kernel after each

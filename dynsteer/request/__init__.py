@@ -5,3 +5,5 @@
 imports ``dynsteer.steering``, ``dynsteer.engine`` or vLLM: the frontend, the engine core and the workers compile
 alike.
 """
+
+__all__: list[str] = []  # the frontend, the engine core and the workers compile with it; users never do
