@@ -1,4 +1,4 @@
-"""A light client's latency over HTTP, alone and beside two clients sending heavy valid payloads (DESIGN §10).
+"""A light client's latency over HTTP, alone and beside two clients sending heavy valid payloads (architecture §10).
 
 A ``dynsteer serve`` of the tiny Llama (default limits). The light client sends ``--light`` completions one after
 another (no payload, 8 tokens); each heavy client sends completions back to back, each with a new ~190 KB payload

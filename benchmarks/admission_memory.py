@@ -1,4 +1,4 @@
-"""Memory that admission keeps for distinct large payloads, against ``Limits.cache_bytes`` (DESIGN §10).
+"""Memory that admission keeps for distinct large payloads, against ``Limits.cache_bytes`` (architecture §10).
 
 Two parts, each in processes of their own:
 

@@ -81,10 +81,10 @@ class Bench:
 
     # ---- steering -------------------------------------------------------------------------------------------------
     def _policy(self, threshold: float, sharpness: float = 4.0, floor: float = 0.0) -> Any:
-        from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule
+        from dynsteer import Action, DynamicSteeringPolicy, ProbeGate, Rule
 
         h = self.st.hidden_size
-        mon = Monitor(name="m", layer=MON_LAYER, direction=_unit(h, 0), sharpness=sharpness, threshold=threshold)
+        mon = ProbeGate(name="m", layer=MON_LAYER, direction=_unit(h, 0), sharpness=sharpness, threshold=threshold)
         act = Action(kind="add", layer=ACT_LAYER, vector=_vec(h, 1))
         return DynamicSteeringPolicy(monitors=[mon], rules=[Rule(monitor="m", actions=[act], gate_floor=floor)])
 

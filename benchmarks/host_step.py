@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec  # noqa: E402
+from dynsteer import Action, DynamicSteeringPolicy, ProbeGate, Rule, SyncControllerSpec  # noqa: E402
 from dynsteer.capture.consumers import MemoryConsumer  # noqa: E402
 from dynsteer.capture.spec import CaptureSpec  # noqa: E402
 from dynsteer.capture.store import CaptureCollector  # noqa: E402
@@ -71,7 +71,7 @@ def payloads(mode: str, batch: int, layers: int, hidden: int, rng: np.random.Gen
     ctrl = (SyncControllerSpec(kind="ema_latch", alpha=0.3, on=0.2, off=0.0, scale=1.5, monitor="m")
             if mode == "sync" else None)
     pols = [DynamicSteeringPolicy(
-        monitors=[Monitor(name="m", layer=layers // 2, direction=unit(), sharpness=4.0, threshold=0.1 * k)],
+        monitors=[ProbeGate(name="m", layer=layers // 2, direction=unit(), sharpness=4.0, threshold=0.1 * k)],
         rules=[Rule(monitor="m", actions=[Action(kind="add", layer=layers // 2 + 2, vector=unit() * 0.01)])],
         controller=ctrl) for k in range(4)]
     return [encode_payload(policy=pols[i % 4], trace=mode.endswith("traced")) for i in range(batch)]

@@ -9,7 +9,7 @@ One ``dynsteer serve`` of the tiny local Llama (CPU) with the async tier on (a s
   policies (tagged: the monitor sees them);
 * the global policy set (a gate that never opens on these prompts, so unsteered texts must not change) and cleared
   over ``/v1/steering/policy``, and the same through the monitor's ``global`` command (granted to it);
-* a monitor (``dynsteer.monitor.Monitor``) reading the stream and sending ``threshold``, ``rule``, ``steer`` and
+* a monitor (``dynsteer.monitor.MonitorClient``) reading the stream and sending ``threshold``, ``rule``, ``steer`` and
   ``abort`` commands to the tagged requests it sees; every ack is ``applied`` or a rejection naming a field (a
   request that finished meanwhile), never an internal error;
 * a sampler recording, every ``--sample-s`` seconds, the resident memory and open file descriptors of the server's
@@ -53,7 +53,7 @@ MONITOR = "soak-mon"
 class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         import dynsteer
-        from dynsteer import Action, AddVector, DynamicSteeringPolicy, Monitor, Rule, SteeringSpec
+        from dynsteer import Action, AddVector, DynamicSteeringPolicy, ProbeGate, Rule, SteeringSpec
         from dynsteer.config import MonitorConfig, StreamSpec
         from dynsteer.testing.tiny_models import tiny_model
 
@@ -72,10 +72,10 @@ class Soak:
         act = Action(kind="add", layer=ACT_LAYER, vector=(rng.standard_normal(self.hidden) * 6).astype(np.float32))
         # never opens on these prompts: the global policy must leave unsteered texts as they were
         self.quiet_policy = DynamicSteeringPolicy(
-            monitors=[Monitor(name="q", layer=MON_LAYER, direction=direction, sharpness=4.0, threshold=1e6)],
+            monitors=[ProbeGate(name="q", layer=MON_LAYER, direction=direction, sharpness=4.0, threshold=1e6)],
             rules=[Rule(monitor="q", actions=[act])])
         self.dyn_policy = DynamicSteeringPolicy(
-            monitors=[Monitor(name="m", layer=MON_LAYER, direction=direction, sharpness=4.0, threshold=-1e3)],
+            monitors=[ProbeGate(name="m", layer=MON_LAYER, direction=direction, sharpness=4.0, threshold=-1e3)],
             rules=[Rule(monitor="m", actions=[act], scope="next_step")])
         self.vectors = [(rng.standard_normal(self.hidden) * 6).astype(np.float32) for _ in range(4)]
         self.static_payloads = [dynsteer.encode_payload(SteeringSpec(vectors=[AddVector(layer=ACT_LAYER, vector=v,
@@ -178,11 +178,11 @@ class Soak:
 
     def monitor_loop(self) -> None:
         from dynsteer.commands import GlobalCommand, RuleCommand, SteerCommand, ThresholdCommand, AbortCommand
-        from dynsteer.monitor.client import Monitor
+        from dynsteer.monitor.client import MonitorClient
 
         rng = random.Random(7)
         last_global = time.monotonic()
-        with Monitor(self.mon_cfg.endpoint, self.mon_cfg.command_endpoint, name=MONITOR, streams=["dyn"],
+        with MonitorClient(self.mon_cfg.endpoint, self.mon_cfg.command_endpoint, name=MONITOR, streams=["dyn"],
                      policy="drop") as mon:
             while not self.stop.is_set():
                 frame = mon.recv(timeout_s=0.5)

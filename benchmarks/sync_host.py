@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec  # noqa: E402
+from dynsteer import Action, DynamicSteeringPolicy, ProbeGate, Rule, SyncControllerSpec  # noqa: E402
 from dynsteer.config import DynsteerConfig  # noqa: E402
 from dynsteer.steering.dynamic.driver import DynamicDriver  # noqa: E402
 from dynsteer.steering.dynamic.state import DynState  # noqa: E402
@@ -46,7 +46,7 @@ HIDDEN = 4096
 def policy(controller: bool, seed: int) -> DynamicSteeringPolicy:
     rng = np.random.default_rng(seed)
     probe = rng.standard_normal(HIDDEN).astype(np.float32)
-    mon = Monitor(name="m", layer=3, direction=probe / np.linalg.norm(probe), sharpness=4.0, threshold=0.0)
+    mon = ProbeGate(name="m", layer=3, direction=probe / np.linalg.norm(probe), sharpness=4.0, threshold=0.0)
     act = Action(kind="add", layer=5, vector=(rng.standard_normal(HIDDEN) * 0.01).astype(np.float32))
     ctrl = SyncControllerSpec(kind="ema_latch", alpha=0.3, on=0.0, off=-0.5, scale=1.0) if controller else None
     return DynamicSteeringPolicy(monitors=[mon], rules=[Rule(monitor="m", actions=[act])], controller=ctrl)

@@ -1,4 +1,4 @@
-"""Commands external monitor services send back to the engine (the async tier, DESIGN §4), and their acks.
+"""Commands external monitor services send back to the engine (the async tier, architecture §4), and their acks.
 
 A command travels as one msgpack map over the engine core's command socket (``MonitorConfig.command_endpoint``)::
 
@@ -14,7 +14,7 @@ same step; the ack names that step::
 Commands change what a request computes from the acked step on; they never touch tokens computed before it.
 Request ids are the engine's ids, as stream frames name them.
 
-Who may send what is the engine core's business (``dynsteer.engine.commands``): ``monitor`` is checked against the
+Who may send what is the engine core's business (``dynsteer.engine.command_desk``): ``monitor`` is checked against the
 connection's CURVE key when there is one, and ``op`` against ``MonitorConfig.grants``, before the command is
 validated. A message holds at most ``Limits.max_payload_bytes + COMMAND_ENVELOPE_BYTES`` bytes and its ``command``
 map the payload shape limits (:func:`check_command_shape`).
@@ -30,6 +30,7 @@ import msgspec
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, TypeAdapter, ValidationError,
                       field_validator)
 
+from dynsteer._deprecated import renamed
 from dynsteer.config import DEFAULT_LIMITS, CommandOp, Limits, check_shape
 from dynsteer.policy import DynamicSteeringPolicy, gate_param_problem
 from dynsteer.spec import Real, SteeringSpec, SteeringValidationError
@@ -123,7 +124,7 @@ class CommandEnvelope(_Cmd):
     command: Command
 
 
-class Ack(BaseModel):
+class CommandAck(BaseModel):
     """The engine's answer to one command."""
 
     model_config = ConfigDict(extra="forbid")
@@ -275,3 +276,7 @@ def check_steer(spec: SteeringSpec | None) -> None:
             if entry.tier == "prefill":
                 raise SteeringValidationError(f"command.spec.{group}[{i}].tier: commands steer generated tokens "
                                               f"only ('base' or 'decode'); prompt tokens are not recomputed")
+
+
+# Old name kept for one release (the stream wire has its own ack, :class:`dynsteer.transport.wire.StreamAck`).
+__getattr__ = renamed(__name__, {"Ack": ("CommandAck", CommandAck)})

@@ -22,7 +22,7 @@ CommandOp = Literal["abort", "steer", "threshold", "rule", "global"]
 
 
 class Limits(BaseModel):
-    """Bounds on what one request may send and on what the engine keeps for callers (DESIGN §10).
+    """Bounds on what one request may send and on what the engine keeps for callers (architecture §10).
 
     Every limit is enforced where requests are admitted (the frontend, so an oversize request never reaches the
     engine core) and again in the workers. A request over a limit is rejected with an error naming the field.
@@ -151,8 +151,8 @@ class MonitorConfig(BaseModel):
     The endpoints are given explicitly because every vLLM process reads this config on its own: use
     :meth:`private` for fresh ``ipc://`` endpoints in a directory only this user can enter.
 
-    Trust (DESIGN §10): a connected monitor is a peer, not the operator. Over ``ipc://`` (socket file 0600) only this
-    user's processes connect, and a monitor's name is what it says; any ``tcp://`` endpoint, loopback included,
+    Trust (architecture §10): a connected monitor is a peer, not the operator. Over ``ipc://`` (socket file 0600) only
+    this user's processes connect, and a monitor's name is what it says; any ``tcp://`` endpoint, loopback included,
     needs ``curve`` (other local users can reach loopback), and ``curve.client_names`` binds names to client keys.
     Whatever the transport, a monitor cannot delay a step beyond ``max_block_delay_ms``, take a name another
     connection holds, exhaust subscriber slots or streams, or send commands it was not granted.
@@ -284,7 +284,7 @@ class DynsteerConfig(BaseModel):
             names one with ``SyncControllerSpec(kind="custom", name=...)``. Entry points of the group
             ``dynsteer.controllers`` are registered too. Requests never carry import paths.
         probes: probe files requests may use as monitors, ``{name: path}``, loaded at start-up in every process;
-            a monitor names one with ``Monitor(probe=name, ...)``. Requests never carry file paths.
+            a monitor names one with ``ProbeGate(probe=name, ...)``. Requests never carry file paths.
         limits: bounds on request payloads and on what the engine keeps (:class:`Limits`).
         monitor: the async tier's streams and command channel (:class:`MonitorConfig`; None: off).
         sync_tier: where built-in sync controllers and carried scopes run: ``"device"`` (a kernel after each

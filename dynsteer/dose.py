@@ -20,8 +20,8 @@ that its peak dose equals the limit and reports it (:attr:`DoseEntry.clipped_fro
 
 Example:
     >>> import numpy as np
-    >>> from dynsteer.policy import Action, DynamicSteeringPolicy, Monitor, Rule
-    >>> mon = Monitor(name="m", layer=1, direction=[1.0, 0.0], sharpness=1.0, threshold=0.0)
+    >>> from dynsteer.policy import Action, DynamicSteeringPolicy, ProbeGate, Rule
+    >>> mon = ProbeGate(name="m", layer=1, direction=[1.0, 0.0], sharpness=1.0, threshold=0.0)
     >>> act = Action(kind="add", layer=2, vector=[3.0, 4.0], scale=2.0)
     >>> pol = DynamicSteeringPolicy(monitors=[mon], rules=[Rule(monitor="m", actions=[act])],
     ...                             max_relative_dose={"limit": 0.5, "mode": "clip"})

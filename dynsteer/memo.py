@@ -1,4 +1,4 @@
-"""Memos on the request path, bounded by the bytes they keep resident (DESIGN §10).
+"""Memos on the request path, bounded by the bytes they keep resident (architecture §10).
 
 Admission, payload decoding and the workers' compiled rows memoise their work per payload body. A client chooses
 those bodies, so a memo must never hold what it sent: keys carry a digest of the body (:func:`body_digest`), and

@@ -1,7 +1,7 @@
 """Vectors as values: conversion, a compact binary wire form, and the steering-vector file format.
 
 Inline vectors never travel as JSON float lists: on the wire and in JSON they are ``{"b64": <little-endian float32>}``.
-Steering-vector files are safetensors with JSON metadata (DESIGN §7).
+Steering-vector files are safetensors with JSON metadata (architecture §7).
 """
 
 from __future__ import annotations

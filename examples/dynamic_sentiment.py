@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 
 import dynsteer
-from dynsteer import (Action, CaptureSpec, DynamicSteeringPolicy, DynsteerConfig, Monitor, Rule,
+from dynsteer import (Action, CaptureSpec, DynamicSteeringPolicy, DynsteerConfig, ProbeGate, Rule,
                       SyncControllerSpec)
 from dynsteer.probes import LogisticProbe, align, collect, load_probe, save_probe
 from dynsteer.zoo import smollm2
@@ -93,7 +93,7 @@ def train_probe(steerer: dynsteer.Steerer, path: Path) -> None:
 
 
 def sentiment_policy(probe_path: Path) -> DynamicSteeringPolicy:
-    monitor = Monitor.from_probe_file(probe_path, name="negative", target_class=0)
+    monitor = ProbeGate.from_probe_file(probe_path, name="negative", target_class=0)
     towards_positive = -np.asarray(monitor.direction, np.float32) * STEER_SCALE
     return DynamicSteeringPolicy(
         monitors=[monitor],
@@ -207,7 +207,7 @@ def run_prompt_gate(max_tokens: int = 24, probe_path: Path | None = None, reads:
             # the steering vector: positive minus negative class mean of the same training residuals
             np.save(probe_path.with_suffix(".vec.npy"), (X[train_y == 1].mean(0) - X[train_y == 0].mean(0)))
         # calibrated: the gate is 0.5 at the training split's balanced operating point; the floor makes it the decision
-        monitor = Monitor.from_probe_file(probe_path, name="negative", target_class=0, calibrated=True, reads=reads)
+        monitor = ProbeGate.from_probe_file(probe_path, name="negative", target_class=0, calibrated=True, reads=reads)
         towards_positive = np.load(probe_path.with_suffix(".vec.npy")).astype(np.float32) * PROMPT_STEER_SCALE
         policy = DynamicSteeringPolicy(monitors=[monitor], rules=[Rule(
             monitor="negative", gate_floor=0.5,

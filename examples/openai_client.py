@@ -21,7 +21,7 @@ import numpy as np
 import openai
 
 import dynsteer
-from dynsteer import Action, AddVector, DynamicSteeringPolicy, Monitor, Rule, SteeringSpec
+from dynsteer import Action, AddVector, DynamicSteeringPolicy, ProbeGate, Rule, SteeringSpec
 from dynsteer.vectors import pack_vector
 
 
@@ -59,7 +59,7 @@ def main() -> None:
     # a dynamic policy: a monitor's gate (here always open) switches the vector on for generated tokens
     direction = np.eye(hidden, dtype=np.float32)[0]
     policy = DynamicSteeringPolicy(
-        monitors=[Monitor(name="m", layer=layer, direction=direction, sharpness=4.0, threshold=-1e3)],
+        monitors=[ProbeGate(name="m", layer=layer, direction=direction, sharpness=4.0, threshold=-1e3)],
         rules=[Rule(monitor="m", actions=[Action(kind="add", layer=layer, vector="demo")])])
     if caps["dynamic"]:
         print("policy    :", complete(dynsteer.encode_payload(policy=policy)))

@@ -8,7 +8,7 @@ monitor=MonitorConfig.private(streams={"resid": StreamSpec(places=("12.post_bloc
 
 import sys
 
-from dynsteer.monitor.client import Monitor
+from dynsteer.monitor.client import MonitorClient
 from dynsteer.monitor.probe_monitor import run_probe_monitor
 from dynsteer.probefile import load_probe
 from dynsteer.spec import AddVector, SteeringSpec
@@ -18,6 +18,6 @@ steer = sys.argv[5] if len(sys.argv) > 5 and sys.argv[4] == "--steer" else None
 probe = load_probe(probe_file)
 spec = SteeringSpec(vectors=[AddVector(layer=probe.layer, vector=steer, scale=-1.0, tier="decode")]) if steer else None
 
-with Monitor(stream_ep, command_ep, name="safety", streams=["resid"], policy="drop") as monitor:
+with MonitorClient(stream_ep, command_ep, name="safety", streams=["resid"], policy="drop") as monitor:
     stats = run_probe_monitor(monitor, probe, action="steer" if steer else "abort", steer_spec=spec)
 print(f"{stats.frames} frames, {stats.rows} rows, flagged {len(stats.flagged)} requests: {stats.flagged}")

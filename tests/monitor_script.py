@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from dynsteer.monitor.client import Monitor
+from dynsteer.monitor.client import MonitorClient
 from dynsteer.spec import AddVector, SteeringSpec
 
 
@@ -25,9 +25,10 @@ def main() -> None:
     # MONITOR_RESUME: a restarted monitor's next sequence number; MONITOR_DELAY_S: seconds spent per frame
     resume = os.environ.get("MONITOR_RESUME")
     delay = float(os.environ.get("MONITOR_DELAY_S", "0"))
-    with open(log_file, "w") as log, Monitor(stream_ep, command_ep, name=os.environ.get("MONITOR_NAME", "probe-mon"),
-                                              streams=["resid"], policy="drop", max_pending=4096,
-                                              resume=None if resume is None else {"resid": int(resume)}) as mon:
+    name = os.environ.get("MONITOR_NAME", "probe-mon")
+    with open(log_file, "w") as log, MonitorClient(stream_ep, command_ep, name=name,
+                                                    streams=["resid"], policy="drop", max_pending=4096,
+                                                    resume=None if resume is None else {"resid": int(resume)}) as mon:
         print("ready", flush=True)
         for frame in mon.frames(timeout_s=5.0):
             place = next(iter(frame.values))

@@ -34,7 +34,7 @@ def main() -> None:
     except ValueError as exc:
         bad = str(exc)
     # dynamic policies: a gate that is always open at the same place equals static decode-tier steering
-    mon = dynsteer.Monitor(name="m", layer=1, direction=np.eye(st.hidden_size)[0], sharpness=1.0, threshold=-1e9)
+    mon = dynsteer.ProbeGate(name="m", layer=1, direction=np.eye(st.hidden_size)[0], sharpness=1.0, threshold=-1e9)
     act = dynsteer.Action(kind="add", layer=1, vector=v)
     latch = dynsteer.SyncControllerSpec(kind="latch", on=-1e9, off=-1e9, scale=1.0)
     pol = dynsteer.DynamicSteeringPolicy(monitors=[mon], rules=[dynsteer.Rule(monitor="m", actions=[act])])

@@ -147,11 +147,11 @@ def _midway_crossing(st):
     """A policy whose monitor first crosses its threshold after turn 1's first generated block and before its last,
     and that position: over a few monitor directions, the generated token whose score most exceeds every score
     before it (the gate is 0 below its floor until then)."""
-    from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule
+    from dynsteer import Action, DynamicSteeringPolicy, ProbeGate, Rule
     from tests.test_dynamic import ACT_LAYER, MON_LAYER, unit, vec
 
     def make(direction, threshold, sharpness, floor=0.0):
-        mon = Monitor(name="m", layer=MON_LAYER, direction=direction, sharpness=sharpness, threshold=threshold)
+        mon = ProbeGate(name="m", layer=MON_LAYER, direction=direction, sharpness=sharpness, threshold=threshold)
         act = Action(kind="add", layer=ACT_LAYER, vector=vec(st.hidden_size, 1))
         return DynamicSteeringPolicy(monitors=[mon], rules=[Rule(monitor="m", actions=[act], gate_floor=floor)])
 

@@ -64,9 +64,9 @@ class _Collector(threading.Thread):
 
     def __init__(self, cfg: DynsteerConfig, name: str = "collector") -> None:
         super().__init__(daemon=True)
-        from dynsteer.monitor.client import Monitor
+        from dynsteer.monitor.client import MonitorClient
 
-        self.mon = Monitor(cfg.monitor.endpoint, cfg.monitor.command_endpoint, name=name, streams=["resid"],
+        self.mon = MonitorClient(cfg.monitor.endpoint, cfg.monitor.command_endpoint, name=name, streams=["resid"],
                            policy="drop", max_pending=100000)
         self.frames: list = []
         self.stop = threading.Event()

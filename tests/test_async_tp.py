@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dynsteer
-from dynsteer import Action, DynamicSteeringPolicy, DynsteerConfig, Monitor, Rule
+from dynsteer import Action, DynamicSteeringPolicy, DynsteerConfig, ProbeGate, Rule
 from dynsteer.commands import SteerCommand, ThresholdCommand
 from dynsteer.config import MonitorConfig
 from dynsteer.monitor.client import CommandClient
@@ -26,7 +26,7 @@ PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginnin
 def _policy(hidden: int) -> DynamicSteeringPolicy:
     rng = np.random.default_rng(3)
     probe = rng.standard_normal(hidden).astype(np.float32)
-    mon = Monitor(name="m", layer=1, direction=probe / np.linalg.norm(probe), sharpness=2.0, threshold=50.0)
+    mon = ProbeGate(name="m", layer=1, direction=probe / np.linalg.norm(probe), sharpness=2.0, threshold=50.0)
     act = Action(kind="add", layer=2, vector=rng.standard_normal(hidden).astype(np.float32) * 4)
     return DynamicSteeringPolicy(monitors=[mon], rules=[Rule(monitor="m", actions=[act], scope="this_token")])
 

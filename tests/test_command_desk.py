@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import zmq
 
-import dynsteer.engine.commands as desk_module
+import dynsteer.engine.command_desk as desk_module
 from dynsteer.commands import (COMMAND_ENVELOPE_BYTES, AbortCommand, CommandEnvelope, GlobalCommand, SteerCommand,
                                encode_command)
 from dynsteer.config import DynsteerConfig, Limits, MonitorConfig
 from dynsteer.engine.frontend import FrontendState
-from dynsteer.engine.commands import CommandDesk
+from dynsteer.engine.command_desk import CommandDesk
 from dynsteer.engine.scheduler import SchedulerState
 from dynsteer.monitor.client import CommandClient
 from dynsteer.spec import AddVector, ModelShape, SteeringSpec, SteeringValidationError

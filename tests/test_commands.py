@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule
+from dynsteer import Action, DynamicSteeringPolicy, ProbeGate, Rule
 from dynsteer.commands import (RuleCommand, SteerCommand, ThresholdCommand, check_steer, decode_command,
                                encode_command, patch_policy, CommandEnvelope)
 from dynsteer.engine.prefix_cache import ActedState
@@ -131,7 +131,7 @@ def test_fuzzed_commands_validate_or_name_the_field(obj):
 
 
 def _policy() -> DynamicSteeringPolicy:
-    mon = Monitor(name="m", layer=1, direction=np.eye(8, dtype=np.float32)[0], sharpness=2.0, threshold=0.5)
+    mon = ProbeGate(name="m", layer=1, direction=np.eye(8, dtype=np.float32)[0], sharpness=2.0, threshold=0.5)
     return DynamicSteeringPolicy(monitors=[mon], rules=[
         Rule(monitor="m", actions=[Action(kind="add", layer=2, vector=np.ones(8, np.float32))])])
 

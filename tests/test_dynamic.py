@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dynsteer
-from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, DynsteerConfig, Monitor, Rule,
+from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, DynsteerConfig, ProbeGate, Rule,
                       SteeringSpec, SteeringValidationError, SyncControllerSpec)
 from dynsteer.controllers.sync import applied_scales, make_controller
 from tests.conftest import ON_GPU, make_llm, token_ids, unit, vec
@@ -44,7 +44,7 @@ def _clean(engine):
 
 def policy(st, threshold: float, *, scope: str = "this_token", sharpness: float = 4.0, floor: float = 0.0,
            controller: SyncControllerSpec | None = None, action_scale: float = 1.0) -> DynamicSteeringPolicy:
-    mon = Monitor(name="m", layer=MON_LAYER, direction=unit(st.hidden_size, 0), sharpness=sharpness,
+    mon = ProbeGate(name="m", layer=MON_LAYER, direction=unit(st.hidden_size, 0), sharpness=sharpness,
                   threshold=threshold)
     act = Action(kind="add", layer=ACT_LAYER, vector=vec(st.hidden_size, 1), scale=action_scale)
     return DynamicSteeringPolicy(monitors=[mon], rules=[Rule(monitor="m", actions=[act], scope=scope,
@@ -220,7 +220,7 @@ def test_an_abort_rule_stops_its_request_where_its_monitor_fires_and_nothing_els
     that never fires runs to the end byte-identical; a request without a policy in the same batch is untouched."""
     llm, st = engine
     base = st.generate(PROMPTS[:2], greedy(24))
-    mon = Monitor(name="m", layer=MON_LAYER, direction=unit(st.hidden_size, 0), sharpness=1.0, threshold=NEVER)
+    mon = ProbeGate(name="m", layer=MON_LAYER, direction=unit(st.hidden_size, 0), sharpness=1.0, threshold=NEVER)
     probe = st.generate(PROMPTS[:1], greedy(24), policy=DynamicSteeringPolicy(
         monitors=[mon], rules=[Rule(monitor="m", abort="probe")]))[0]
     assert token_ids([probe]) == token_ids(base[:1])  # an abort rule that never fires changes nothing

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import dynsteer
-from dynsteer import Action, AddVector, DynamicSteeringPolicy, DynsteerConfig, Monitor, Rule, SteeringSpec
+from dynsteer import Action, AddVector, DynamicSteeringPolicy, DynsteerConfig, ProbeGate, Rule, SteeringSpec
 from dynsteer.engine import frontend, keys, patching, prefix_cache, scheduler as sched_mod
 from tests.conftest import make_llm, token_ids, with_inprocess_engine_core
 
@@ -50,7 +50,7 @@ def _vec(h: int, seed: int, scale: float = 6.0) -> np.ndarray:
 
 
 def _dynamic(h: int) -> DynamicSteeringPolicy:
-    mon = Monitor(name="m", layer=1, direction=_vec(h, 7, 1.0), sharpness=2.0, threshold=-10.0)  # fires at once
+    mon = ProbeGate(name="m", layer=1, direction=_vec(h, 7, 1.0), sharpness=2.0, threshold=-10.0)  # fires at once
     act = Action(kind="add", layer=2, vector=_vec(h, 8))
     return DynamicSteeringPolicy(monitors=[mon], rules=[Rule(monitor="m", actions=[act], scope="this_token")])
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import dynsteer
-from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, DynsteerConfig, Monitor, Rule,
+from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, DynsteerConfig, ProbeGate, Rule,
                       SteeringSpec)
 from dynsteer.spec import Ablation, ProjectionClamp
 from tests.conftest import ON_GPU, make_llm, token_ids, unit, vec
@@ -51,7 +51,7 @@ def workload(llm: Any, st: Any) -> dict[str, Any]:
     ]
     out["static"] = token_ids(st.generate(PROMPTS, greedy(), steering=specs))
     # the monitor (post_block of layer 1) and its gated action (pre_attn of layer 2) share one fused kernel
-    mon = Monitor(name="m", layer=1, site="post_block", direction=unit(h, 0), sharpness=2.0, threshold=0.0)
+    mon = ProbeGate(name="m", layer=1, site="post_block", direction=unit(h, 0), sharpness=2.0, threshold=0.0)
     pol = DynamicSteeringPolicy(monitors=[mon], rules=[Rule(monitor="m", actions=[
         Action(kind="add", layer=2, site="pre_attn", vector=vec(h, 8))])])
     cap = CaptureSpec(sites=["post_block", "pre_attn"], layers=[1, 2], positions="all_generated")

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynsteer import (Action, AddVector, Ablation, CaptureSpec, DynamicSteeringPolicy, Monitor, ProjectionClamp, Rule,
+from dynsteer import (Action, AddVector, Ablation, CaptureSpec, DynamicSteeringPolicy, ProbeGate, ProjectionClamp, Rule,
                       SteeringSpec, SteeringValidationError, SyncControllerSpec)
 import torch
 
@@ -60,8 +60,8 @@ def _templates() -> list[dict]:
                         clamps=[ProjectionClamp(layer=2, direction=u(2), lo=-1.0, hi=1.0)],
                         ablations=[Ablation(layer=3, direction="v", strength=0.5)])
     pol = DynamicSteeringPolicy(
-        monitors=[Monitor(name="m", layer=1, direction=u(3), sharpness=2.0, threshold=0.1),
-                  Monitor(name="p", layer=1, probe="p", target_class=0)],
+        monitors=[ProbeGate(name="m", layer=1, direction=u(3), sharpness=2.0, threshold=0.1),
+                  ProbeGate(name="p", layer=1, probe="p", target_class=0)],
         rules=[Rule(monitor="m", actions=[Action(kind="add", layer=2, vector=u(4), scale=1.5),
                                           Action(kind="clamp", layer=3, vector="v", hi=0.5)], scope="next_step"),
                Rule(monitor="p", actions=[Action(kind="ablate", layer=1, site="post_block", vector=u(5))],

@@ -217,7 +217,7 @@ CMD_KEYS = ["v", "id", "monitor", "command", "op", "request", "reason", "spec", 
 @pytest.fixture(scope="module")
 def desk_engine(tiny_llama_path: Any) -> Iterator[Any]:
     import dynsteer
-    from dynsteer import Action, DynamicSteeringPolicy, DynsteerConfig, Monitor, Rule
+    from dynsteer import Action, DynamicSteeringPolicy, DynsteerConfig, ProbeGate, Rule
     from dynsteer.config import MonitorConfig
     from tests.conftest import make_llm, token_ids
     from vllm import SamplingParams
@@ -228,7 +228,7 @@ def desk_engine(tiny_llama_path: Any) -> Iterator[Any]:
         st_ = dynsteer.attach(llm)
         d = np.asarray(_vec(3), np.float32)
         policy = DynamicSteeringPolicy(
-            monitors=[Monitor(name="m", layer=MON_LAYER, direction=d / np.linalg.norm(d), sharpness=2.0,
+            monitors=[ProbeGate(name="m", layer=MON_LAYER, direction=d / np.linalg.norm(d), sharpness=2.0,
                               threshold=0.0)],
             rules=[Rule(monitor="m", actions=[Action(kind="add", layer=ACT_LAYER,
                                                      vector=np.asarray(_vec(4), np.float32))])])

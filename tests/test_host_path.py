@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynsteer import (Action, AddVector, DynamicSteeringPolicy, ModelShape, Monitor, Rule, SteeringSpec,
+from dynsteer import (Action, AddVector, DynamicSteeringPolicy, ModelShape, ProbeGate, Rule, SteeringSpec,
                       SyncControllerSpec)
 from dynsteer.request.payload import encode_payload
 from dynsteer.device.readback import ReadbackStore
@@ -93,10 +93,10 @@ PAYLOADS = [
     encode_payload(SteeringSpec(vectors=[AddVector(layer=1, vector=_unit(1), tier="decode")])),
     encode_payload(SteeringSpec(vectors=[AddVector(layer=0, vector=_unit(2))])),
     encode_payload(policy=DynamicSteeringPolicy(
-        monitors=[Monitor(name="m", layer=0, direction=_unit(3), sharpness=2.0, threshold=0.0)],
+        monitors=[ProbeGate(name="m", layer=0, direction=_unit(3), sharpness=2.0, threshold=0.0)],
         rules=[Rule(monitor="m", actions=[Action(kind="add", layer=2, vector=_unit(4))])]), trace=True),
     encode_payload(policy=DynamicSteeringPolicy(  # the device sync tier
-        monitors=[Monitor(name="m", layer=0, direction=_unit(5), sharpness=2.0, threshold=0.0)],
+        monitors=[ProbeGate(name="m", layer=0, direction=_unit(5), sharpness=2.0, threshold=0.0)],
         rules=[Rule(monitor="m", actions=[Action(kind="add", layer=2, vector=_unit(6))], scope="next_step")],
         controller=SyncControllerSpec(kind="ema_latch", alpha=0.5, on=0.1, off=0.0, scale=2.0, monitor="m")),
         trace=True),

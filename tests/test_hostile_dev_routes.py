@@ -1,5 +1,5 @@
 """vLLM's development routes (``VLLM_SERVER_DEV_MODE=1``) under ``dynsteer serve``: the same rule as the steering
-routes, and no ``dynsteer_*`` state change through ``/collective_rpc`` (DESIGN §10).
+routes, and no ``dynsteer_*`` state change through ``/collective_rpc`` (architecture §10).
 
 In process, on the app the endpoint plugin sees: vLLM's own dev routers, dynsteer's ``attach_router``, and a
 stand-in engine client that records what reaches it. The same over real HTTP is in ``tests/test_serve.py``.

@@ -1,4 +1,4 @@
-"""Limits a hostile client leans on, checked without an engine (DESIGN §10): payload entries counted exactly, gate
+"""Limits a hostile client leans on, checked without an engine (architecture §10): payload entries counted exactly, gate
 parameters that stay finite in float32 tables, capture consumers and repeats, the named-vector count.
 
 The same cases through a real engine are in ``tests/test_security.py`` (in process) and ``tests/test_serve.py``
@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, Monitor, Rule, SteeringSpec,
+from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, ProbeGate, Rule, SteeringSpec,
                       SteeringValidationError)
 from dynsteer.config import Limits
 from dynsteer.engine.frontend import FrontendState
@@ -145,7 +145,7 @@ def test_probe_derived_gate_parameters_are_bounded_and_real_probes_pass():
     front = frontend(probes={"real": real, "huge": huge, "tiny": tiny})
 
     def with_probe(name: str) -> str:
-        pol = DynamicSteeringPolicy(monitors=[Monitor(name="m", layer=1, probe=name)],
+        pol = DynamicSteeringPolicy(monitors=[ProbeGate(name="m", layer=1, probe=name)],
                                     rules=[Rule(monitor="m", actions=[Action(kind="add", layer=2, vector=unit(4))])])
         return encode_payload(policy=pol)
 
@@ -160,7 +160,7 @@ def test_probe_file_gate_parameters_are_checked_in_the_callers_process(tmp_path)
     from dynsteer.probefile.fileformat import save_probe
 
     path = save_probe(tmp_path / "huge.safetensors", unit(5) * 1e10, bias=0.0, model_id="t", layer=1)
-    pol = DynamicSteeringPolicy(monitors=[Monitor(name="m", layer=1, probe_file=str(path))],
+    pol = DynamicSteeringPolicy(monitors=[ProbeGate(name="m", layer=1, probe_file=str(path))],
                                 rules=[Rule(monitor="m", actions=[Action(kind="add", layer=2, vector=unit(4))])])
     with pytest.raises(SteeringValidationError) as err:
         pol.resolved()

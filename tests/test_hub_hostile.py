@@ -1,4 +1,4 @@
-"""The stream hub against hostile or broken subscribers (DESIGN §10: a monitor is a peer, not the operator).
+"""The stream hub against hostile or broken subscribers (architecture §10: a monitor is a peer, not the operator).
 
 A monitor must not delay a step beyond the operator's cap, take another monitor's name, exhaust subscriber slots or
 streams, or make the hub hold unbounded memory or disk. Each test drives a raw connection that sends exactly what an
@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from dynsteer.monitor.subscriber import StreamError, StreamSubscriber
-from dynsteer.transport.wire import Ack, Bye, Hello, Ping, encode_client
+from dynsteer.transport.wire import Bye, Hello, Ping, StreamAck, encode_client
 from dynsteer.streams.hub import StreamHub
 from dynsteer.transport.security import CurveKeys, connect_curve
 from tests.test_stream_transport import assert_identity, counters, message, wait_until
@@ -200,7 +200,7 @@ def test_an_overdue_subscriber_is_waited_for_again_only_after_progress(hubs: Cal
     hub.publish("a", *big(3))
     assert counters(hub.stats(), "slow")["block_waits"] == 0
     assert counters(hub.stats(), "slow")["overdue"]
-    peer.send(Ack("a", 3))  # progress (2 or 3 is in flight, the other dropped)
+    peer.send(StreamAck("a", 3))  # progress (2 or 3 is in flight, the other dropped)
     wait_until(lambda: not counters(hub.stats(), "slow")["overdue"], what="the ack")
     hub.publish("a", *big(4))
     hub.publish("a", *big(5))  # full again: waited for (and timed out) again
@@ -421,7 +421,7 @@ def test_in_flight_bytes_are_bounded_whatever_the_window(hubs: Callable[..., Str
     assert c["inflight_bytes"] <= budget + 2 * MSG_BYTES, c
     assert c["spilled"] > 150 and c["dropped"] == 0, c
     assert_identity(hub.stats())
-    peer.send(Ack("a", 199))  # settles everything, on disk included
+    peer.send(StreamAck("a", 199))  # settles everything, on disk included
     wait_until(lambda: counters(hub.stats(), "hog")["pending"] == 0, what="the ack")
     c = counters(hub.stats(), "hog")
     assert (c["spilled"], c["unsent_bytes"], c["inflight_bytes"], c["delivered"]) == (0, 0, 0, 200)

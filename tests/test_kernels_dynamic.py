@@ -541,7 +541,7 @@ def test_monitor_matches_monitor_gate(has_r: bool, num_g: int) -> None:
 
 
 def test_logistic_probe_identity() -> None:
-    """probe = w/|w|, sharpness = |w|, threshold = -b/|w| turns the gate into sigma(w.x + b) (DESIGN §4)."""
+    """probe = w/|w|, sharpness = |w|, threshold = -b/|w| turns the gate into sigma(w.x + b) (architecture §4)."""
     gen = torch.Generator().manual_seed(21)
     kw = make_dyn_inputs(16, 64, 0, 1, False, torch.float32, seed=21)
     w, b = 0.3 * torch.randn(64, generator=gen), 0.7

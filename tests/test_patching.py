@@ -138,13 +138,13 @@ def test_plugin_patchers_are_idempotent_and_recorded():
     from vllm.v1.request import Request
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    from dynsteer.engine import commands, frontend, prefix_cache, scheduler, worker_ext
+    from dynsteer.engine import command_desk, frontend, prefix_cache, scheduler, worker_ext
 
     patchers = [(frontend.patch_input_processor, InputProcessor, ("__init__", "process_inputs")),
                 (prefix_cache.patch_request, Request, ("__init__",)),
                 (scheduler.patch_scheduler, Scheduler, ("__init__", "add_request", "schedule", "update_from_output",
                                                         "_free_request_blocks", "shutdown")),
-                (commands.patch_engine_core, EngineCore, ("collective_rpc",)),
+                (command_desk.patch_engine_core, EngineCore, ("collective_rpc",)),
                 (worker_ext.install, WorkerWrapperBase, tuple(worker_ext.RPC_METHODS))]
     for patcher, cls, names in patchers:
         patcher(cls)

@@ -13,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from dynsteer.kernels import SiteTables, steer_site_dyn_reference
-from dynsteer.policy import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec
+from dynsteer.policy import Action, DynamicSteeringPolicy, ProbeGate, Rule, SyncControllerSpec
 from dynsteer.probes import save_probe
 from dynsteer.spec import ModelShape, SteeringValidationError
 
@@ -27,9 +27,9 @@ def _vec(seed: int, n: int = H) -> np.ndarray:
 
 def _policy(**overrides) -> DynamicSteeringPolicy:
     kw = dict(
-        monitors=[Monitor(name="tox", layer=2, site="post_attn", direction=_vec(0), sharpness=3.5,
+        monitors=[ProbeGate(name="tox", layer=2, site="post_attn", direction=_vec(0), sharpness=3.5,
                           threshold=0.1234567),
-                  Monitor(name="other", layer=1, probe_file="probe.safetensors")],
+                  ProbeGate(name="other", layer=1, probe_file="probe.safetensors")],
         rules=[Rule(monitor="tox", scope="rest_of_request", gate_floor=0.2,
                     actions=[Action(kind="add", layer=2, site="post_block", vector=_vec(1), scale=-1.5),
                              Action(kind="clamp", layer=4, vector="refusal", lo=-1.0, hi=2.0, strength=0.5),
@@ -112,23 +112,23 @@ def test_action_before_monitor_layer_names_field() -> None:
 
 
 def test_monitor_forms() -> None:
-    both = _error(lambda: Monitor(name="m", layer=0, probe_file="p.safetensors", direction=_vec(0), sharpness=1.0,
+    both = _error(lambda: ProbeGate(name="m", layer=0, probe_file="p.safetensors", direction=_vec(0), sharpness=1.0,
                                   threshold=0.0))
     assert "probe_file" in both and "not both" in both
-    neither = _error(lambda: Monitor(name="m", layer=0))
+    neither = _error(lambda: ProbeGate(name="m", layer=0))
     assert "probe_file" in neither and "direction" in neither
-    partial = _error(lambda: Monitor(name="m", layer=0, direction=_vec(0), sharpness=1.0))
+    partial = _error(lambda: ProbeGate(name="m", layer=0, direction=_vec(0), sharpness=1.0))
     assert "threshold" in partial
 
 
 def test_field_errors() -> None:
     assert re.search(r"scope", _error(lambda: Rule(monitor="m", scope="forever",
                                                    actions=[Action(kind="add", layer=0, vector="v")])))
-    assert "threshold" in _error(lambda: Monitor(name="m", layer=0, direction=_vec(0), sharpness=1.0,
+    assert "threshold" in _error(lambda: ProbeGate(name="m", layer=0, direction=_vec(0), sharpness=1.0,
                                                  threshold=float("nan")))
-    assert "sharpness" in _error(lambda: Monitor(name="m", layer=0, direction=_vec(0), sharpness=0.0,
+    assert "sharpness" in _error(lambda: ProbeGate(name="m", layer=0, direction=_vec(0), sharpness=0.0,
                                                  threshold=0.0))
-    assert "direction" in _error(lambda: Monitor(name="m", layer=0, direction=np.zeros(H), sharpness=1.0,
+    assert "direction" in _error(lambda: ProbeGate(name="m", layer=0, direction=np.zeros(H), sharpness=1.0,
                                                  threshold=0.0))
     assert "actions" in _error(lambda: Rule(monitor="m", actions=[]))
     assert "lo" in _error(lambda: Action(kind="clamp", layer=0, vector="v", lo=2.0, hi=1.0))
@@ -139,7 +139,7 @@ def test_field_errors() -> None:
     assert "gate_floor" in _error(lambda: Rule(monitor="m", gate_floor=1.5,
                                                actions=[Action(kind="add", layer=0, vector="v")]))
     assert "monitors[1].name" in _error(lambda: _policy(monitors=[
-        Monitor(name="tox", layer=0, probe_file="a"), Monitor(name="tox", layer=0, probe_file="b")], rules=[],
+        ProbeGate(name="tox", layer=0, probe_file="a"), ProbeGate(name="tox", layer=0, probe_file="b")], rules=[],
         controller=None))
 
 
@@ -188,10 +188,10 @@ def test_check_against_model_shape(tmp_path) -> None:
     # NaN inside a named vector is caught by check
     assert "rules[0].actions[1].vector" in check_msg(inline, names={"refusal": np.full(H, np.nan, np.float32)})
     # a probe-file monitor is loaded and checked
-    missing = DynamicSteeringPolicy(monitors=[Monitor(name="f", layer=1, probe_file=str(tmp_path / "none"))])
+    missing = DynamicSteeringPolicy(monitors=[ProbeGate(name="f", layer=1, probe_file=str(tmp_path / "none"))])
     assert "monitors[0].probe_file" in check_msg(missing)
     path = save_probe(tmp_path / "p.safetensors", _vec(3, H + 1), 0.5, model_id="m", layer=1)
-    wrong = DynamicSteeringPolicy(monitors=[Monitor(name="f", layer=1, probe_file=str(path))])
+    wrong = DynamicSteeringPolicy(monitors=[ProbeGate(name="f", layer=1, probe_file=str(path))])
     assert "monitors[0].direction" in check_msg(wrong)
 
 
@@ -205,24 +205,24 @@ def test_monitor_from_probe_file_matches_predict_proba(tmp_path, standardized: b
     kw = dict(mean=rng.standard_normal(H), scale=rng.uniform(0.5, 2.0, H)) if standardized else {}
     path = save_probe(tmp_path / "p.safetensors", w, b, model_id="m", layer=3, site="post_attn", **kw)
     probe = load_probe(path)
-    mon = Monitor.from_probe_file(path, name="m")
+    mon = ProbeGate.from_probe_file(path, name="m")
     assert (mon.layer, mon.site, mon.probe_file) == (3, "post_attn", None)
     X = rng.standard_normal((200, H)) * 2.0  # float64 inputs
     expected = probe.predict_proba(X)[:, 1]
     assert expected.min() < 0.05 and expected.max() > 0.95  # covers the whole sigmoid
     np.testing.assert_allclose(mon.gate(X), expected, atol=1e-6, rtol=0)
     # the file form resolves to the same monitor; a layer mismatch is refused
-    file_mon = Monitor(name="m", layer=3, site="post_attn", probe_file=str(path))
+    file_mon = ProbeGate(name="m", layer=3, site="post_attn", probe_file=str(path))
     assert file_mon.resolve() == mon
     np.testing.assert_allclose(file_mon.gate(X), expected, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="layer 3"):
-        Monitor(name="m", layer=4, site="post_attn", probe_file=str(path)).resolve()
+        ProbeGate(name="m", layer=4, site="post_attn", probe_file=str(path)).resolve()
     # and the in-graph monitor (the dynamic op's torch reference, decode tokens) agrees within float32 accuracy
     np.testing.assert_allclose(_in_graph_gate(mon, torch.from_numpy(X.astype(np.float32))), expected, atol=1e-5,
                                rtol=0)
 
 
-def _in_graph_gate(mon: Monitor, x: torch.Tensor) -> np.ndarray:
+def _in_graph_gate(mon: ProbeGate, x: torch.Tensor) -> np.ndarray:
     """The gates ``steer_site_dyn_reference`` computes for ``mon`` (row 1, gate slot 0, floor 0) on decode tokens
     ``x`` [T, H] (the host stages gate_mul 1, gate_add 0 for them)."""
     n = x.shape[0]
@@ -241,10 +241,10 @@ def _in_graph_gate(mon: Monitor, x: torch.Tensor) -> np.ndarray:
 def test_controller_thresholds_in_probability_units_convert_through_the_monitor_gate():
     import math
 
-    from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec
+    from dynsteer import Action, DynamicSteeringPolicy, ProbeGate, Rule, SyncControllerSpec
     from dynsteer.controllers.sync import make_controller
 
-    mon = Monitor(name="m", layer=1, direction=[1.0, 0.0], sharpness=2.0, threshold=1.0)
+    mon = ProbeGate(name="m", layer=1, direction=[1.0, 0.0], sharpness=2.0, threshold=1.0)
     rule = Rule(monitor="m", actions=[Action(kind="add", layer=1, vector=[0.0, 1.0])])
     inner = SyncControllerSpec(kind="ema_latch", alpha=0.5, on=0.9, off=0.5, scale=1.0, units="probability")
     pol = DynamicSteeringPolicy(monitors=[mon], rules=[rule], controller=SyncControllerSpec(
@@ -263,11 +263,11 @@ def test_controller_thresholds_in_probability_units_convert_through_the_monitor_
 
 
 def test_an_engine_refuses_a_dose_guardrail_it_cannot_enforce():
-    from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule
+    from dynsteer import Action, DynamicSteeringPolicy, ProbeGate, Rule
     from dynsteer.dose import enforce_dose_limit
     from dynsteer.policy import admit_policy
 
-    mon = Monitor(name="m", layer=1, direction=[1.0, 0.0], sharpness=2.0, threshold=1.0)
+    mon = ProbeGate(name="m", layer=1, direction=[1.0, 0.0], sharpness=2.0, threshold=1.0)
     pol = DynamicSteeringPolicy(monitors=[mon], rules=[Rule(monitor="m", actions=[
         Action(kind="add", layer=1, vector=[0.0, 1.0], scale=4.0)])], max_relative_dose=0.5)
     with pytest.raises(ValueError, match=r"policy\.max_relative_dose: enforced by the caller"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dynsteer.commands import Ack
+from dynsteer.commands import CommandAck
 from dynsteer.monitor.client import CommandError, StreamFrame
 from dynsteer.monitor.probe_monitor import run_probe_monitor
 from dynsteer.probefile.fileformat import load_probe, save_probe
@@ -21,8 +21,8 @@ class _FakeMonitor:
     def _ack(self, op, req):
         self.calls.append((op, req))
         if req in self.reject:
-            raise CommandError(Ack(id="x", status="rejected", error="command.request: no live request"))
-        return Ack(id="x", status="applied", step=len(self.calls))
+            raise CommandError(CommandAck(id="x", status="rejected", error="command.request: no live request"))
+        return CommandAck(id="x", status="applied", step=len(self.calls))
 
     def abort(self, req, reason=""):
         return self._ack("abort", req)

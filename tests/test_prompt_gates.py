@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import dynsteer
-from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, DynsteerConfig, Monitor, Rule,
+from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, DynsteerConfig, ProbeGate, Rule,
                       SteeringSpec)
 from tests.conftest import ON_GPU, make_llm, token_ids, unit, vec
 
@@ -39,8 +39,8 @@ def _clean(engine):
     engine[1].clear_policy()
 
 
-def prompt_monitor(h: int, threshold: float, sharpness: float = 2.0, name: str = "topic") -> Monitor:
-    return Monitor(name=name, layer=MON_LAYER, direction=unit(h, 0), sharpness=sharpness, threshold=threshold,
+def prompt_monitor(h: int, threshold: float, sharpness: float = 2.0, name: str = "topic") -> ProbeGate:
+    return ProbeGate(name=name, layer=MON_LAYER, direction=unit(h, 0), sharpness=sharpness, threshold=threshold,
                    reads="prompt_last")
 
 
@@ -96,7 +96,7 @@ def test_condition_multiplies_a_per_token_gate(engine):
     scores = last_prompt_scores(st, PROMPTS)
     thr = float(np.median(scores))
     act = Action(kind="add", layer=MON_LAYER + 1, vector=vec(h, 2))
-    tok = Monitor(name="tok", layer=MON_LAYER, direction=unit(h, 3), sharpness=1.0, threshold=-1e9)  # always 1
+    tok = ProbeGate(name="tok", layer=MON_LAYER, direction=unit(h, 3), sharpness=1.0, threshold=-1e9)  # always 1
     plain = DynamicSteeringPolicy(monitors=[tok], rules=[Rule(monitor="tok", actions=[act])])
     cond = DynamicSteeringPolicy(monitors=[tok, prompt_monitor(h, thr, sharpness=1e6)],
                                  rules=[Rule(monitor="tok", actions=[act], condition="topic")])
@@ -135,7 +135,7 @@ def test_mixed_batch_with_plain_and_prompt_level_policies(engine):
      "rules[0].condition"),
 ])
 def test_bad_prompt_level_policies_name_the_field(build, field):
-    m = Monitor(name="topic", layer=1, direction=[1.0, 0.0], sharpness=1.0, threshold=0.0, reads="prompt_last")
+    m = ProbeGate(name="topic", layer=1, direction=[1.0, 0.0], sharpness=1.0, threshold=0.0, reads="prompt_last")
     a = Action(kind="add", layer=0, vector=[0.0, 1.0])
     with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
         build(m, a)
@@ -143,7 +143,7 @@ def test_bad_prompt_level_policies_name_the_field(build, field):
 
 def test_unknown_read_mode_is_rejected():
     with pytest.raises(ValueError, match="reads"):
-        Monitor(name="m", layer=1, direction=[1.0, 0.0], sharpness=1.0, threshold=0.0, reads="prompt_everything")
+        ProbeGate(name="m", layer=1, direction=[1.0, 0.0], sharpness=1.0, threshold=0.0, reads="prompt_everything")
 
 
 def test_prompt_mean_gate_equals_the_probe_on_the_mean_prompt_residual_and_ignores_the_cache(engine):
@@ -187,7 +187,7 @@ def test_preempted_requests_keep_their_prompt_decision(tiny_llama_path, reads):
         with make_llm(tiny_llama_path, disable_log_stats=False, **extra, **cfg.engine_kwargs()) as llm:
             st = dynsteer.attach(llm)
             h = st.hidden_size
-            pols = [DynamicSteeringPolicy(monitors=[Monitor(
+            pols = [DynamicSteeringPolicy(monitors=[ProbeGate(
                 name="topic", layer=MON_LAYER, direction=unit(h, 0), sharpness=0.5, threshold=thr, reads=reads)],
                 rules=[Rule(monitor="topic", actions=[Action(kind="add", layer=ACT_LAYER, vector=vec(h, 1))])])
                 for thr in (-1.0, 0.0, 1.0, 2.0)]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule
+from dynsteer import Action, DynamicSteeringPolicy, ProbeGate, Rule
 from dynsteer.steering.dynamic.prompt_gates import PromptGates, _device
 from dynsteer.steering.dynamic.state import DynState
 from tests.conftest import unit, vec
@@ -19,8 +19,8 @@ from tests.conftest import unit, vec
 H, G, N = 8, 5, 96
 
 
-def _mon(name: str, seed: int, reads: str = "token") -> Monitor:
-    return Monitor(name=name, layer=0, direction=unit(H, seed), sharpness=2.0, threshold=0.1 * seed, reads=reads)
+def _mon(name: str, seed: int, reads: str = "token") -> ProbeGate:
+    return ProbeGate(name=name, layer=0, direction=unit(H, seed), sharpness=2.0, threshold=0.1 * seed, reads=reads)
 
 
 def _act(seed: int) -> list[Action]:

@@ -14,14 +14,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-import dynsteer.engine.commands as desk_module
+import dynsteer.engine.command_desk as desk_module
 from dynsteer.commands import CommandEnvelope, RuleCommand, SteerCommand, ThresholdCommand
 from dynsteer.config import DynsteerConfig, MonitorConfig
-from dynsteer.engine.commands import CommandDesk
+from dynsteer.engine.command_desk import CommandDesk
 from dynsteer.engine.frontend import FrontendState
 from dynsteer.engine.keys import PAYLOAD_KEY, ROWS_KEY
 from dynsteer.engine.scheduler import SchedulerState
-from dynsteer.policy import Action, DynamicSteeringPolicy, Monitor, Rule
+from dynsteer.policy import Action, DynamicSteeringPolicy, ProbeGate, Rule
 from dynsteer.request.compile_spec import compile_phase
 from dynsteer.request.payload import encode_payload
 from dynsteer.request.resolve import (COMMAND_POLICY, COMMAND_SPEC, GLOBAL_POLICY, GLOBAL_SPEC, NO_COMMAND,
@@ -43,7 +43,7 @@ def _vec(seed: int) -> np.ndarray:
 
 def _policy(threshold: float, seed: int, rules: bool = True) -> DynamicSteeringPolicy:
     direction = _vec(seed)
-    mon = Monitor(name="m", layer=1, site="post_block", direction=direction / np.linalg.norm(direction),
+    mon = ProbeGate(name="m", layer=1, site="post_block", direction=direction / np.linalg.norm(direction),
                   sharpness=2.0, threshold=threshold)
     rule = Rule(monitor="m", actions=[Action(kind="add", layer=2, site="post_block", vector=_vec(seed + 1))])
     return DynamicSteeringPolicy(monitors=[mon], rules=[rule] if rules else [])

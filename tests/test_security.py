@@ -1,4 +1,4 @@
-"""Requests are untrusted (DESIGN §10): tried as an attacker would, in process and over HTTP on loopback.
+"""Requests are untrusted (architecture §10): tried as an attacker would, in process and over HTTP on loopback.
 
 Every case is rejected with the field named (a 400 over HTTP), or, when it can only show at run time, the request
 alone is stopped with the reason; other requests stay byte-identical and the engine keeps serving.
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import dynsteer
-from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, DynsteerConfig, Monitor, ProjectionClamp,
+from dynsteer import (Action, AddVector, CaptureSpec, DynamicSteeringPolicy, DynsteerConfig, ProbeGate, ProjectionClamp,
                       Rule, SteeringSpec)
 from dynsteer.config import Limits
 from dynsteer.request.payload import encode_payload, with_tag
@@ -55,7 +55,7 @@ def policy_body(**controller) -> dict:
     """A valid policy as JSON, with ``controller`` fields to tamper with."""
     d = np.eye(HIDDEN, dtype=np.float32)[0]
     pol = DynamicSteeringPolicy(
-        monitors=[Monitor(name="m", layer=MON_LAYER, direction=d, sharpness=4.0, threshold=-100.0)],
+        monitors=[ProbeGate(name="m", layer=MON_LAYER, direction=d, sharpness=4.0, threshold=-100.0)],
         rules=[Rule(monitor="m", actions=[Action(kind="add", layer=ACT_LAYER, vector=vec(1))])])
     body = pol.model_dump(mode="json", exclude_none=True)
     if controller:
@@ -162,7 +162,7 @@ def test_probe_files_only_by_registered_name(engine, files):
     rejected, _ = run_batch(llm, [pack_raw({"policy": body})])
     assert "extra_args.dynsteer.policy.monitors[0].probe: unknown probe 'secret' (registered: sent" in rejected[0]
     # the registered probe runs, and its gate is the probe file's probability (the monitor resolves to it)
-    pol = DynamicSteeringPolicy(monitors=[Monitor(name="m", layer=MON_LAYER, probe="sent")],
+    pol = DynamicSteeringPolicy(monitors=[ProbeGate(name="m", layer=MON_LAYER, probe="sent")],
                                 rules=[Rule(monitor="m", actions=[Action(kind="add", layer=ACT_LAYER, vector=vec(1))])])
     out = st.generate(PROMPTS[:1], greedy(), policy=pol)[0]
     assert out.trace is not None and len(out.trace) > 0
@@ -216,7 +216,7 @@ def test_gate_parameters_stay_finite_in_float32(engine):
         assert rejected[1].startswith(f"extra_args.dynsteer.policy.monitors[0].{field}: "), rejected
         assert [list(outputs[i].outputs[0].token_ids) for i in (0, 2)] == [baseline[0], baseline[2]]
     w = vec(8, 20.0).astype(np.float64)  # a weight norm of a few hundred, as trained probes have
-    mon = Monitor(name="m", layer=MON_LAYER, direction=w / np.linalg.norm(w), sharpness=float(np.linalg.norm(w)),
+    mon = ProbeGate(name="m", layer=MON_LAYER, direction=w / np.linalg.norm(w), sharpness=float(np.linalg.norm(w)),
                   threshold=-1e9)
     assert 100 < mon.sharpness < 1000
     pol = DynamicSteeringPolicy(monitors=[mon],

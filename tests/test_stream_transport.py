@@ -27,7 +27,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from dynsteer.monitor.subscriber import StreamError, StreamSubscriber
-from dynsteer.transport.wire import (Ack, Hello, WireError, decode_client, decode_frame, encode_client, encode_frame)
+from dynsteer.transport.wire import (Hello, StreamAck, WireError, decode_client, decode_frame, encode_client,
+                                     encode_frame)
 from dynsteer.streams.hub import StreamHub
 from dynsteer.transport.security import CurveKeys, check_endpoint
 from dynsteer.streams.spill import SpillRing
@@ -535,7 +536,7 @@ def check_decode(frame: bytes) -> Any:
     if isinstance(msg, Hello):
         assert 1 <= msg.max_pending and 1 <= msg.window and 0 <= msg.max_delay_ms and 1 <= len(msg.streams) <= 64
         assert msg.policy in ("drop", "block", "spill") and all(len(s) <= 128 for s in msg.streams)
-    if isinstance(msg, Ack):
+    if isinstance(msg, StreamAck):
         assert msg.seq >= 0 and isinstance(msg.stream, str)
     assert decode_client(encode_client(msg)) == msg  # what decodes, re-encodes to itself
     return msg

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from dynsteer import (Action, AddVector, DynamicSteeringPolicy, Monitor, Rule, SteeringSpec,
+from dynsteer import (Action, AddVector, DynamicSteeringPolicy, ProbeGate, Rule, SteeringSpec,
                       SteeringValidationError, SyncControllerSpec)
 from dynsteer.dose import enforce_dose_limit, relative_doses
 from dynsteer.sweep import SweepConfig, apply_point, grid_points, load_prompts, load_target, parse_axis
@@ -19,7 +19,7 @@ H = 8
 
 
 def policy(scale: float = 2.0, controller: SyncControllerSpec | None = None, **kw) -> DynamicSteeringPolicy:
-    mon = Monitor(name="m", layer=1, direction=np.eye(H)[0], sharpness=2.0, threshold=0.5)
+    mon = ProbeGate(name="m", layer=1, direction=np.eye(H)[0], sharpness=2.0, threshold=0.5)
     act = Action(kind="add", layer=2, vector=3.0 * np.eye(H)[1], scale=scale)
     return DynamicSteeringPolicy(monitors=[mon], rules=[Rule(monitor="m", actions=[act])], controller=controller,
                                  **kw)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec
+from dynsteer import Action, DynamicSteeringPolicy, ProbeGate, Rule, SyncControllerSpec
 from dynsteer.kernels.controller_reference import (Layout, control_reference, controller_row, readback_reference,
                                                    update_reference)
 from dynsteer.device.graphs import bucket
@@ -43,8 +43,8 @@ def _unit(seed: int) -> np.ndarray:
 
 
 def make_policy(controller: str, scope: str, second_scope: str = "next_step") -> DynamicSteeringPolicy:
-    mons = [Monitor(name="a", layer=1, direction=_unit(1), sharpness=3.0, threshold=0.2),
-            Monitor(name="b", layer=1, direction=_unit(2), sharpness=1.5, threshold=-0.1)]
+    mons = [ProbeGate(name="a", layer=1, direction=_unit(1), sharpness=3.0, threshold=0.2),
+            ProbeGate(name="b", layer=1, direction=_unit(2), sharpness=1.5, threshold=-0.1)]
     act = [Action(kind="add", layer=2, vector=_unit(3))]
     rules = [Rule(monitor="a", actions=act, scope=scope, gate_floor=0.1)]
     if controller != "pid":
@@ -455,7 +455,7 @@ def test_device_tier_equals_host_tier_in_the_engine(tiny_llama_path):
 
     def pol(scope: str, ctrl: SyncControllerSpec | None) -> DynamicSteeringPolicy:
         return DynamicSteeringPolicy(
-            monitors=[Monitor(name="m", layer=1, direction=d, sharpness=0.8, threshold=0.0)],
+            monitors=[ProbeGate(name="m", layer=1, direction=d, sharpness=0.8, threshold=0.0)],
             rules=[Rule(monitor="m", actions=[Action(kind="add", layer=2, vector=push)], scope=scope)],
             controller=ctrl)
 

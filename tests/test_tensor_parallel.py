@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dynsteer
-from dynsteer import Action, DynamicSteeringPolicy, DynsteerConfig, Monitor, Rule, SyncControllerSpec
+from dynsteer import Action, DynamicSteeringPolicy, DynsteerConfig, ProbeGate, Rule, SyncControllerSpec
 from tests.conftest import ON_GPU, cpu_tp_env, gpu_count, make_llm, token_ids
 
 
@@ -27,7 +27,7 @@ def policies(hidden: int) -> list[DynamicSteeringPolicy]:
             ("this_token", SyncControllerSpec(kind="pid", target=0.0, kp=0.5, ki=0.1, kd=0.0))]):
         rng = np.random.default_rng(i)
         probe = rng.standard_normal(hidden).astype(np.float32)
-        mon = Monitor(name="m", layer=1, direction=probe / np.linalg.norm(probe), sharpness=2.0, threshold=0.0)
+        mon = ProbeGate(name="m", layer=1, direction=probe / np.linalg.norm(probe), sharpness=2.0, threshold=0.0)
         act = Action(kind="add", layer=2, vector=rng.standard_normal(hidden).astype(np.float32) * 4)
         out.append(DynamicSteeringPolicy(monitors=[mon], rules=[Rule(monitor="m", actions=[act], scope=scope)],
                                          controller=ctrl))

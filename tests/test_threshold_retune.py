@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import dynsteer
-from dynsteer import Action, DynamicSteeringPolicy, DynsteerConfig, Monitor, Rule, SyncControllerSpec
+from dynsteer import Action, DynamicSteeringPolicy, DynsteerConfig, ProbeGate, Rule, SyncControllerSpec
 from dynsteer.commands import ThresholdCommand
 from dynsteer.config import MonitorConfig
 from dynsteer.monitor.client import CommandClient
@@ -30,7 +30,7 @@ def _policy(case: str, hidden: int) -> DynamicSteeringPolicy:
     """A gate that never opens at ``OLD`` and always at ``NEW``; its rule adds a strong vector at layer 2."""
     rng = np.random.default_rng(3)
     probe = rng.standard_normal(hidden)
-    mon = Monitor(name="m", layer=1, direction=(probe / np.linalg.norm(probe)).astype(np.float32), sharpness=SHARP,
+    mon = ProbeGate(name="m", layer=1, direction=(probe / np.linalg.norm(probe)).astype(np.float32), sharpness=SHARP,
                   threshold=OLD)
     act = Action(kind="add", layer=2, vector=(rng.standard_normal(hidden) * 4).astype(np.float32))
     scope = "next_step" if case == "controller" else case

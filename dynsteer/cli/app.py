@@ -57,7 +57,7 @@ def monitor(
     timeout: Optional[float] = typer.Option(None, help="exit after this many seconds without a frame"),
 ) -> None:
     """Watch a stream with a probe file and steer or abort the requests it flags."""
-    from dynsteer.monitor.client import Monitor
+    from dynsteer.monitor.client import MonitorClient
     from dynsteer.monitor.probe_monitor import run_probe_monitor
     from dynsteer.probefile.fileformat import load_probe
     from dynsteer.spec import AddVector, SteeringSpec
@@ -71,7 +71,7 @@ def monitor(
             raise typer.BadParameter("--vector: required with --action steer")
         spec = SteeringSpec(vectors=[AddVector(layer=probe.layer, site=probe.site, vector=vector, scale=scale,
                                                tier="decode")])
-    with Monitor(endpoint, command_endpoint, name=name, streams=stream, policy=policy) as mon:
+    with MonitorClient(endpoint, command_endpoint, name=name, streams=stream, policy=policy) as mon:
         stats = run_probe_monitor(mon, probe, action=action, steer_spec=spec, threshold=threshold, timeout_s=timeout)
     typer.echo(f"{stats.frames} frames, {stats.rows} rows; {len(stats.flagged)} requests flagged, "
                f"{stats.rejected} commands rejected")

@@ -1,4 +1,4 @@
-"""The sync actuator tier's controllers (DESIGN §4): pure, deterministic per-request state machines.
+"""The sync actuator tier's controllers (architecture §4): pure, deterministic per-request state machines.
 
 Contract:
     * A controller is built once from its spec (:func:`make_controller`) and holds only immutable parameters.
@@ -6,8 +6,8 @@ Contract:
     * Every engine step, for every live request, ``on_step(state, obs) -> (new_state, scale)`` is called once on
       EVERY tensor-parallel rank with rank-identical inputs. ``obs`` is a :class:`StepObservation` carrying the
       in-graph monitor's score and gate of the token computed in that step.
-    * ``scale`` (``dyn_scale`` of DESIGN §3) is applied at the NEXT step: the latency is exactly one step. The scale
-      returned after observing step ``t`` reflects the scores of steps ``0..t`` and steers the token of step
+    * ``scale`` (``dyn_scale`` of architecture §3) is applied at the NEXT step: the latency is exactly one step. The
+      scale returned after observing step ``t`` reflects the scores of steps ``0..t`` and steers the token of step
       ``t + 1``; step 0 runs with the initial scale 0.
     * Nothing is mutated and nothing depends on wall-clock time, randomness or rank, so identical inputs give
       bit-identical decisions on every rank. No torch, no vLLM: plain Python floats.

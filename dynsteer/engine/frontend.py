@@ -115,7 +115,7 @@ class FrontendState:
             the forward for cached tokens, and there would be nothing to capture for them. A dynamic policy is not
             part of the decode fingerprint: the workers report where it acted, and the engine core folds that into
             the hashes of the blocks from there on (:func:`~dynsteer.engine.prefix_cache.patch_block_hashing`,
-            DESIGN §5).
+            architecture §5).
 
         The payload's size and tag are checked on every call, memo hit or not.
         """

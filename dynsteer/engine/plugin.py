@@ -72,7 +72,7 @@ def register() -> None:
     if _registered or os.environ.get("DYNSTEER_DISABLE") == "1":
         return
     _registered = True
-    from dynsteer.engine import adapters, admission, commands, frontend, prefix_cache, runner, scheduler, worker_ext
+    from dynsteer.engine import adapters, admission, command_desk, frontend, prefix_cache, runner, scheduler, worker_ext
 
     if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImportFinder())
@@ -88,7 +88,7 @@ def register() -> None:
     when_imported("vllm.v1.core.kv_cache_utils", prefix_cache.patch_block_hashing)
     when_imported("vllm.v1.request", lambda m: prefix_cache.patch_request(m.Request))
     when_imported("vllm.v1.core.sched.scheduler", lambda m: scheduler.patch_scheduler(m.Scheduler))
-    when_imported("vllm.v1.engine.core", lambda m: commands.patch_engine_core(m.EngineCore))
+    when_imported("vllm.v1.engine.core", lambda m: command_desk.patch_engine_core(m.EngineCore))
     when_imported("vllm.entrypoints.serve", _guard_dev_routes)  # API servers only: keeps fastapi out of workers
 
 

@@ -54,7 +54,7 @@ def patch_block_hashing(module: Any) -> None:
             fp = extra.get(DECODE_KEY)
             if fp:
                 extra_keys = (*(extra_keys or ()), f"{SALT_TAG}decode:{fp}")
-            # a dynamic policy's reports, or monitors' commands (engine.commands) on any request
+            # a dynamic policy's reports, or monitors' commands (engine.command_desk) on any request
             acted = request.__dict__.get(ACTED_ATTR) if hasattr(request, "__dict__") else None
             if acted is None and isinstance(request, _Upto):
                 acted = request.__dict__["_request"].__dict__.get(ACTED_ATTR)

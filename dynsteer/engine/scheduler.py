@@ -33,7 +33,7 @@ from typing import Any
 
 from dynsteer.config import DynsteerConfig
 from dynsteer.engine import patching
-from dynsteer.engine.commands import CommandDesk
+from dynsteer.engine.command_desk import CommandDesk
 from dynsteer.engine.keys import (ABORTS_ATTR, ACTED_ATTR, ACTS_ATTR, COMMANDS_ATTR, DYNAMIC_KEY, ROWS_KEY,
                                   SCHEDULER_ATTR, STEP_ATTR, STOPS_ATTR)
 from dynsteer.engine.patching import Switch
@@ -67,7 +67,7 @@ class SchedulerState:
     step: int = 0  # schedule() calls so far: the step number acks and stream frames name
     desk: CommandDesk | None = None  # the async tier's command desk, when a monitor channel is configured
     hash_block_size: int = 16
-    # set by a monitor's global command (engine.commands): requests added from then on are salted with it, since
+    # set by a monitor's global command (engine.command_desk): requests added from then on are salted with it, since
     # the frontend salted them by the global it knows; "" when the frontend's view is current
     global_salt: str = ""
     # Requests that need the per-request hooks below; while none does, vLLM's own methods run (no per-request
@@ -215,7 +215,7 @@ def patch_scheduler(cls: type) -> None:
     def schedule(self: Any, *a: Any, **k: Any) -> Any:
         state = getattr(self, SCHEDULER_ATTR)
         state.step += 1
-        # Commands are taken before vLLM schedules (and caches blocks for) this step: see engine.commands.
+        # Commands are taken before vLLM schedules (and caches blocks for) this step: see engine.command_desk.
         commands = state.desk.take(self, state.step) if state.desk is not None else None
         out = orig_schedule(self, *a, **k)
         setattr(out, STEP_ATTR, state.step)

@@ -11,9 +11,9 @@ Changes reach the engine the way :class:`dynsteer.Steerer` sends them (``collect
 :mod:`dynsteer.engine.worker_ext`), and the frontend's admission state (:mod:`dynsteer.engine.frontend`) is updated
 *before* the RPC is sent, with no await in between: a request admitted after the change is salted by the new global
 and its ADD message follows the RPC on the engine core's input socket; one admitted before is live when the RPC lands
-and has its prefix-cache hashes forked there (``engine.commands``). So no block is cached under the wrong global.
+and has its prefix-cache hashes forked there (``engine.command_desk``). So no block is cached under the wrong global.
 
-Trust (DESIGN §10): with ``--api-key`` (or ``VLLM_API_KEY``) every steering route requires ``Authorization: Bearer
+Trust (architecture §10): with ``--api-key`` (or ``VLLM_API_KEY``) every steering route requires ``Authorization: Bearer
 <key>`` (compared in constant time) and answers 401 without it, whatever vLLM's own middleware guards; with no key
 they answer only loopback (and unix-socket) clients unless the operator passed ``--steering-allow-remote`` (403
 otherwise). Bodies are pydantic models; every error is a 400 naming the field.

@@ -88,7 +88,7 @@ def dynsteer_take_traces(self: Any, tags: list[str]) -> list[dict[str, Any]]:
 
 def dynsteer_patches(self: Any) -> dict[str, list[dict[str, str]]]:
     """The vLLM attributes dynsteer overrides in this worker's process (``dynsteer doctor``; read only); the engine
-    core adds its own process's (``engine.commands``)."""
+    core adds its own process's (``engine.command_desk``)."""
     return {keys.PATCHES_WORKER: patching.applied_json()}
 
 

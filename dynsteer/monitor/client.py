@@ -2,16 +2,16 @@
 
 A safety monitor in a few lines (see ``examples/safety_monitor.py``)::
 
-    from dynsteer.monitor import Monitor
+    from dynsteer.monitor import MonitorClient
 
-    with Monitor(stream_endpoint, command_endpoint, name="tox", streams=["resid"]) as mon:
+    with MonitorClient(stream_endpoint, command_endpoint, name="tox", streams=["resid"]) as mon:
         for frame in mon.frames():
             scores = frame.values["12.post_block"] @ probe
             for req_id in frame.requests_where(scores > threshold):
                 mon.abort(req_id, reason="toxicity probe")
 
 Frames arrive as numpy views of the received buffers (no copy); ``frame.torch(place)`` wraps one as a tensor.
-Commands are applied by the engine at one step on every rank; :class:`~dynsteer.commands.Ack` names it.
+Commands are applied by the engine at one step on every rank; :class:`~dynsteer.commands.CommandAck` names it.
 
 Over ``tcp://`` the engine requires CURVE: pass its server key and this monitor's key pair (``curve_server_public``,
 ``curve_client_secret``, ``curve_client_public``); the operator lists the public key in ``MonitorConfig.curve`` and
@@ -31,11 +31,14 @@ import msgspec
 import numpy as np
 import zmq
 
-from dynsteer.commands import (AbortCommand, Ack, CommandEnvelope, GlobalCommand, RuleCommand, SteerCommand,
+from dynsteer._deprecated import renamed
+from dynsteer.commands import (AbortCommand, CommandAck, CommandEnvelope, GlobalCommand, RuleCommand, SteerCommand,
                                ThresholdCommand, encode_command, max_message_bytes)
 from dynsteer.config import Limits
 from dynsteer.spec import SteeringSpec, SteeringValidationError
 from dynsteer.transport.security import connect_curve, connect_options
+
+__all__ = ["CommandClient", "CommandError", "MonitorClient", "StreamFrame"]
 
 
 @dataclass
@@ -89,7 +92,7 @@ class StreamFrame:
 class CommandError(RuntimeError):
     """The engine rejected a command; ``ack.error`` names the field."""
 
-    def __init__(self, ack: Ack) -> None:
+    def __init__(self, ack: CommandAck) -> None:
         super().__init__(ack.error or "rejected")
         self.ack = ack
 
@@ -126,7 +129,7 @@ class CommandClient:
         self.sock.connect(endpoint)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
-        self._acks: dict[str, Ack] = {}
+        self._acks: dict[str, CommandAck] = {}
         self.refused = False  # the engine refused this client's CURVE key at the last handshake
 
     def send(self, command: Any, timeout_s: float = 30.0) -> str:
@@ -149,7 +152,7 @@ class CommandClient:
         self.sock.send(raw, zmq.NOBLOCK)
         return cid
 
-    def wait(self, cid: str, timeout_s: float = 30.0) -> Ack:
+    def wait(self, cid: str, timeout_s: float = 30.0) -> CommandAck:
         """The ack of command ``cid`` (a rejection is returned, not raised).
 
         Raises:
@@ -161,7 +164,7 @@ class CommandClient:
             if not self._ready(zmq.POLLIN, deadline):
                 raise TimeoutError(f"no ack for command {cid} within {timeout_s} s (is the engine running and "
                                    f"scheduling? commands are taken at the next step)")
-            ack = Ack.model_validate(msgspec.msgpack.decode(self.sock.recv(zmq.NOBLOCK)))
+            ack = CommandAck.model_validate(msgspec.msgpack.decode(self.sock.recv(zmq.NOBLOCK)))
             self._acks[ack.id] = ack
         return self._acks.pop(cid)
 
@@ -190,7 +193,7 @@ class CommandClient:
             if left <= 0:
                 return False
 
-    def call(self, command: Any, timeout_s: float = 30.0) -> Ack:
+    def call(self, command: Any, timeout_s: float = 30.0) -> CommandAck:
         """Send and wait; raises :class:`CommandError` when rejected."""
         ack = self.wait(self.send(command), timeout_s)
         if ack.status != "applied":
@@ -204,7 +207,7 @@ class CommandClient:
         self.sock.close(0)
 
 
-class Monitor:
+class MonitorClient:
     """A monitor service's connection to one engine: its streams and its command channel.
 
     Args:
@@ -248,21 +251,21 @@ class Monitor:
         return dict(self.subscriber.next_seq) if self.subscriber is not None else {}
 
     # ---- commands ------------------------------------------------------------------------------------------------
-    def abort(self, request: str, reason: str = "", timeout_s: float = 30.0) -> Ack:
+    def abort(self, request: str, reason: str = "", timeout_s: float = 30.0) -> CommandAck:
         """Finish ``request`` (its stop reason names this monitor and ``reason``)."""
         return self.commands.call(AbortCommand(request=request, reason=reason), timeout_s)
 
-    def steer(self, request: str, spec: SteeringSpec | None, timeout_s: float = 30.0) -> Ack:
+    def steer(self, request: str, spec: SteeringSpec | None, timeout_s: float = 30.0) -> CommandAck:
         """Add ``spec`` to ``request``'s generated tokens from the acked step on (None: clear it)."""
         return self.commands.call(SteerCommand(request=request, spec=spec), timeout_s)
 
-    def set_threshold(self, request: str, monitor: str, threshold: float, timeout_s: float = 30.0) -> Ack:
+    def set_threshold(self, request: str, monitor: str, threshold: float, timeout_s: float = 30.0) -> CommandAck:
         return self.commands.call(ThresholdCommand(request=request, monitor=monitor, threshold=threshold), timeout_s)
 
-    def set_rule(self, request: str, rule: int, enabled: bool, timeout_s: float = 30.0) -> Ack:
+    def set_rule(self, request: str, rule: int, enabled: bool, timeout_s: float = 30.0) -> CommandAck:
         return self.commands.call(RuleCommand(request=request, rule=rule, enabled=enabled), timeout_s)
 
-    def set_global(self, spec: SteeringSpec | None = None, policy: Any = None, timeout_s: float = 30.0) -> Ack:
+    def set_global(self, spec: SteeringSpec | None = None, policy: Any = None, timeout_s: float = 30.0) -> CommandAck:
         """Replace the engine's global steering (``spec`` and ``policy``; ``None``: none) from the acked step on,
         for live requests too (see :class:`dynsteer.commands.GlobalCommand`)."""
         return self.commands.call(GlobalCommand(spec=spec, policy=policy), timeout_s)
@@ -272,8 +275,12 @@ class Monitor:
             self.subscriber.close()
         self.commands.close()
 
-    def __enter__(self) -> "Monitor":
+    def __enter__(self) -> "MonitorClient":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# Old name kept for one release (``dynsteer.ProbeGate``, the in-graph gate, was also called ``Monitor``).
+__getattr__ = renamed(__name__, {"Monitor": ("MonitorClient", MonitorClient)})

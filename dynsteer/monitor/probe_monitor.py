@@ -11,7 +11,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from dynsteer.monitor.client import CommandError, Monitor, StreamFrame
+from dynsteer.monitor.client import CommandError, MonitorClient, StreamFrame
 
 logger = logging.getLogger("dynsteer.monitor")
 
@@ -24,7 +24,7 @@ class ProbeMonitorStats:
     rejected: int = 0
 
 
-def run_probe_monitor(monitor: Monitor, probe: Any, *, action: Literal["steer", "abort"] = "abort",
+def run_probe_monitor(monitor: MonitorClient, probe: Any, *, action: Literal["steer", "abort"] = "abort",
                       steer_spec: Any = None, threshold: float | None = None, place: str | None = None,
                       timeout_s: float | None = None, on_flag: Callable[[str, StreamFrame, Any], None] | None = None,
                       ) -> ProbeMonitorStats:

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from dynsteer.transport.wire import (NAME_HELD, Ack, Bye, Frame, Hello, Ping, Policy, StatsRequest, WireError,
+from dynsteer.transport.wire import (NAME_HELD, Bye, Frame, Hello, Ping, Policy, StatsRequest, StreamAck, WireError,
                                    decode_client, decode_server_header, encode_client, frame_from_header)
 from dynsteer.transport.security import check_endpoint, connect_curve, connect_options
 
@@ -213,7 +213,7 @@ class StreamSubscriber:
                 return  # not ours (a stream dropped from a re-hello)
             if frame.seq < expect:  # a re-send after a reconnect: already here
                 if frame.seq <= self._acked.get(frame.stream, -1):
-                    self._send(encode_client(Ack(frame.stream, self._acked[frame.stream])))
+                    self._send(encode_client(StreamAck(frame.stream, self._acked[frame.stream])))
                 return
             self._expect[frame.stream] = frame.seq + 1
             self._buffer.append(frame)
@@ -269,7 +269,7 @@ class StreamSubscriber:
         if not force and sum(seq - self._acked.get(s, -1) for s, seq in behind.items()) < self._ack_every:
             return
         for stream, seq in behind.items():
-            self._send(encode_client(Ack(stream, seq)))
+            self._send(encode_client(StreamAck(stream, seq)))
             self._acked[stream] = seq
 
     def _send(self, frame: bytes) -> None:

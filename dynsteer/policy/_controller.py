@@ -12,7 +12,7 @@ from dynsteer.policy._base import FrozenModel, finite_fields
 from dynsteer.spec import ModelShape, Real, SteeringValidationError, check_name
 
 if TYPE_CHECKING:
-    from dynsteer.policy._gates import Monitor
+    from dynsteer.policy._gates import ProbeGate
 
 ControllerKind = Literal["latch", "ema_latch", "pid", "budget", "custom"]
 
@@ -71,7 +71,7 @@ class SyncControllerSpec(FrozenModel):
     options: Optional[dict[str, Any]] = None
     units: Literal["score", "probability"] = "score"
 
-    def in_score_units(self, monitor: "Monitor", where: str = "controller") -> "SyncControllerSpec":
+    def in_score_units(self, monitor: "ProbeGate", where: str = "controller") -> "SyncControllerSpec":
         """This spec with ``on``/``off``/``target`` (and a budget's inner ones) in score units: probabilities map
         through the monitor's gate, ``score = threshold + logit(p) / sharpness`` (the score at which the monitor's
         probability is ``p``; for a probe file, its ``predict_proba``). ``monitor`` must be inline."""

@@ -39,7 +39,7 @@ def gate_param_problem(name: str, value: float) -> str | None:
     return None
 
 
-def check_gate(m: "Monitor", where: str, source: "Monitor") -> None:
+def check_gate(m: "ProbeGate", where: str, source: "ProbeGate") -> None:
     """Raise naming the field when inline monitor ``m``'s gate parameters do not fit the float32 tables; ``source``
     is the monitor as written (a probe's values are reported on its ``probe``/``probe_file`` field)."""
     for name in ("sharpness", "threshold"):
@@ -53,18 +53,19 @@ def check_gate(m: "Monitor", where: str, source: "Monitor") -> None:
         raise SteeringValidationError(f"{where}.{field}: {what!r} gives an out-of-range {name}: {problem}")
 
 
-class Monitor(FrozenModel):
+class ProbeGate(FrozenModel):
     """An in-graph probe gate on the residual at ``(layer, site)``.
 
     Exactly one of three forms:
 
     * ``probe``: the name of a probe file the operator registered (``DynsteerConfig(probes={name: path})``); the
       only probe form a request sent to an engine may use;
-    * ``probe_file``: a dynsteer probe file (DESIGN §7) read in the caller's process: :func:`dynsteer.encode_payload`
-      and :meth:`dynsteer.Steerer.set_policy` load it and send the inline form (an engine rejects file paths);
+    * ``probe_file``: a dynsteer probe file (architecture §7) read in the caller's process:
+      :func:`dynsteer.encode_payload` and :meth:`dynsteer.Steerer.set_policy` load it and send the inline form (an
+      engine rejects file paths);
     * inline ``direction`` + ``sharpness`` + ``threshold``: ``gate = σ(sharpness · (x·direction − threshold))``.
 
-    :meth:`from_probe_file` builds the inline form from a probe file (exact logistic-probe identity, DESIGN §4).
+    :meth:`from_probe_file` builds the inline form from a probe file (exact logistic-probe identity, architecture §4).
 
     Args:
         name: unique name that rules refer to.
@@ -87,7 +88,7 @@ class Monitor(FrozenModel):
             such requests never reuse cached prompt blocks, since the monitor must see every prompt token).
 
     Example:
-        >>> m = Monitor(name="m", layer=1, direction=[0.6, 0.8], sharpness=2.0, threshold=0.5)
+        >>> m = ProbeGate(name="m", layer=1, direction=[0.6, 0.8], sharpness=2.0, threshold=0.5)
         >>> round(float(m.gate([3.0, 4.0])), 6)   # σ(2 · (5 − 0.5))
         0.999877
     """
@@ -122,7 +123,7 @@ class Monitor(FrozenModel):
         return v
 
     @model_validator(mode="after")
-    def _one_form(self) -> "Monitor":
+    def _one_form(self) -> "ProbeGate":
         inline = {"direction": self.direction, "sharpness": self.sharpness, "threshold": self.threshold}
         given = [k for k, v in inline.items() if v is not None]
         files = [k for k in ("probe", "probe_file") if getattr(self, k) is not None]
@@ -146,7 +147,7 @@ class Monitor(FrozenModel):
 
     @classmethod
     def from_probe_file(cls, path: str | Path, *, name: str, calibrated: bool = False,
-                        target_class: int = 1, reads: str = "token") -> "Monitor":
+                        target_class: int = 1, reads: str = "token") -> "ProbeGate":
         """An inline monitor equal to the probe in ``path``: its layer, site and gate parameters.
 
         Args:
@@ -165,14 +166,14 @@ class Monitor(FrozenModel):
 
     @classmethod
     def from_probe(cls, probe: Any, *, name: str, calibrated: bool = False, target_class: int = 1,
-                   reads: str = "token") -> "Monitor":
+                   reads: str = "token") -> "ProbeGate":
         """An inline monitor equal to a loaded :class:`dynsteer.probefile.fileformat.Probe` (see :meth:`from_probe_file`)."""
         p = probe.gate_params(calibrated=calibrated)
         sign = 1.0 if target_class == 1 else -1.0  # σ(−z) = 1 − σ(z)
         return cls(name=name, layer=probe.layer, site=probe.site, direction=sign * p.probe, sharpness=p.sharpness,
                    threshold=sign * p.threshold, reads=reads)
 
-    def resolve(self, probes: Mapping[str, Any] | None = None, *, allow_files: bool = True) -> "Monitor":
+    def resolve(self, probes: Mapping[str, Any] | None = None, *, allow_files: bool = True) -> "ProbeGate":
         """The inline form; checks that the probe's layer and site match this monitor.
 
         Args:
@@ -191,14 +192,14 @@ class Monitor(FrozenModel):
                 known = ", ".join(sorted(probes or {})) or "none registered"
                 raise ValueError(f"unknown probe {self.probe!r} (registered: {known}; the operator registers probe "
                                  f"files with DynsteerConfig(probes={{name: path}}))")
-            m = Monitor.from_probe(probes[self.probe], name=self.name, calibrated=self.calibrated,
+            m = ProbeGate.from_probe(probes[self.probe], name=self.name, calibrated=self.calibrated,
                                    target_class=self.target_class, reads=self.reads)
             source = f"probe {self.probe!r}"
         else:
             if not allow_files:
                 raise ValueError("file paths are not accepted in requests; register the probe file with "
                                  "DynsteerConfig(probes={name: path}) and reference it as probe=name")
-            m = Monitor.from_probe_file(self.probe_file, name=self.name, calibrated=self.calibrated,  # type: ignore
+            m = ProbeGate.from_probe_file(self.probe_file, name=self.name, calibrated=self.calibrated,  # type: ignore
                                         target_class=self.target_class, reads=self.reads)
             source = f"probe file {self.probe_file!r}"
         if (m.layer, m.site) != (self.layer, self.site):

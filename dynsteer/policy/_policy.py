@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 
 from dynsteer.policy._base import FrozenModel, finite_fields
 from dynsteer.policy._controller import SyncControllerSpec, check_controller, controller_bound
-from dynsteer.policy._gates import Monitor, check_gate
+from dynsteer.policy._gates import ProbeGate, check_gate
 from dynsteer.policy._rules import Rule
 from dynsteer.spec import (SITES, ModelShape, Real, SteeringValidationError, check_clamp_bounds, check_site,
                            resolve_vector)
@@ -70,23 +70,23 @@ class DynamicSteeringPolicy(FrozenModel):
             without a well-defined monitor. The message names the field.
 
     Example:
-        >>> from dynsteer.policy import Action, DynamicSteeringPolicy, Monitor, Rule
+        >>> from dynsteer.policy import Action, DynamicSteeringPolicy, ProbeGate, Rule
         >>> p = DynamicSteeringPolicy(
-        ...     monitors=[Monitor(name="m", layer=3, direction=[1.0, 0.0], sharpness=1.0, threshold=0.0)],
+        ...     monitors=[ProbeGate(name="m", layer=3, direction=[1.0, 0.0], sharpness=1.0, threshold=0.0)],
         ...     rules=[Rule(monitor="m", actions=[Action(kind="ablate", layer=3, vector=[0.0, 1.0])])])
         >>> DynamicSteeringPolicy.from_json(p.to_json()) == p
         True
     """
 
     version: Literal[1] = POLICY_VERSION
-    monitors: tuple[Monitor, ...] = ()
+    monitors: tuple[ProbeGate, ...] = ()
     rules: tuple[Rule, ...] = ()
     controller: Optional[SyncControllerSpec] = None
     max_relative_dose: Optional[RelativeDoseLimit] = None
 
     @model_validator(mode="after")
     def _references(self) -> "DynamicSteeringPolicy":
-        by_name: dict[str, Monitor] = {}
+        by_name: dict[str, ProbeGate] = {}
         for i, m in enumerate(self.monitors):
             if m.name in by_name:
                 raise ValueError(f"monitors[{i}].name: duplicate monitor name {m.name!r}")
@@ -136,14 +136,14 @@ class DynamicSteeringPolicy(FrozenModel):
                 raise ValueError(f"controller.monitor: unknown monitor {self.controller.monitor!r} (known: {known})")
         return self
 
-    def monitor(self, name: str) -> Monitor:
+    def monitor(self, name: str) -> ProbeGate:
         """The monitor called ``name`` (``KeyError`` if none)."""
         for m in self.monitors:
             if m.name == name:
                 return m
         raise KeyError(name)
 
-    def controller_monitor(self) -> Monitor | None:
+    def controller_monitor(self) -> ProbeGate | None:
         """The monitor feeding the controller (``None`` without a controller)."""
         if self.controller is None:
             return None

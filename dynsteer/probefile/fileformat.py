@@ -1,4 +1,4 @@
-"""The probe file (DESIGN §7): safetensors with ``weight [hidden]`` (optional ``mean``, ``scale``) + JSON metadata.
+"""The probe file (architecture §7): safetensors with ``weight [hidden]`` (optional ``mean``, ``scale``), JSON metadata.
 
 Layout:
     tensors: ``weight`` float32 ``[hidden]``; optionally ``mean`` and ``scale`` float32 ``[hidden]``. Without them
@@ -146,7 +146,7 @@ class Probe:
         return (self.decision_function(X) > threshold).astype(np.int64)
 
     def gate_params(self, *, calibrated: bool = False) -> GateParams:
-        """The equivalent gate (DESIGN §4); ``calibrated=True`` centres it on the calibration threshold."""
+        """The equivalent gate (architecture §4); ``calibrated=True`` centres it on the calibration threshold."""
         w, b = self.linear_form()
         at = self.meta.calibration.threshold if calibrated and self.meta.calibration is not None else 0.0
         return gate_params(w, b, at=at)

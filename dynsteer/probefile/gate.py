@@ -1,4 +1,4 @@
-"""The logistic-probe ↔ dynamic-gate identity (DESIGN §4).
+"""The logistic-probe ↔ dynamic-gate identity (architecture §4).
 
 A linear probe ``σ(x·w + b)`` and the in-graph gate ``σ(sharpness · (x·probe − threshold))`` are the same function
 when ``probe = w/‖w‖``, ``sharpness = ‖w‖`` and ``threshold = −b/‖w‖``:

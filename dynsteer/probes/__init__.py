@@ -1,7 +1,7 @@
 """Linear probes on the residual stream: collect activations from vLLM, fit, evaluate, calibrate, export.
 
 A probe trained here is a ``(w, b)`` pair on one ``(layer, site)``; it is saved in the probe file format
-(DESIGN §7) and maps exactly onto the in-graph gate (DESIGN §4, :func:`gate_params`).
+(architecture §7) and maps exactly onto the in-graph gate (architecture §4, :func:`gate_params`).
 
 Example:
     >>> from dynsteer.probes import LogisticProbe, collect, layer_sweep     # doctest: +SKIP
@@ -10,16 +10,20 @@ Example:
     >>> print(sweep.table())                                                # doctest: +SKIP
 """
 
+from dynsteer._deprecated import renamed
 from dynsteer.probes.collect import Activations, align, chat_prompts, collect, collect_generated
 from dynsteer.probes.estimators import DiffMeanProbe, LDAProbe, LinearProbe, LogisticProbe
 from dynsteer.probefile.fileformat import PROBE_FILE_FORMAT, Calibration, Probe, ProbeMeta, load_probe, save_probe
 from dynsteer.probefile.gate import GateParams, gate, gate_logit, gate_params
-from dynsteer.probes.metrics import (CalibrationWarning, LayerScore, SweepResult, accuracy, auroc, calibrate,
+from dynsteer.probes.metrics import (CalibrationWarning, LayerScore, LayerSweepResult, accuracy, auroc, calibrate,
                                      calibrate_threshold, calibration_curve, fpr_at, fpr_interval, layer_sweep,
                                      recall_at, recall_at_fpr)
 
 __all__ = ["Activations", "Calibration", "CalibrationWarning", "DiffMeanProbe", "GateParams", "LDAProbe", "LayerScore",
-           "LinearProbe", "LogisticProbe", "PROBE_FILE_FORMAT", "Probe", "ProbeMeta", "SweepResult", "accuracy",
+           "LayerSweepResult", "LinearProbe", "LogisticProbe", "PROBE_FILE_FORMAT", "Probe", "ProbeMeta", "accuracy",
            "align", "auroc", "calibrate", "calibrate_threshold", "calibration_curve", "chat_prompts", "collect",
            "collect_generated", "fpr_at", "fpr_interval", "gate", "gate_logit", "gate_params", "layer_sweep",
            "load_probe", "recall_at", "recall_at_fpr", "save_probe"]
+
+# Old name kept for one release (``dynsteer.sweep.SweepResult`` is a sweep run's result).
+__getattr__ = renamed(__name__, {"SweepResult": ("LayerSweepResult", LayerSweepResult)})

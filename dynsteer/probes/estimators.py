@@ -94,7 +94,7 @@ class LogisticProbe(LinearProbe):
     """L2-regularised logistic regression, the strength chosen by cross-validation (wraps ``LogisticRegressionCV``).
 
     ``predict_proba`` is the logistic model's own probability; the probe is exactly the gate
-    ``σ(x·w + b)`` (DESIGN §4).
+    ``σ(x·w + b)`` (architecture §4).
 
     Args:
         Cs: inverse regularisation strengths to try (an int: that many on a log grid from 1e-4 to 1e4).

@@ -24,6 +24,7 @@ from sklearn.calibration import calibration_curve as _sk_calibration_curve
 from sklearn.metrics import accuracy_score, roc_auc_score
 from sklearn.model_selection import StratifiedGroupKFold, StratifiedKFold, train_test_split
 
+from dynsteer._deprecated import renamed
 from dynsteer.probes.collect import Activations
 
 if TYPE_CHECKING:
@@ -162,7 +163,7 @@ class LayerScore:
 
 
 @dataclass
-class SweepResult:
+class LayerSweepResult:
     """Result of :func:`layer_sweep`.
 
     Attributes:
@@ -254,12 +255,12 @@ def _group_split(y: np.ndarray, g: np.ndarray, test_size: float, seed: int) -> t
 
 def layer_sweep(acts: Activations, estimator_factory: Callable[[], Any] | Any, test_size: float = 0.3,
                 seed: int = 0, cv: int = 5, groups: np.ndarray | Sequence[Any] | bool | None = None
-                ) -> SweepResult:
+                ) -> LayerSweepResult:
     """Choose a layer by stratified ``cv``-fold cross-validation on a training split; report every layer on the
     held-out rest.
 
     Per layer: ``cv`` probes fitted on the folds of the training split give a mean and a spread of AUROC (the
-    ranking, :meth:`SweepResult.ranking`); one probe fitted on the whole training split is scored on the held-out
+    ranking, :meth:`LayerSweepResult.ranking`); one probe fitted on the whole training split is scored on the held-out
     split. When the best layer's mean AUROC is within the larger of its and the runner-up's spread of the
     runner-up's, the data cannot separate them: a :class:`CalibrationWarning` says so (collect more, or harder,
     samples) and ``separable`` is False.
@@ -326,7 +327,7 @@ def layer_sweep(acts: Activations, estimator_factory: Callable[[], Any] | Any, t
                                    cv_folds=folds)
         estimators[layer] = est
         test_scores[layer] = s
-    result = SweepResult(scores=scores, estimators=estimators, train_idx=train_idx, test_idx=test_idx,
+    result = LayerSweepResult(scores=scores, estimators=estimators, train_idx=train_idx, test_idx=test_idx,
                          test_scores=test_scores, fold_idx=[train_idx[val_i] for _, val_i in splits], groups=g)
     rank = result.ranking()
     if len(rank) > 1:
@@ -340,5 +341,9 @@ def layer_sweep(acts: Activations, estimator_factory: Callable[[], Any] | Any, t
     return result
 
 
-__all__ = ["CalibrationWarning", "LayerScore", "SweepResult", "accuracy", "auroc", "calibrate", "calibrate_threshold",
+__all__ = ["CalibrationWarning", "LayerScore", "LayerSweepResult", "accuracy", "auroc", "calibrate",
+           "calibrate_threshold",
            "calibration_curve", "fpr_at", "fpr_interval", "layer_sweep", "recall_at", "recall_at_fpr"]
+
+# Old name kept for one release (``dynsteer.sweep.SweepResult`` is a sweep run's result).
+__getattr__ = renamed(__name__, {"SweepResult": ("LayerSweepResult", LayerSweepResult)})

@@ -7,3 +7,5 @@ global < request < command once, giving the effective specs per phase and the ef
 imports ``dynsteer.steering``, ``dynsteer.engine`` or vLLM: the frontend, the engine core and the workers resolve and
 compile alike.
 """
+
+__all__: list[str] = []  # the frontend, the engine core and the workers compile with it; users never do

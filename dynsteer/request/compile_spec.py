@@ -94,11 +94,3 @@ def _digest(sites: dict[SiteKey, SiteProgram]) -> bytes:
             h.update(b"d%d" % slot + prog.dyn[slot].tobytes())
     return h.digest()
 
-
-def prefill_fingerprint(specs: list[tuple[str, SteeringSpec]], shape: ModelShape,
-                        named: dict[str, np.ndarray] | None = None) -> str:
-    """A short hex id of the effective prefill configuration ('' when prompt tokens are unsteered).
-
-    It forks the prefix-cache key: requests whose prompt KV would differ never share cached blocks.
-    """
-    return compile_phase(specs, "prefill", shape, named).digest.hex()

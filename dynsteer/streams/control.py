@@ -13,8 +13,8 @@ from typing import Any
 
 import zmq
 
-from dynsteer.transport.wire import (NAME_HELD, Ack, Bye, Hello, StatsRequest, WireError, decode_client, encode_error,
-                                   encode_ping, encode_stats, encode_welcome)
+from dynsteer.transport.wire import (NAME_HELD, Bye, Hello, StatsRequest, StreamAck, WireError, decode_client,
+                                   encode_error, encode_ping, encode_stats, encode_welcome)
 from dynsteer.streams.delivery import YIELD_EVERY
 from dynsteer.transport.security import CurveKeys
 from dynsteer.streams.state import LossLedger, StreamState, Subscriber, SubStream
@@ -102,7 +102,7 @@ class HubControl:
                 raise WireError("hello", "this connection has not said hello, was disconnected, or the hub "
                                          "restarted: send hello")
             return
-        if isinstance(msg, Ack):
+        if isinstance(msg, StreamAck):
             with self._cond:
                 ss = sub.streams.get(msg.stream)
                 if ss is None:

@@ -78,7 +78,7 @@ class Hello(msgspec.Struct, frozen=True):
     declare: dict[str, dict[str, Any]] | None = None
 
 
-class Ack(msgspec.Struct, frozen=True):
+class StreamAck(msgspec.Struct, frozen=True):
     """Every message of ``stream`` with seq <= ``seq`` was processed."""
 
     stream: str
@@ -97,8 +97,8 @@ class StatsRequest(msgspec.Struct, frozen=True):
     """Ask for the hub's counters."""
 
 
-ClientMessage = Union[Hello, Ack, Ping, Bye, StatsRequest]
-_OPS: dict[type, str] = {Hello: "hello", Ack: "ack", Ping: "ping", Bye: "bye", StatsRequest: "stats"}
+ClientMessage = Union[Hello, StreamAck, Ping, Bye, StatsRequest]
+_OPS: dict[type, str] = {Hello: "hello", StreamAck: "ack", Ping: "ping", Bye: "bye", StatsRequest: "stats"}
 
 
 @dataclass
@@ -139,7 +139,8 @@ def decode_client(frame: bytes | memoryview) -> ClientMessage:
         return _hello(body)
     if op == "ack":
         _only(body, "ack", {"op", "stream", "seq"})
-        return Ack(stream=_name(body.get("stream"), "ack.stream"), seq=_int(body.get("seq"), "ack.seq", 0, 2**63 - 1))
+        return StreamAck(stream=_name(body.get("stream"), "ack.stream"),
+                         seq=_int(body.get("seq"), "ack.seq", 0, 2**63 - 1))
     for cls in (Ping, Bye, StatsRequest):
         if op == _OPS[cls]:
             _only(body, op, {"op"})

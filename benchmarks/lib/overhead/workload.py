@@ -72,14 +72,14 @@ class Workload:
     def policy(self, k: int, scale: float, force_open: bool, controller: bool):
         """Per-request / global dynamic policy ``k``; ``force_open`` (verification) opens the gate and latch on
         every token, so the gated vector must change the tokens."""
-        from dynsteer import Action, DynamicSteeringPolicy, Monitor, Rule, SyncControllerSpec
+        from dynsteer import Action, DynamicSteeringPolicy, ProbeGate, Rule, SyncControllerSpec
 
         np = self.np
         mon_layer, act_layer = gate_places(self.num_layers)
         rng = np.random.default_rng(10 + k)
         probe = rng.standard_normal(self.hidden).astype(np.float32)
         probe /= np.linalg.norm(probe)
-        mon = Monitor(name="m", layer=mon_layer, direction=probe, sharpness=4.0,
+        mon = ProbeGate(name="m", layer=mon_layer, direction=probe, sharpness=4.0,
                       threshold=-1e6 if force_open else 0.0)
         act = Action(kind="add", layer=act_layer, vector=(rng.standard_normal(self.hidden) * TIMED_STD).astype(
             np.float32), scale=scale)
@@ -162,10 +162,10 @@ class Workload:
         elif key == "stream":
             import threading
 
-            from dynsteer.monitor.client import Monitor
+            from dynsteer.monitor.client import MonitorClient
 
             mcfg = self.cfg["dynsteer"]["monitor"]
-            mon = Monitor(mcfg["endpoint"], mcfg["command_endpoint"], name="bench", streams=["resid"],
+            mon = MonitorClient(mcfg["endpoint"], mcfg["command_endpoint"], name="bench", streams=["resid"],
                           policy="drop", max_pending=1 << 20, window=1024)
             rows, stop = [0], threading.Event()
 

@@ -2,7 +2,7 @@
 
 A policy's rules each own one *gate slot* (plus one for a controller's monitor when no rule uses it). The decode row
 of a request carries, at the monitor's site, the probe that computes the slot's gate, and at each action's site the
-gated vector or clamp that reads it (compiled by ``dynsteer.request.compile_policy``; DESIGN §3/§4). The forward
+gated vector or clamp that reads it (compiled by ``dynsteer.request.compile_policy``; architecture §3/§4). The forward
 writes every slot's score and effective gate into persistent ``[G, N]`` buffers; each token's gate is
 ``gate = g·mul + add`` with two multipliers per slot:
 

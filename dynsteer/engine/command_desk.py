@@ -12,7 +12,7 @@ request it names exactly as the workers will compile it, and takes it at that st
   recomputed, so KV computed under the command is never served to a request that would compute it differently;
 * ``abort`` finishes the request at the next output with a reason naming the monitor.
 
-Who may send what (DESIGN §10: a connected monitor is a peer, not the operator):
+Who may send what (architecture §10: a connected monitor is a peer, not the operator):
 
 * connection: ``ipc://`` (socket file 0600 in a 0700 directory: only this user's processes connect), or, for any
   ``tcp://`` endpoint, CURVE with the operator's allowlist (``MonitorConfig.curve``): a client with another key
@@ -65,7 +65,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from dynsteer.commands import (Ack, AbortCommand, CommandEnvelope, GlobalCommand, SteerCommand, check_steer,
+from dynsteer.commands import (AbortCommand, CommandAck, CommandEnvelope, GlobalCommand, SteerCommand, check_steer,
                                command_head, decode_message, max_message_bytes, parse_command)
 from dynsteer.config import DynsteerConfig, MonitorConfig
 from dynsteer.engine import patching
@@ -202,17 +202,17 @@ class CommandDesk:
                 raise SteeringValidationError("message: the validated head differs from the one authorised")
             wire = self._apply(scheduler, env)
         except SteeringValidationError as exc:
-            self._answer(msg.ident, Ack(id=cid, status="rejected", error=str(exc)))
+            self._answer(msg.ident, CommandAck(id=cid, status="rejected", error=str(exc)))
             self.stats.rejected += 1
         except Exception as exc:  # noqa: BLE001 - a command never takes the engine down
             logger.exception("dynsteer: command failed in the engine core")
-            self._answer(msg.ident, Ack(id=cid, status="rejected", error=f"command: internal error ({exc!r})"))
+            self._answer(msg.ident, CommandAck(id=cid, status="rejected", error=f"command: internal error ({exc!r})"))
             self.stats.rejected += 1
         else:
             if wire is not None:
                 out.append(wire)
             self.stats.applied += 1
-            self._answer(msg.ident, Ack(id=env.id, status="applied", step=step))
+            self._answer(msg.ident, CommandAck(id=env.id, status="applied", step=step))
         return max(msg.size, self._charge)
 
     def _authorize(self, key: str | None, monitor: str, op: str | None) -> None:
@@ -284,7 +284,7 @@ class CommandDesk:
                                                                   REQUEST_POLICY)
         return Configuration(decoded.spec, policy)
 
-    def _answer(self, ident: bytes, ack: Ack) -> None:
+    def _answer(self, ident: bytes, ack: CommandAck) -> None:
         try:
             self.sock.send_multipart([ident, msgspec.msgpack.encode(ack.model_dump())], zmq.NOBLOCK)
         except (zmq.Again, zmq.ZMQError):
