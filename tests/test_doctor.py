@@ -114,7 +114,7 @@ def test_doctor_lists_the_overrides_of_every_process():
     assert ours.function.endswith("test_doctor_lists_the_overrides_of_every_process.<locals>.wrapper")
     engine_step = next(p for p in listed if p.name == "step")
     assert engine_step.where == ["worker", "engine core"] and engine_step.kind == "replaced"
-    console = Console(record=True, width=120)
+    console = Console(record=True, width=240)  # wide enough that no cell folds: the rows are read whole
     console.print(doctor.patch_table(listed))
     lines = console.export_text().splitlines()
     assert any(f"overrides ({len(listed)})" in line for line in lines)
