@@ -265,8 +265,8 @@ def _register_fused_traced() -> None:
     Python through the dispatcher for every norm. That matters in compiled steps that run without a CUDA graph
     (token counts above vLLM's captured sizes: prefills while requests arrive): on the H200 a compiled chain of the
     64 opaque op calls of an 8B forward took 3.6-4.0 ms of host time against 0.08-0.09 ms for vLLM's own
-    add-norms (measured by ``benchmarks/eager_norm_launch.py``, since removed: ``git show
-    1614faa:benchmarks/eager_norm_launch.py``). The traced op always launches the full kernel (an eager call's idle
+    add-norms (measured by a benchmark since removed; ``benchmarks/README.md`` says what replaced it). The traced op
+    always launches the full kernel (an eager call's idle
     shortcut, :mod:`site_summary`, is a host decision a compiled graph cannot take); CUDA graphs held the full
     kernel already. Used only while compiling on CUDA (:func:`use_traced_fused`)."""
     if hasattr(torch.ops.dynsteer, "steer_add_rms_norm_traced"):
