@@ -266,8 +266,7 @@ def _register_fused_traced() -> None:
     (token counts above vLLM's captured sizes: prefills while requests arrive): on the H200 a compiled chain of the
     64 opaque op calls of an 8B forward took 3.6-4.0 ms of host time against 0.08-0.09 ms for vLLM's own
     add-norms (measured by a benchmark since removed; ``benchmarks/README.md`` says what replaced it). The traced op
-    always launches the full kernel (an eager call's idle
-    shortcut, :mod:`site_summary`, is a host decision a compiled graph cannot take); CUDA graphs held the full
+    always launches the full kernel (an eager call's idle shortcut, :mod:`site_summary`, is a host decision a compiled graph cannot take); CUDA graphs held the full
     kernel already. Used only while compiling on CUDA (:func:`use_traced_fused`)."""
     if hasattr(torch.ops.dynsteer, "steer_add_rms_norm_traced"):
         return
