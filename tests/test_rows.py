@@ -77,3 +77,23 @@ def test_a_catalogue_one_larger_than_the_rows_rewrites_every_row_each_pass():
             pool.acquire(c)
             pool.release(c.digest)
     assert pool.written == 4 and pool.revived == 8
+
+
+def test_an_unregistered_vector_is_never_served_from_the_compile_memo():
+    tables = SteeringTables([(l, "post_block") for l in range(4)], H, num_rows=4, max_clamps=1, max_tokens=8)
+    rt = SteeringRuntime(SHAPE, tables)
+    v = np.random.default_rng(6).standard_normal(H).astype(np.float32)
+    rt.register_vector("joy", v)
+    payload = encode_payload(SteeringSpec(vectors=[AddVector(layer=1, vector="joy", tier="decode")]))
+    rt.admit("r1", payload, prompt_len=3)
+    assert rt.requests["r1"].error is None
+    np.testing.assert_array_equal(tables.vec_at((1, "post_block"), rt.requests["r1"].rows[1]).numpy(), v)
+    rt.release(["r1"])
+    rt.unregister_vector("joy")
+    assert "joy" not in rt.describe()["named_vectors"]
+    entry = rt.admit("r2", payload, prompt_len=3)  # the same payload: its compiled rows were memoised
+    assert entry.error is not None and "joy" in str(entry.error) and entry.rows == (0, 0)
+    rt.register_vector("joy", -v)  # registered again with other values: the new ones steer
+    entry = rt.admit("r3", payload, prompt_len=3)
+    assert entry.error is None
+    np.testing.assert_array_equal(tables.vec_at((1, "post_block"), entry.rows[1]).numpy(), -v)

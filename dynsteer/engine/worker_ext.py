@@ -53,7 +53,8 @@ def dynsteer_register_vector(self: Any, name: str, packed: dict[str, str]) -> No
 
 
 def dynsteer_unregister_vector(self: Any, name: str) -> None:
-    _runtime(self).named.pop(name, None)
+    """Forget a named vector and the rows compiled with it."""
+    _runtime(self).unregister_vector(name)
 
 
 def dynsteer_set_capture(self: Any, spec: dict[str, Any] | None) -> None:

@@ -73,6 +73,12 @@ class RequestRegistry:
         self.named[name] = np.ascontiguousarray(vector, np.float32)
         self.compiled.clear()
 
+    def unregister_vector(self, name: str) -> None:
+        """Forget a named vector (no-op when unknown). Memoised rows compiled with it go too: a later request naming
+        it must fail its compile, not reuse a row that still holds the old vector."""
+        if self.named.pop(name, None) is not None:
+            self.compiled.clear()
+
     def check_global(self, spec: SteeringSpec, policy: DynamicSteeringPolicy | None) -> None:
         """Compile a global configuration for both phases (raises naming the bad field; changes nothing)."""
         check_global(Configuration(spec, policy), self.shape, self.named)

@@ -142,6 +142,10 @@ class SteeringRuntime:
         ``limits.max_named_vectors`` (every rank holds the same names, so every rank refuses alike)."""
         self.registry.register_vector(name, vector)
 
+    def unregister_vector(self, name: str) -> None:
+        """Forget a named vector (live requests that use it keep their rows; new ones naming it are refused)."""
+        self.registry.unregister_vector(name)
+
     def set_global(self, spec: SteeringSpec, policy: DynamicSteeringPolicy | None = _KEEP) -> None:
         """Replace the global spec (and, if given, the global dynamic policy; ``None`` removes it); every live
         request's rows are recompiled (global is folded into rows)."""
