@@ -34,7 +34,7 @@ On an H100 (2026-11-27, before 14baedc: that run's ``triton``, ``inplace``, ``pi
 loads, and its ``evict-last`` variant was today's ``triton``) the hint decided it: evict-last loads left ``gate_up``
 at 81.0 µs against 79.8-80.6 after inductor's and 81.1-81.6 after default loads, the kernel itself 1.81 µs against
 2.0, so the chain ran 15 µs faster than inductor's; two passes with inductor's hints matched inductor's GEMM, without
-them they did not. dynsteer's add-norm kernels load evict-last since (README, run U; results in
+them they did not. dynsteer's add-norm kernels load evict-last since (benchmarks/RESULTS.md; results in
 ``benchmarks/results/gpu-2026-11-27/norm-gemm-variants``).
 
     python3 benchmarks/norm_gemm.py --tokens 1 64 --out benchmarks/results     # GPU

@@ -279,7 +279,8 @@ class DynsteerConfig(BaseModel):
             one kernel for ``post_block`` of layer i-1, ``pre_attn`` of layer i and layer i's input norm, one for
             ``post_attn`` and the mid norm, so a hooked layer adds no launch (other layers fall back to ``"op"``;
             a model's first ``pre_attn`` and last ``post_block`` keep theirs). ``"inline"`` traces the reference's
-            torch ops into the model graph for torch.compile to fuse (measured slower on an H200: see the README).
+            torch ops into the model graph for torch.compile to fuse (measured slower on an H200:
+            benchmarks/RESULTS.md).
         controllers: custom sync controllers requests may use, ``{name: "package.module:Factory"}``; a policy
             names one with ``SyncControllerSpec(kind="custom", name=...)``. Entry points of the group
             ``dynsteer.controllers`` are registered too. Requests never carry import paths.

@@ -31,7 +31,7 @@ class Family:
     """How one family's decoder layer carries the residual stream.
 
     Args:
-        name: Short family name (README table, tests' tiny checkpoints).
+        name: Short family name (the architectures table in docs/reference, tests' tiny checkpoints).
         architectures: Hugging Face ``architectures`` names this entry covers.
         stream: ``"sum"``: the stream is ``hidden + residual`` (fused add-norm layers); ``"hidden"``: it is the
             ``hidden_states`` tensor alone.

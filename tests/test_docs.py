@@ -1,0 +1,59 @@
+"""The README and the docs: short, linked, built strictly, and free of development history."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted((ROOT / "docs").rglob("*.md"))
+# a commit hash (7-40 hex digits with a letter and a digit, not part of a number or a word) or a run letter ("run Q")
+HISTORY = re.compile(r"(?<![\w.])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w.])|(?<![-\w])[Rr]uns? [A-Z](-[A-Z])?(?![\w/])")
+LINK = re.compile(r"\]\(([^)#\s]+)(#[^)]*)?\)")
+
+
+def _user_texts() -> list[Path]:
+    texts = [ROOT / "README.md", *DOCS, *sorted((ROOT / "examples").rglob("*.py"))]
+    return texts + sorted((ROOT / "dynsteer").rglob("*.py"))
+
+
+def test_the_readme_reads_in_five_minutes():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines (at most 150: the rest belongs in docs/)"
+
+
+@pytest.mark.parametrize("path", _user_texts(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_commit_hashes_or_run_letters(path):
+    hits = [f"{i}: {m.group(0)}" for i, line in enumerate(path.read_text().splitlines(), 1)
+            for m in HISTORY.finditer(line)]
+    assert not hits, f"{path.relative_to(ROOT)} names development history (it belongs in benchmarks/RESULTS.md): {hits}"
+
+
+def test_the_history_check_catches_what_it_is_for():
+    assert HISTORY.search("measured on 9a07e65, H100") and HISTORY.search("see run T-B")
+    assert not HISTORY.search("finite = score <= 1.7976931348623157e308") and not HISTORY.search("eps 9.99999974e-06")
+    assert not HISTORY.search("a decade added") and not HISTORY.search("Run the tests")
+    assert not HISTORY.search("run-to-run A/A noise")
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path):
+    broken = [target for target, _ in LINK.findall(path.read_text())
+              if "://" not in target and not (path.parent / target).exists()]
+    assert not broken, f"{path.relative_to(ROOT)} links to missing files: {broken}"
+
+
+def test_every_docs_page_is_in_the_nav_and_the_site_builds_strictly(tmp_path):
+    nav = (ROOT / "mkdocs.yml").read_text()
+    missing = [str(p.relative_to(ROOT / "docs")) for p in DOCS if str(p.relative_to(ROOT / "docs")) not in nav]
+    assert not missing, f"pages outside mkdocs.yml's nav: {missing}"
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "site" / "guides" / "dynamic" / "index.html").exists()
