@@ -4,6 +4,8 @@ Run an engine with a monitor channel, e.g. ``DynsteerConfig(capture_sites=("post
 monitor=MonitorConfig.private(streams={"resid": StreamSpec(places=("12.post_block",))}))``, then:
 
     python examples/safety_monitor.py probe.safetensors STREAM_ENDPOINT COMMAND_ENDPOINT [--steer VECTOR_NAME]
+
+It waits for the engine's first frame, stops after 30 s without one and prints what it flagged.
 """
 
 import sys
@@ -19,5 +21,6 @@ probe = load_probe(probe_file)
 spec = SteeringSpec(vectors=[AddVector(layer=probe.layer, vector=steer, scale=-1.0, tier="decode")]) if steer else None
 
 with MonitorClient(stream_ep, command_ep, name="safety", streams=["resid"], policy="drop") as monitor:
-    stats = run_probe_monitor(monitor, probe, action="steer" if steer else "abort", steer_spec=spec)
+    stats = run_probe_monitor(monitor, probe, action="steer" if steer else "abort", steer_spec=spec, timeout_s=30.0,
+                              probe_name="safety-probe")
 print(f"{stats.frames} frames, {stats.rows} rows, flagged {len(stats.flagged)} requests: {stats.flagged}")

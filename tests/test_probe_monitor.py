@@ -13,10 +13,14 @@ from dynsteer.probefile.fileformat import load_probe, save_probe
 
 class _FakeMonitor:
     def __init__(self, frames, reject=()):
-        self._frames, self.reject, self.calls = frames, set(reject), []
+        self._frames, self.reject, self.calls, self.reasons = list(frames), set(reject), [], []
+
+    def recv(self, timeout_s=None):
+        return self._frames.pop(0) if self._frames else None
 
     def frames(self, timeout_s=None):
-        yield from self._frames
+        while self._frames:
+            yield self._frames.pop(0)
 
     def _ack(self, op, req):
         self.calls.append((op, req))
@@ -25,6 +29,7 @@ class _FakeMonitor:
         return CommandAck(id="x", status="applied", step=len(self.calls))
 
     def abort(self, req, reason=""):
+        self.reasons.append(reason)
         return self._ack("abort", req)
 
     def steer(self, req, spec):
@@ -53,3 +58,60 @@ def test_flags_each_crossing_request_once(tmp_path):
     assert sorted(r for r in called if r != "r4") == sorted(expected - {"r4"})  # one command per flagged request
     assert stats.rejected == called.count("r4") >= 1  # a rejected one is tried again on its next crossing
     assert stats.frames == 6 and stats.rows == 24
+
+
+def test_target_class_zero_flags_the_other_side_and_reasons_name_probe_score_not_path(tmp_path):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal(16)
+    path = tmp_path / "deep" / "dir" / "sentiment.safetensors"
+    path.parent.mkdir(parents=True)
+    save_probe(path, w, bias=0.0, model_id=str(tmp_path / "models" / "secret-model-path"), layer=3, site="post_block")
+    probe = load_probe(path)
+    wl, b = probe.linear_form()
+    values = rng.standard_normal((6, 16)).astype(np.float32)
+    decision = values.astype(np.float64) @ wl + b
+    ids = [f"r{i}" for i in range(6)]
+    frame = StreamFrame("resid", 0, 0, ids, np.arange(6, dtype=np.int32), np.arange(6), {"3.post_block": values})
+    negatives = {ids[i] for i in range(6) if decision[i] < 0}
+    assert 0 < len(negatives) < 6
+    mon = _FakeMonitor([frame])
+    stats = run_probe_monitor(mon, probe, action="abort", target_class=0, probe_name="sentiment")
+    assert set(stats.flagged) == negatives  # class 0: the side whose decision value is below 0
+    for (_, req), reason in zip(mon.calls, mon.reasons):
+        i = ids.index(req)
+        assert reason.startswith("sentiment at 3.post_block scored ") and f"{-decision[i]:.3f}" in reason
+        assert "class 0" in reason and str(tmp_path) not in reason and "secret" not in reason
+    with np.testing.assert_raises(ValueError):
+        run_probe_monitor(_FakeMonitor([]), probe, target_class=2)
+
+
+def test_the_first_frame_has_its_own_wait():
+    calls = []
+
+    class _Slow(_FakeMonitor):
+        def recv(self, timeout_s=None):
+            calls.append(timeout_s)
+            return super().recv(timeout_s)
+
+        def frames(self, timeout_s=None):
+            while (f := self.recv(timeout_s)) is not None:
+                yield f
+
+    frames = [StreamFrame("resid", s, s, [], np.zeros(0, np.int32), np.zeros(0), {}) for s in range(3)]
+    mon = _Slow(frames)
+    rng = np.random.default_rng(0)
+    stats = run_probe_monitor(mon, _probe_stub(rng), timeout_s=2.0, start_timeout_s=None)
+    assert stats.frames == 3 and calls == [None, 2.0, 2.0, 2.0]  # first: unbounded; then idle time from the last
+
+
+def _probe_stub(rng):
+    class _P:
+        layer, site = 3, "post_block"
+
+        class meta:
+            calibration = None
+
+        def linear_form(self):
+            return rng.standard_normal(16), 0.0
+
+    return _P()

@@ -51,10 +51,15 @@ def monitor(
     action: str = typer.Option("abort", help="steer | abort"),
     vector: Optional[str] = typer.Option(None, help="steer: a registered vector name added to flagged requests"),
     scale: float = typer.Option(-1.0, help="steer: scale of --vector"),
-    threshold: Optional[float] = typer.Option(None, help="decision threshold (default: the probe's calibrated one)"),
+    threshold: Optional[float] = typer.Option(None, help="score threshold for --target-class, in the probe's "
+                                                          "decision units (default: its calibrated one)"),
     name: str = typer.Option("probe-monitor", help="this monitor's name (abort reasons name it; resume uses it)"),
     policy: str = typer.Option("drop", help="overload policy: drop | block | spill"),
-    timeout: Optional[float] = typer.Option(None, help="exit after this many seconds without a frame"),
+    target_class: int = typer.Option(1, help="the probe class that flags a request (0 or 1)"),
+    timeout: Optional[float] = typer.Option(None, help="exit after this many seconds without a frame, counted "
+                                                        "from the last one"),
+    start_timeout: Optional[float] = typer.Option(None, help="exit if no first frame comes within this many "
+                                                             "seconds (default: wait for it)"),
 ) -> None:
     """Watch a stream with a probe file and steer or abort the requests it flags."""
     from dynsteer.monitor.client import MonitorClient
@@ -64,6 +69,8 @@ def monitor(
 
     if action not in ("steer", "abort"):
         raise typer.BadParameter("--action: steer or abort")
+    if target_class not in (0, 1):
+        raise typer.BadParameter("--target-class: 0 or 1")
     probe = load_probe(probe_file)
     spec = None
     if action == "steer":
@@ -72,7 +79,8 @@ def monitor(
         spec = SteeringSpec(vectors=[AddVector(layer=probe.layer, site=probe.site, vector=vector, scale=scale,
                                                tier="decode")])
     with MonitorClient(endpoint, command_endpoint, name=name, streams=stream, policy=policy) as mon:
-        stats = run_probe_monitor(mon, probe, action=action, steer_spec=spec, threshold=threshold, timeout_s=timeout)
+        stats = run_probe_monitor(mon, probe, action=action, steer_spec=spec, threshold=threshold, timeout_s=timeout,
+                                  start_timeout_s=start_timeout, target_class=target_class, probe_name=probe_file.stem)
     typer.echo(f"{stats.frames} frames, {stats.rows} rows; {len(stats.flagged)} requests flagged, "
                f"{stats.rejected} commands rejected")
 

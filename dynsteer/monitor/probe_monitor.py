@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any, Callable, Literal
 
 import numpy as np
@@ -26,34 +27,47 @@ class ProbeMonitorStats:
 
 def run_probe_monitor(monitor: MonitorClient, probe: Any, *, action: Literal["steer", "abort"] = "abort",
                       steer_spec: Any = None, threshold: float | None = None, place: str | None = None,
-                      timeout_s: float | None = None, on_flag: Callable[[str, StreamFrame, Any], None] | None = None,
-                      ) -> ProbeMonitorStats:
-    """Watch ``monitor``'s streams with ``probe`` (a loaded ``dynsteer.probes`` Probe) until ``timeout_s`` passes
-    without a frame; each request whose decision value exceeds ``threshold`` (default: the probe's calibrated
-    threshold, else 0) gets one command: ``abort``, or ``steer`` with ``steer_spec``.
+                      timeout_s: float | None = None, start_timeout_s: float | None = None,
+                      target_class: int = 1, probe_name: str = "probe",
+                      on_flag: Callable[[str, StreamFrame, Any], None] | None = None) -> ProbeMonitorStats:
+    """Watch ``monitor``'s streams with ``probe`` (a loaded ``dynsteer.probes`` Probe); each request whose score
+    for ``target_class`` exceeds ``threshold`` gets one command: ``abort``, or ``steer`` with ``steer_spec``.
+
+    The score is the probe's decision value ``x·w + b`` for class 1, its negation for class 0 (a logistic probe's
+    log-odds of the target class); ``threshold`` is in those units (default: the probe's calibrated threshold for
+    class 1, its negation for class 0, else 0). An abort's reason names ``probe_name``, the place, the target class
+    and the score, never a file path.
 
     Args:
         place: ``"layer.site"`` to read (default: the probe's own layer and site).
+        timeout_s: stop after this long without a frame, counted from the last frame (None: never).
+        start_timeout_s: how long to wait for the first frame (None: as long as it takes; a long prefill or an idle
+            engine sends none).
     """
+    if target_class not in (0, 1):
+        raise ValueError(f"target_class: 0 or 1, got {target_class!r}")
     if action == "steer" and steer_spec is None:
         raise ValueError("steer_spec: required for action='steer'")
     w, b = probe.linear_form()
+    sign = 1.0 if target_class == 1 else -1.0
     if threshold is None:
-        threshold = probe.meta.calibration.threshold if probe.meta.calibration is not None else 0.0
+        threshold = sign * probe.meta.calibration.threshold if probe.meta.calibration is not None else 0.0
     place = place or f"{probe.layer}.{probe.site}"
     stats = ProbeMonitorStats()
-    for frame in monitor.frames(timeout_s):
+    for frame in _frames(monitor, timeout_s, start_timeout_s):
         stats.frames += 1
         values = frame.values.get(place)
         if values is None:
             continue
         stats.rows += len(values)
-        decision = values.astype(np.float64) @ w + b
-        for req_id in frame.requests_where(decision > threshold):
+        score = sign * (values.astype(np.float64) @ w + b)
+        for req_id in frame.requests_where(score > threshold):
             if req_id in stats.flagged:
                 continue
+            top = float(score[frame.rows_of(req_id)].max())
             try:
-                ack = (monitor.abort(req_id, reason=f"probe {probe.meta.model_id or ''} layer {probe.layer} flagged")
+                ack = (monitor.abort(req_id, reason=f"{probe_name} at {place} scored {top:.3f} for class "
+                                                    f"{target_class} (threshold {threshold:.3f})")
                        if action == "abort" else monitor.steer(req_id, steer_spec))
             except CommandError as exc:  # e.g. it finished meanwhile
                 stats.rejected += 1
@@ -64,3 +78,12 @@ def run_probe_monitor(monitor: MonitorClient, probe: Any, *, action: Literal["st
             if on_flag is not None:
                 on_flag(req_id, frame, ack)
     return stats
+
+
+def _frames(monitor: Any, timeout_s: float | None, start_timeout_s: float | None) -> Iterator[StreamFrame]:
+    """The first frame within ``start_timeout_s``, then frames until ``timeout_s`` passes without one."""
+    first = monitor.recv(start_timeout_s)
+    if first is None:
+        return
+    yield first
+    yield from monitor.frames(timeout_s)
