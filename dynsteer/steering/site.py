@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynsteer.kernels import ops  # registers torch.ops.dynsteer.*
+from dynsteer.kernels import ops, site_summary  # ops registers torch.ops.dynsteer.*
 from dynsteer.kernels.dynamic_reference import steer_site_dyn_reference
 from dynsteer.kernels.reference import steer_site_reference
 from dynsteer.kernels.site_tables import DYNAMIC_FIELDS, SITE_FIELDS, STATIC_FIELDS, SiteTables
@@ -63,6 +63,8 @@ class SiteHook(nn.Module):
         return self.site_tables
 
     def forward(self, h: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        if self._idle_now(h):
+            return h
         # dynamic: monitors write gates/scores in place; later sites of the same forward read them
         row_index, tables = self.row_index, self.live_tables()
         if self.inline:  # plain torch ops: traced into the graph, fusable by torch.compile
@@ -70,6 +72,16 @@ class SiteHook(nn.Module):
                 torch.ops.dynsteer.stash_residual(h, r, self.stage, self.stage_slot)
             return self._reference(h, r, row_index, tables)
         return self._op(h, r, row_index, tables, self.stage, self.stage_slot)
+
+    def _idle_now(self, h: torch.Tensor) -> bool:
+        """An eager call at a site no row of this step's batch touches (its summary is 0, :mod:`site_summary`) and
+        with no capture buffer: the op would return ``h``'s values and write nothing (a monitor's gates and scores
+        stay as they are; only a site whose rows hold a monitor writes them), so ``h`` itself is the result, without
+        the op's dispatch and per-token gathers. Never while Dynamo traces or a CUDA graph is captured: a graph must
+        hold the op."""
+        return (not self.capturing and not torch.compiler.is_compiling()
+                and not (h.is_cuda and torch.cuda.is_current_stream_capturing())
+                and site_summary.idle(self.site_tables))
 
     def tables(self) -> list[torch.Tensor]:
         """This site's own tables in ``SiteTables`` order (the fused op's ``tabs_a`` / ``tabs_b``)."""
