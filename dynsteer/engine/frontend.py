@@ -130,12 +130,17 @@ class FrontendState:
             return None
         return self.presets_version, b"o" + hashlib.blake2b(text, digest_size=32).digest(), field
 
-    def set_preset(self, name: str, preset: Any) -> None:
+    def set_preset(self, name: str, preset: Any, fit: bool = True) -> None:
         """Register (or replace, or with None remove) a preset after checking it with its default parameters
-        against the payload schema and the model. Raises :class:`SteeringValidationError` naming the field."""
+        against the payload schema and (``fit``) the model as it is now: its vectors registered, its layers there.
+        Raises :class:`SteeringValidationError` naming the field."""
         if preset is not None:
-            check_preset(name, preset, self.limits)  # the schema, then the fit to the model:
-            self.admit_uncached(pack_json({"preset": name}, f"presets.{name}", {name: preset}, self.limits))
+            check_preset(name, preset, self.limits)
+            try:
+                if fit:
+                    self.admit_uncached(pack_json({"preset": name}, f"presets.{name}", {name: preset}, self.limits))
+            except SteeringValidationError as exc:
+                raise renamed(exc, f"presets.{name}") from None
         presets = {k: v for k, v in self.presets.items() if k != name}
         if preset is not None:
             presets[name] = preset
@@ -288,7 +293,8 @@ def build_frontend_state(vllm_config: Any) -> FrontendState:
                           capacity=cfg.max_rows - 1)
     for name, preset in cfg.presets.items():
         try:
-            state.set_preset(name, preset)
+            # the schema only: a preset may name a vector registered later (each request's admission checks the fit)
+            state.set_preset(name, preset, fit=False)
         except SteeringValidationError as exc:
             raise ValueError(f"{CONFIG_KEY}.{exc}") from None
     return state
