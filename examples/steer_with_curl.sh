@@ -53,3 +53,7 @@ call PUT /v1/steering/spec '{"spec": {"vectors": [{"layer": 1, "vector": "joy", 
 call POST /v1/completions "{\"model\": \"$MODEL\", \"prompt\": $PROMPT, \"max_tokens\": 16, \"temperature\": 0}"
 call DELETE /v1/steering/spec
 call POST /v1/completions "{\"model\": \"$MODEL\", \"prompt\": $PROMPT, \"max_tokens\": 16, \"temperature\": 0}"
+
+echo "== clean up"
+call DELETE /v1/steering/presets/joy
+call DELETE /v1/steering/vectors/joy

@@ -273,7 +273,27 @@ def test_openapi_documents_the_routes_and_the_steering_schema(server):
                  "/v1/steering/presets/{name}"):
         assert path in doc["paths"], path
     schemas = doc["components"]["schemas"]
-    assert {"SteeringObject", "SteeringSpec", "AddVector", "DynamicSteeringPolicy", "Preset", "SpecBody"} <= set(schemas)
+    assert {"SteeringObject", "SteeringSpec", "AddVector", "DynamicSteeringPolicy", "Preset",
+            "SpecBody"} <= set(schemas)
     body = doc["paths"]["/v1/steering/validate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["$ref"].endswith("/SteeringObject")
     assert {"spec", "policy", "preset", "params"} <= set(schemas["SteeringObject"]["properties"])
+
+
+def test_curl_example(server):
+    """examples/steer_with_curl.sh against this server (last: it replaces and then deletes the preset 'joy')."""
+    import subprocess
+    from pathlib import Path
+
+    url, _ = server
+    script = Path(__file__).resolve().parents[1] / "examples" / "steer_with_curl.sh"
+    proc = subprocess.run(["bash", str(script), url], capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "KEY": KEY})
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    texts = [json.loads(line)["choices"][0]["text"] for line in proc.stdout.splitlines()
+             if line.startswith("{") and '"text_completion"' in line]
+    unsteered, steered, preset, global_spec, cleared = texts
+    assert cleared == unsteered and len({unsteered, steered, preset, global_spec}) == 4, texts
+    assert '"packed":"ds1:' in proc.stdout.replace(" ", "")
+    assert call(server, "GET", "/v1/steering/presets")[1]["presets"] == {}
+    assert call(server, "GET", "/v1/steering/vectors")[1]["vectors"] == []
