@@ -36,20 +36,20 @@ call POST /v1/completions "{\"model\": \"$MODEL\", \"prompt\": $PROMPT, \"max_to
 
 echo "== one request steered by a top-level 'steering' object"
 call POST /v1/completions "{\"model\": \"$MODEL\", \"prompt\": $PROMPT, \"max_tokens\": 16, \"temperature\": 0,
-  \"steering\": {\"spec\": {\"vectors\": [{\"layer\": 1, \"vector\": \"joy\", \"scale\": 4.0}]}}}"
+  \"steering\": {\"spec\": {\"vectors\": [{\"layer\": 1, \"vector\": \"joy\", \"scale\": 8.0}]}}}"
 
 echo "== a preset 'joy' ('\$scale' is its parameter), used with a scale override"
 call PUT /v1/steering/presets/joy '{"spec": {"vectors": [{"layer": 1, "vector": "joy", "scale": "$scale"}]},
   "params": {"scale": {"default": 4.0, "min": 0, "max": 16}}}'
 call POST /v1/completions "{\"model\": \"$MODEL\", \"prompt\": $PROMPT, \"max_tokens\": 16, \"temperature\": 0,
-  \"steering\": {\"preset\": \"joy\", \"params\": {\"scale\": 8}}}"
+  \"steering\": {\"preset\": \"joy\", \"params\": {\"scale\": 12}}}"
 
 echo "== what a steering object resolves to, and its packed form"
-call POST /v1/steering/validate '{"preset": "joy", "params": {"scale": 8}}'
-call POST /v1/steering/encode '{"preset": "joy", "params": {"scale": 8}}'
+call POST /v1/steering/validate '{"preset": "joy", "params": {"scale": 12}}'
+call POST /v1/steering/encode '{"preset": "joy", "params": {"scale": 12}}'
 
 echo "== a global spec steers every request; clearing it restores them"
-call PUT /v1/steering/spec '{"spec": {"vectors": [{"layer": 1, "vector": "joy", "scale": 2.0}]}}'
+call PUT /v1/steering/spec '{"spec": {"vectors": [{"layer": 1, "vector": "joy", "scale": 6.0}]}}'
 call POST /v1/completions "{\"model\": \"$MODEL\", \"prompt\": $PROMPT, \"max_tokens\": 16, \"temperature\": 0}"
 call DELETE /v1/steering/spec
 call POST /v1/completions "{\"model\": \"$MODEL\", \"prompt\": $PROMPT, \"max_tokens\": 16, \"temperature\": 0}"
