@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
@@ -254,6 +255,77 @@ class MonitorConfig(BaseModel):
         return cls(endpoint=base, command_endpoint=base.rsplit("/", 1)[0] + "/commands", **kwargs)
 
 
+PARAM_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+class PresetParam(BaseModel):
+    """A number a request may set when it names a preset (``{"preset": name, "params": {param: value}}``).
+
+    Args:
+        default: the value when the request does not set it.
+        min: the smallest value a request may set (None: unbounded).
+        max: the largest value a request may set (None: unbounded).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    default: StrictFloat | StrictInt
+    min: StrictFloat | StrictInt | None = None
+    max: StrictFloat | StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "PresetParam":
+        lo = float("-inf") if self.min is None else self.min
+        hi = float("inf") if self.max is None else self.max
+        if not lo <= self.default <= hi:
+            raise ValueError(f"default {self.default} is outside [{self.min}, {self.max}]")
+        return self
+
+
+class Preset(BaseModel):
+    """A named steering configuration the operator registers; requests name it instead of sending it.
+
+    ``spec`` and ``policy`` are a request payload's ``spec`` and ``policy`` as JSON (vectors by registered name, as
+    lists or ``{"b64": ...}``), validated against the model when the preset is registered. A string value
+    ``"$name"`` anywhere in them is a placeholder for the declared parameter ``name``; a request's
+    ``params`` (or the defaults) replace it, e.g. ``{"vectors": [{"layer": 2, "vector": "joy", "scale": "$scale"}]}``
+    with ``params: {"scale": {"default": 4.0, "min": 0, "max": 16}}``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    spec: dict[str, Any] | None = None
+    policy: dict[str, Any] | None = None
+    params: dict[str, PresetParam] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _placeholders(self) -> "Preset":
+        for name in self.params:
+            if not PARAM_PATTERN.fullmatch(name):
+                raise ValueError(f"params[{name!r}]: parameter names are letters, digits and '_' (at most 64)")
+        used = placeholders({"spec": self.spec, "policy": self.policy})
+        if undeclared := sorted(used - set(self.params)):
+            raise ValueError(f"'${undeclared[0]}' is not a declared parameter (declare it in params)")
+        if unused := sorted(set(self.params) - used):
+            raise ValueError(f"params[{unused[0]!r}]: no '${unused[0]}' placeholder uses it")
+        return self
+
+
+def placeholders(obj: Any) -> set[str]:
+    """The parameter names of the ``"$name"`` placeholders in a JSON value."""
+    found: set[str] = set()
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str) and node.startswith("$"):
+            found.add(node[1:])
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return found
+
+
 class DynsteerConfig(BaseModel):
     """Engine settings.
 
@@ -287,6 +359,8 @@ class DynsteerConfig(BaseModel):
         probes: probe files requests may use as monitors, ``{name: path}``, loaded at start-up in every process;
             a monitor names one with ``ProbeGate(probe=name, ...)``. Requests never carry file paths.
         limits: bounds on request payloads and on what the engine keeps (:class:`Limits`).
+        presets: named steering configurations requests may use, ``{name: Preset}`` (:class:`Preset`); ``dynsteer
+            serve`` also registers them at ``/v1/steering/presets``.
         monitor: the async tier's streams and command channel (:class:`MonitorConfig`; None: off).
         sync_tier: where built-in sync controllers and carried scopes run: ``"device"`` (a kernel after each
             forward; the host never waits) or ``"host"`` (the Python controllers on read-back scores; the host waits
@@ -309,6 +383,7 @@ class DynsteerConfig(BaseModel):
     controllers: dict[str, str] = Field(default_factory=dict)
     probes: dict[str, str] = Field(default_factory=dict)
     limits: Limits = Field(default_factory=Limits)
+    presets: dict[str, Preset] = Field(default_factory=dict)
     sync_tier: Literal["device", "host"] = "device"
     monitor: MonitorConfig | None = None
 
@@ -324,9 +399,9 @@ class DynsteerConfig(BaseModel):
                                          f"buffer (add the site to capture_sites and the layer to capture_layers)")
         return self
 
-    @field_validator("controllers", "probes", "vectors")
+    @field_validator("controllers", "probes", "vectors", "presets")
     @classmethod
-    def _names(cls, v: dict[str, str], info: Any) -> dict[str, str]:
+    def _names(cls, v: dict[str, Any], info: Any) -> dict[str, Any]:
         for name in v:
             if not NAME_PATTERN.fullmatch(name):
                 raise ValueError(f"{info.field_name}[{name!r}]: names are letters, digits, '.', '_' and '-' "

@@ -138,9 +138,14 @@ def test_plugin_patchers_are_idempotent_and_recorded():
     from vllm.v1.request import Request
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    from dynsteer.engine import command_desk, frontend, prefix_cache, scheduler, worker_ext
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from dynsteer.engine import command_desk, frontend, json_steering, prefix_cache, scheduler, worker_ext
 
     patchers = [(frontend.patch_input_processor, InputProcessor, ("__init__", "process_inputs")),
+                (json_steering.patch_request_model, CompletionRequest, ("to_sampling_params",)),
+                (json_steering.patch_request_model, ChatCompletionRequest, ("to_sampling_params",)),
                 (prefix_cache.patch_request, Request, ("__init__",)),
                 (scheduler.patch_scheduler, Scheduler, ("__init__", "add_request", "schedule", "update_from_output",
                                                         "_free_request_blocks", "shutdown")),

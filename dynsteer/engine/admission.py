@@ -27,6 +27,8 @@ What this guarantees:
   ``add_request`` (a 400 naming the field), exactly what ``process_inputs`` would raise; nothing is memoised for it.
 - The offline ``LLM`` (``LLMEngine.add_request``) is untouched: it admits in ``process_inputs``, in the caller's
   thread.
+- A JSON form of the payload (``dynsteer.request.json_form``) is packed here first, in the same pool unless the
+  JSON-form memo holds it; the request then goes on with the packed payload.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dynsteer.engine import patching
-from dynsteer.engine.frontend import HANDED, FrontendState, frontend_state
+from dynsteer.engine.frontend import HANDED, FrontendState, frontend_state, payload_field, renamed
 from dynsteer.engine.keys import PAYLOAD_KEY
+from dynsteer.request.json_form import is_packed
+from dynsteer.spec import SteeringValidationError
 
 WORKERS = 1
 
@@ -70,6 +74,16 @@ async def admit_off_loop(state: FrontendState, payload: str) -> tuple[Any, Any] 
     return key, await asyncio.shield(pending)
 
 
+async def pack_off_loop(state: FrontendState, payload: Any, field: str) -> str:
+    """``payload`` (a JSON form) packed, in the pool unless ``state``'s memo holds it; raises
+    ``SteeringValidationError`` naming the field."""
+    key = state.pack_key(payload, field)
+    hit = None if key is None else state._packed.get(key)
+    if hit is not None:
+        return hit
+    return await asyncio.get_running_loop().run_in_executor(_executor(), state.snapshot().pack, payload, field)
+
+
 def _settled(state: FrontendState, key: Any, future: asyncio.Future) -> None:
     state._pending.pop(key, None)
     if not future.cancelled():
@@ -82,10 +96,19 @@ def patch_async_llm(cls: type) -> None:
 
     @functools.wraps(orig)
     async def add_request(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-        payload = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY)
+        extra = getattr(params, "extra_args", None) or {}
+        payload = extra.get(PAYLOAD_KEY)
         handed = None
-        if isinstance(payload, str):
-            handed = await admit_off_loop(frontend_state(self.input_processor), payload)
+        if payload is not None:
+            state = frontend_state(self.input_processor)
+            field = payload_field(extra)
+            try:
+                if not is_packed(payload):  # a JSON form, packed once here: process_inputs then sees the packed one
+                    payload = await pack_off_loop(state, payload, field)
+                    params.extra_args = {**extra, PAYLOAD_KEY: payload}
+                handed = await admit_off_loop(state, payload)
+            except SteeringValidationError as exc:
+                raise renamed(exc, field) from None
         if handed is None:
             return await orig(self, request_id, prompt, params, *args, **kwargs)
         token = HANDED.set(handed)  # process_inputs, called synchronously within, takes it

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from dynsteer.capture.consumers import consumer_class
@@ -24,11 +26,12 @@ from dynsteer.config import DynsteerConfig, Limits
 from dynsteer.controllers.registry import ControllerRegistry
 from dynsteer.engine import patching
 from dynsteer.engine.build import load_named_vector, load_probes, shape_from_vllm_config
-from dynsteer.engine.keys import CONFIG_KEY, DECODE_KEY, DYNAMIC_KEY, FRONTEND_ATTR, PAYLOAD_KEY, ROWS_KEY
+from dynsteer.engine.keys import CONFIG_KEY, DECODE_KEY, DYNAMIC_KEY, FRONTEND_ATTR, PAYLOAD_KEY, ROWS_KEY, SOURCE_KEY
 from dynsteer.engine.prefix_cache import salted
 from dynsteer.memo import BoundedMemo, body_digest
 from dynsteer.policy import admit_policy
 from dynsteer.request.compile_spec import compile_phase
+from dynsteer.request.json_form import check_preset, is_packed, pack_json
 from dynsteer.request.payload import check_envelope, config_fingerprint, decode_payload
 from dynsteer.request.resolve import GLOBAL_POLICY, REQUEST_POLICY, Configuration, Effective, check_global, resolve
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
@@ -61,6 +64,10 @@ class FrontendState:
     _memo: BoundedMemo = field(init=False, repr=False)
     # admissions under way off the event loop, by memo key (engine.admission; the loop's thread only)
     _pending: dict = field(init=False, repr=False, default_factory=dict)
+    presets: dict = field(default_factory=dict)  # {name: Preset}; replaced, never changed in place (snapshots)
+    presets_version: int = 0  # bumped whenever a preset changes: keys the JSON-form memo
+    # packed payloads of JSON forms (dynsteer.request.json_form) by (presets version, digest of the form, field)
+    _packed: BoundedMemo = field(init=False, repr=False)
     version: int = 0  # bumped whenever a named vector changes: keys the admission memo
     # content fingerprint of the global spec and policy (keys the memo too): setting a global and clearing it again
     # leaves earlier admissions valid, so they stay cached
@@ -68,6 +75,7 @@ class FrontendState:
 
     def __post_init__(self) -> None:
         self._memo = BoundedMemo(self.limits.cache_bytes)
+        self._packed = BoundedMemo(self.limits.cache_bytes)
         self.global_key = config_fingerprint(self.global_spec, self.global_policy)
 
     def check_register(self, name: str, field: str = "name") -> None:
@@ -98,6 +106,46 @@ class FrontendState:
             policy = admit_policy(policy, self.probes, self.controllers, GLOBAL_POLICY)
         check_global(Configuration(spec, policy), self.shape, self.named)
         return policy
+
+    def pack(self, payload: Any, field: str = f"extra_args.{PAYLOAD_KEY}") -> Any:
+        """``payload`` in the packed form (None and packed strings as they are; a JSON form converted, memoised).
+        Raises :class:`SteeringValidationError` naming the field under ``field``."""
+        if payload is None or is_packed(payload):
+            return payload
+        key = self.pack_key(payload, field)
+        hit = None if key is None else self._packed.get(key)
+        if hit is None:
+            hit = pack_json(payload, field, self.presets, self.limits)
+            if key is not None:
+                self._packed.put(key, hit)
+        return hit
+
+    def pack_key(self, payload: Any, field: str) -> tuple[int, bytes, str] | None:
+        """The JSON-form memo key of ``payload`` (None: not memoised, an object msgpack cannot encode)."""
+        if isinstance(payload, str):
+            return self.presets_version, body_digest(payload), field
+        try:
+            text = msgspec.msgpack.encode(payload, enc_hook=_array_bytes, order="sorted")
+        except (TypeError, NotImplementedError, RecursionError, OverflowError, ValueError):
+            return None
+        return self.presets_version, b"o" + hashlib.blake2b(text, digest_size=32).digest(), field
+
+    def set_preset(self, name: str, preset: Any, fit: bool = True) -> None:
+        """Register (or replace, or with None remove) a preset after checking it with its default parameters
+        against the payload schema and (``fit``) the model as it is now: its vectors registered, its layers there.
+        Raises :class:`SteeringValidationError` naming the field."""
+        if preset is not None:
+            check_preset(name, preset, self.limits)
+            try:
+                if fit:
+                    self.admit_uncached(pack_json({"preset": name}, f"presets.{name}", {name: preset}, self.limits))
+            except SteeringValidationError as exc:
+                raise renamed(exc, f"presets.{name}") from None
+        presets = {k: v for k, v in self.presets.items() if k != name}
+        if preset is not None:
+            presets[name] = preset
+        self.presets = presets
+        self.presets_version += 1
 
     @property
     def idle(self) -> bool:
@@ -214,15 +262,42 @@ class FrontendState:
         return salt, static_decode, f"{prefill},{decode}", dynamic, recompute_prompt
 
 
+def renamed(exc: SteeringValidationError, field: str) -> SteeringValidationError:
+    """``exc`` naming ``field`` where it names the payload by its default field (a JSON form converted from the
+    top-level ``steering`` field is admitted packed)."""
+    default, msg = f"extra_args.{PAYLOAD_KEY}", str(exc)
+    if field == default or not msg.startswith(default):
+        return exc
+    return SteeringValidationError(field + msg[len(default):])
+
+
+def payload_field(extra: dict) -> str:
+    """The field a request's payload came from, as its errors name it."""
+    return extra.get(SOURCE_KEY) or f"extra_args.{PAYLOAD_KEY}"
+
+
+def _array_bytes(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return np.ascontiguousarray(obj, dtype="<f4").tobytes()
+    raise NotImplementedError(type(obj).__name__)
+
+
 def build_frontend_state(vllm_config: Any) -> FrontendState:
     """What admission validates against, loaded from the engine's config (named vectors, probes, controllers)."""
     shape = shape_from_vllm_config(vllm_config)
     cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
-    return FrontendState(shape, {n: load_named_vector(r, shape.hidden_size) for n, r in cfg.vectors.items()},
-                         capture_places={p for p in cfg.capture_places(shape.num_layers) if p[1] in shape.sites},
-                         consumers=frozenset(cfg.capture_consumers), limits=cfg.limits,
-                         probes=load_probes(cfg), controllers=ControllerRegistry(cfg.controllers).names(),
-                         capacity=cfg.max_rows - 1)
+    state = FrontendState(shape, {n: load_named_vector(r, shape.hidden_size) for n, r in cfg.vectors.items()},
+                          capture_places={p for p in cfg.capture_places(shape.num_layers) if p[1] in shape.sites},
+                          consumers=frozenset(cfg.capture_consumers), limits=cfg.limits,
+                          probes=load_probes(cfg), controllers=ControllerRegistry(cfg.controllers).names(),
+                          capacity=cfg.max_rows - 1)
+    for name, preset in cfg.presets.items():
+        try:
+            # the schema only: a preset may name a vector registered later (each request's admission checks the fit)
+            state.set_preset(name, preset, fit=False)
+        except SteeringValidationError as exc:
+            raise ValueError(f"{CONFIG_KEY}.{exc}") from None
+    return state
 
 
 def frontend_state(input_processor: Any) -> FrontendState:
@@ -273,12 +348,19 @@ def patch_input_processor(cls: type) -> None:
         payload = extra.get(PAYLOAD_KEY)
         if payload is None and state.idle:
             return orig(self, request_id, prompt, params, *args, **kwargs)
-        # raises SteeringValidationError naming the field
-        prefill_fp, decode_fp, rows, dynamic = state.admit(payload)
+        field = payload_field(extra)
+        try:  # raises SteeringValidationError naming the field
+            payload = state.pack(payload, field)  # a JSON form: the engine core and workers see it packed
+            prefill_fp, decode_fp, rows, dynamic = state.admit(payload)
+        except SteeringValidationError as exc:
+            raise renamed(exc, field) from None
         request = orig(self, request_id, prompt, params, *args, **kwargs)
         request.cache_salt = salted(request.cache_salt, prefill_fp)
         if request.sampling_params is not None:
-            extra = {**(request.sampling_params.extra_args or {}), ROWS_KEY: rows}
+            extra = {k: v for k, v in (request.sampling_params.extra_args or {}).items() if k != SOURCE_KEY}
+            extra[ROWS_KEY] = rows
+            if payload is not None:
+                extra[PAYLOAD_KEY] = payload
             if decode_fp:
                 extra[DECODE_KEY] = decode_fp
             if dynamic:

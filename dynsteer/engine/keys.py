@@ -17,6 +17,9 @@ from dynsteer.request.payload import PAYLOAD_KEY  # noqa: F401
 # ---- SamplingParams.extra_args (frontend → engine core → workers) ----------------------------------------------
 ROWS_KEY = "dynsteer_rows"  # frontend admission writes "prefill,decode" row digests; the scheduler reads (rows wait)
 DECODE_KEY = "dynsteer_decode_fp"  # admission writes the static decode fingerprint; the block hasher reads it
+# the OpenAI server's request models write "steering" when the payload came from a request's top-level "steering"
+# field (engine.json_steering); admission names that field in errors and drops the key (it never leaves the frontend)
+SOURCE_KEY = "dynsteer_source"
 DYNAMIC_KEY = "dynsteer_dynamic"  # admission writes when a dynamic policy steers decode; Request and scheduler read
 
 # ---- SchedulerOutput (engine core → workers) --------------------------------------------------------------------

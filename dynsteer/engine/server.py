@@ -1,4 +1,5 @@
-"""Steering endpoints on vLLM's OpenAI-compatible server: named vectors, the global policy, capabilities.
+"""Steering endpoints on vLLM's OpenAI-compatible server: named vectors, the global policy, capabilities (and, from
+:mod:`dynsteer.engine.server_json`, presets, the global spec, validate and encode).
 
 vLLM 0.26's seam for extra routes is the endpoint plugin (``vllm/plugins/endpoint_plugins/interface.py``): an object
 with ``attach_router(app)`` (called in ``build_app`` after the core routers) and ``async init_state(engine_client,
@@ -43,11 +44,13 @@ from dynsteer.engine.dev_routes import DevRouteGuard, dev_routes
 from dynsteer.engine.frontend import FrontendState, frontend_state
 from dynsteer.engine.keys import (APP_STATE_ATTR, HTTP_PREFIX, PAYLOAD_KEY, RPC_REGISTER_VECTOR, RPC_SET_GLOBAL,
                                   RPC_UNREGISTER_VECTOR)
+from dynsteer.engine.server_json import add_json_routes
 from dynsteer.request.payload import decode_payload, encode_payload
-from dynsteer.spec import SteeringValidationError, check_name, check_vector
+from dynsteer.spec import SteeringSpec, SteeringValidationError, check_name, check_vector
 from dynsteer.vectors import as_vector, pack_vector
 
 logger = logging.getLogger("dynsteer")
+_KEEP: Any = object()  # set_global: this part of the global configuration stays as it is
 
 
 class VectorBody(BaseModel):
@@ -73,7 +76,7 @@ class PolicyBody(BaseModel):
 
 
 class SteeringEndpoints:
-    """A vLLM endpoint plugin serving ``/v1/steering/{vectors,policy,capabilities}``.
+    """A vLLM endpoint plugin serving ``/v1/steering/{vectors,policy,spec,presets,validate,encode,capabilities}``.
 
     Args:
         allow_remote: with no API key configured, serve non-loopback clients too (the operator's explicit choice).
@@ -173,6 +176,7 @@ class SteeringEndpoints:
         async def clear_policy(request: Request) -> dict[str, Any]:
             return await self._set_policy(self._engine(request), None)
 
+        add_json_routes(router, self)  # presets, the global spec, validate, encode
         return router
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
@@ -203,17 +207,27 @@ class SteeringEndpoints:
                      "key (start it with --api-key, or --steering-allow-remote)")
 
     async def _set_policy(self, engine: Any, raw: dict[str, Any] | None) -> dict[str, Any]:
-        front = self.front(engine)
         policy = None
         if raw is not None:
-            decoded = _check(lambda: decode_payload({"policy": raw}, field="body", limits=front.limits), "policy")
+            limits = self.front(engine).limits
+            decoded = _check(lambda: decode_payload({"policy": raw}, field="body", limits=limits), "policy")
             policy = decoded.policy
+        _, admitted = await self.set_global(engine, policy=policy)
+        return {"policy": None if admitted is None else admitted.model_dump(mode="json", exclude_none=True)}
+
+    async def set_global(self, engine: Any, spec: Any = _KEEP, policy: Any = _KEEP) -> tuple[SteeringSpec, Any]:
+        """Set the global spec and/or policy (decoded; ``_KEEP``: as it is), checked against the model; returns
+        them with the policy admitted. The frontend's state changes before the RPC, with no await between (module
+        docstring); a failed RPC restores it. Raises a 400 naming the body's field."""
+        front = self.front(engine)
         async with self._lock:
-            spec = front.global_spec
+            spec = front.global_spec if spec is _KEEP else spec
+            policy = front.global_policy if policy is _KEEP else policy
             try:
                 admitted = front.check_global(spec, policy)
             except SteeringValidationError as exc:
-                raise _bad_request(str(exc).replace("global_policy.", "body.policy.", 1)) from None
+                raise _bad_request(str(exc).replace("global_policy.", "body.policy.", 1)
+                                   .replace("global.", "body.spec.", 1)) from None
             previous = (front.global_spec, front.global_policy)
             front.set_global(spec, admitted)  # before the RPC, no await between (module docstring)
             try:
@@ -221,7 +235,7 @@ class SteeringEndpoints:
             except Exception:
                 front.set_global(*previous)
                 raise
-        return {"policy": None if admitted is None else admitted.model_dump(mode="json", exclude_none=True)}
+        return spec, admitted
 
     def capabilities(self, engine: Any) -> dict[str, Any]:
         from dynsteer.config import DynsteerConfig

@@ -10,6 +10,7 @@ share one body: admission and the workers memoise their work per body, not per r
 from __future__ import annotations
 
 import base64
+import dataclasses
 import binascii
 import hashlib
 import re
@@ -50,22 +51,34 @@ def _enc_hook(obj: Any) -> Any:
 
 def encode_payload(spec: SteeringSpec | None = None, tag: str | None = None,
                    capture: CaptureSpec | None = None, policy: DynamicSteeringPolicy | None = None,
-                   trace: bool = False) -> str:
+                   trace: bool = False, allow_files: bool = True) -> str:
     """Pack a spec, optional capture spec and policy, and a tag into the string stored under ``extra_args["dynsteer"]``.
 
-    A policy's probe-file monitors are loaded here (an engine never reads a file a request names); monitors naming
-    a registered probe stay names. ``trace``: ask the engine to keep the request's dynamic-steering trace until it
-    is taken (:meth:`dynsteer.Steerer.take_traces`).
+    A policy's probe-file monitors are loaded here (an engine never reads a file a request names: a server packing
+    what a client sent passes ``allow_files=False``, and a probe-file monitor is an error naming it); monitors
+    naming a registered probe stay names. ``trace``: ask the engine to keep the request's dynamic-steering trace
+    until it is taken (:meth:`dynsteer.Steerer.take_traces`).
     """
     body: dict[str, Any] = {"spec": (spec or SteeringSpec()).model_dump(mode="python")}
     if capture is not None:
         body["capture"] = capture.model_dump(mode="python")
     if policy is not None:
-        body["policy"] = policy.resolved().model_dump(mode="python", exclude_none=True)
+        body["policy"] = policy.resolved(allow_files=allow_files).model_dump(mode="python", exclude_none=True)
     if trace:
         body["trace"] = True
     packed = _PREFIX + base64.b64encode(msgspec.msgpack.encode(body, enc_hook=_enc_hook)).decode("ascii")
     return with_tag(packed, tag)
+
+
+def pack_decoded(decoded: RequestPayload, field: str = f"extra_args.{PAYLOAD_KEY}") -> str:
+    """The packed form of a payload decoded from a client's JSON (:func:`decode_payload`'s object path): every
+    field of :class:`RequestPayload` is passed on to :func:`encode_payload` by name, so the packed body is the one
+    the Python API builds for the same configuration (and shares its memo entries). Files are never read."""
+    try:
+        return encode_payload(**{f.name: getattr(decoded, f.name) for f in dataclasses.fields(decoded)},
+                              allow_files=False)
+    except SteeringValidationError as exc:
+        raise SteeringValidationError(f"{field}.policy.{exc}") from None  # the only check that raises here
 
 
 def config_fingerprint(spec: SteeringSpec, policy: DynamicSteeringPolicy | None = None) -> bytes:
