@@ -297,3 +297,56 @@ def test_curl_example(server):
     assert '"packed":"ds1:' in proc.stdout.replace(" ", "")
     assert call(server, "GET", "/v1/steering/presets")[1]["presets"] == {}
     assert call(server, "GET", "/v1/steering/vectors")[1]["vectors"] == []
+
+
+def _node_with_openai(tmp_path):
+    """A folder where ``node`` resolves the ``openai`` package (npm install from the configured registry), or a skip
+    naming what is missing."""
+    import shutil
+    import subprocess
+
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("node and npm are not installed: the Node example is not run here")
+    proc = subprocess.run([npm, "install", "--silent", "--no-audit", "--no-fund", "openai@4"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        pytest.skip(f"npm could not install the openai package (no registry?): {proc.stderr[-300:]}")
+    return node
+
+
+def test_node_example_with_the_openai_sdk(server, tmp_path):
+    """examples/node/steer.mjs (the official OpenAI SDK for Node, the steering object beside the OpenAI fields):
+    its steered completion and chat equal the same spec sent packed, its unsteered completion the baseline."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    node = _node_with_openai(tmp_path)
+    url, model = server
+    assert call(server, "POST", "/v1/steering/vectors", {"name": "nodejoy", "vector": JOY})[0] == 200
+    try:
+        script = tmp_path / "steer.mjs"
+        shutil.copy(Path(__file__).resolve().parents[1] / "examples" / "node" / "steer.mjs", script)
+        proc = subprocess.run([node, str(script), url, "nodejoy", "1", "8"], capture_output=True, text=True,
+                              timeout=600, env={**__import__("os").environ, "KEY": KEY})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        spec = encode_payload(SteeringSpec(vectors=[AddVector(layer=1, vector=arr(JOY), scale=8.0)]))
+        prompt, question = "The weather today is", "Describe the weather today."
+
+        def reply(path: str, body: dict) -> dict:
+            status, out = call(server, "POST", path, {"model": model, "max_tokens": 16, "temperature": 0, **body})
+            assert status == 200, out
+            return out["choices"][0]
+
+        assert got["unsteered"] == reply("/v1/completions", {"prompt": prompt})["text"]
+        assert got["steered"] == reply("/v1/completions", {"prompt": prompt, "vllm_xargs": {"dynsteer": spec}})["text"]
+        assert got["steered"] != got["unsteered"]
+        chat = reply("/v1/chat/completions", {"messages": [{"role": "user", "content": question}],
+                                              "vllm_xargs": {"dynsteer": spec}})
+        assert got["chat_steered"] == chat["message"]["content"]
+        assert got["chat_steered"] != reply("/v1/chat/completions",
+                                            {"messages": [{"role": "user", "content": question}]})["message"]["content"]
+    finally:
+        call(server, "DELETE", "/v1/steering/vectors/nodejoy")
