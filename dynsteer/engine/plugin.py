@@ -72,7 +72,8 @@ def register() -> None:
     if _registered or os.environ.get("DYNSTEER_DISABLE") == "1":
         return
     _registered = True
-    from dynsteer.engine import adapters, admission, command_desk, frontend, prefix_cache, runner, scheduler, worker_ext
+    from dynsteer.engine import (adapters, admission, command_desk, frontend, prefix_cache, reports, runner, scheduler,
+                                 worker_ext)
 
     if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImportFinder())
@@ -85,6 +86,7 @@ def register() -> None:
     when_imported("vllm.v1.worker.worker_base", lambda m: worker_ext.install(m.WorkerWrapperBase))
     when_imported("vllm.v1.engine.input_processor", lambda m: frontend.patch_input_processor(m.InputProcessor))
     when_imported("vllm.v1.engine.async_llm", lambda m: admission.patch_async_llm(m.AsyncLLM))
+    when_imported("vllm.v1.engine.output_processor", reports.patch_output_processor)
     when_imported("vllm.v1.core.kv_cache_utils", prefix_cache.patch_block_hashing)
     when_imported("vllm.v1.request", lambda m: prefix_cache.patch_request(m.Request))
     when_imported("vllm.v1.core.sched.scheduler", lambda m: scheduler.patch_scheduler(m.Scheduler))
