@@ -119,3 +119,122 @@ def test_abort_reason_in_the_summary(engine):
                        report="summary")
     summ = outs[0].outputs[0].dynsteer["summary"]
     assert outs[0].outputs[0].finish_reason == "abort" and "too much" in summ["abort"]
+
+
+# ---- over HTTP (dynsteer serve, multi-process engine) ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tiny_llama_path, tmp_path_factory):
+    from tests.test_serve import _console_script
+
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    cfg = {"dynsteer": {"max_gates": 2}}
+    with env(VLLM_ENABLE_V1_MULTIPROCESSING="1"), \
+            served(lambda port, args: [str(_console_script()), "serve", str(tiny_llama_path), "--host", "127.0.0.1",
+                                       "--port", str(port), "--max-model-len", "256", "--max-num-seqs", "8",
+                                       "--api-key", KEY, "--seed", "0", "--additional-config", json.dumps(cfg),
+                                       *args], log) as url:
+        yield url, str(tiny_llama_path)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    url, _ = server
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def traced(engine):
+    """The in-process engine's traces of each prompt under the module's policy (the same requests as over HTTP)."""
+    llm, st = engine
+    outs = st.generate(PROMPTS, greedy(), policy=policy(st.hidden_size), report="tokens")
+    return [(o.trace, list(o.outputs[0].token_ids), o.outputs[0].dynsteer) for o in outs]
+
+
+def xargs(hidden: int = 128, report: str | None = "tokens") -> dict:
+    return {"vllm_xargs": {"dynsteer": dynsteer.encode_payload(policy=policy(hidden), report=report)}}
+
+
+def field(choice) -> dict | None:
+    return (choice.model_extra or {}).get("dynsteer")
+
+
+def test_completions_report_equals_the_trace_over_http(server, client, traced):
+    _, model = server
+    for prompt, (trace, ids, in_process) in zip(PROMPTS, traced):
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=N, temperature=0,
+                                        extra_body={**xargs(), "return_token_ids": True})
+        choice = out.choices[0]
+        assert choice.model_extra["token_ids"] == ids  # the same request as in process
+        check_against_trace(field(choice), trace, N)
+        assert field(choice) == in_process
+
+
+def test_streamed_chunks_carry_exactly_their_tokens_values(server, client):
+    _, model = server
+    for prompt in PROMPTS:
+        full = client.completions.create(model=model, prompt=prompt, max_tokens=N, temperature=0,
+                                         extra_body={**xargs(), "return_token_ids": True})
+        chunks = [c for c in client.completions.create(model=model, prompt=prompt, max_tokens=N, temperature=0,
+                                                        stream=True, extra_body={**xargs(), "return_token_ids": True})
+                  if c.choices]
+        score, gate, ids, last = [], [], [], None
+        for c in chunks:
+            rep, toks = field(c.choices[0]), c.choices[0].model_extra.get("token_ids") or []
+            if rep is None:
+                assert not toks
+                continue
+            assert len(rep["score"]) == len(rep["gate"]) == len(toks)  # exactly the tokens it delivers
+            score += rep["score"]
+            gate += rep["gate"]
+            ids += toks
+            last = rep
+        want = field(full.choices[0])
+        assert ids == full.choices[0].model_extra["token_ids"]
+        assert score == want["score"] and gate == want["gate"] and last["summary"] == want["summary"]
+
+
+def test_summary_over_http_and_requests_without_a_report(server, client, traced):
+    _, model = server
+    for prompt, (trace, ids, _) in zip(PROMPTS, traced):
+        plain = client.completions.create(model=model, prompt=prompt, max_tokens=N, temperature=0,
+                                          extra_body={**xargs(report=None), "return_token_ids": True})
+        summ = client.completions.create(model=model, prompt=prompt, max_tokens=N, temperature=0,
+                                         extra_body={**xargs(report="summary"), "return_token_ids": True})
+        assert field(plain.choices[0]) is None and "dynsteer" not in plain.choices[0].model_extra
+        assert plain.choices[0].text == summ.choices[0].text and plain.choices[0].model_extra["token_ids"] == ids
+        rep = field(summ.choices[0])
+        assert set(rep) == {"report", "summary"}
+        check_summary(rep["summary"], trace)
+        stream = [c for c in client.completions.create(model=model, prompt=prompt, max_tokens=N, temperature=0,
+                                                        stream=True, extra_body=xargs(report=None)) if c.choices]
+        assert all(field(c.choices[0]) is None for c in stream)
+        assert "".join(c.choices[0].text for c in stream) == plain.choices[0].text
+
+
+def test_chat_completions_report(server, client):
+    _, model = server
+    msgs = [{"role": "user", "content": "tell me a story"}]
+    full = client.chat.completions.create(model=model, messages=msgs, max_tokens=N, temperature=0,
+                                          logprobs=True, extra_body=xargs())
+    rep = field(full.choices[0])
+    n = len(full.choices[0].logprobs.content)
+    assert rep["report"] == "tokens" and len(rep["score"]) == len(rep["gate"]) == n and rep["score"][0] is None
+    assert rep["summary"]["acted"] == any(g is not None and g[0] != 0 for g in rep["gate"])
+    score, gate = [], []
+    for c in client.chat.completions.create(model=model, messages=msgs, max_tokens=N, temperature=0, logprobs=True,
+                                            stream=True, extra_body=xargs()):
+        if not c.choices:
+            continue
+        r, lp = field(c.choices[0]), c.choices[0].logprobs
+        toks = len(lp.content) if lp is not None and lp.content else 0
+        if r is None:
+            assert toks == 0
+            continue
+        assert len(r["score"]) == toks
+        score += r["score"]
+        gate += r["gate"]
+    assert score == rep["score"] and gate == rep["gate"]
+    plain = client.chat.completions.create(model=model, messages=msgs, max_tokens=N, temperature=0,
+                                           extra_body=xargs(report=None))
+    assert field(plain.choices[0]) is None and plain.choices[0].message.content == full.choices[0].message.content

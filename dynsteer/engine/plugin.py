@@ -92,9 +92,20 @@ def register() -> None:
     when_imported("vllm.v1.core.sched.scheduler", lambda m: scheduler.patch_scheduler(m.Scheduler))
     when_imported("vllm.v1.engine.core", lambda m: command_desk.patch_engine_core(m.EngineCore))
     when_imported("vllm.entrypoints.serve", _guard_dev_routes)  # API servers only: keeps fastapi out of workers
+    when_imported("vllm.entrypoints.openai.completion.serving", _report_serving("patch_completion_serving"))
+    when_imported("vllm.entrypoints.openai.chat_completion.serving", _report_serving("patch_chat_serving"))
 
 
 def _guard_dev_routes(module: ModuleType) -> None:
     from dynsteer.engine.dev_routes import patch_dev_routes
 
     patch_dev_routes(module)
+
+
+def _report_serving(name: str) -> Callable[[ModuleType], None]:
+    def patch(module: ModuleType) -> None:
+        from dynsteer.engine import report_serving
+
+        getattr(report_serving, name)(module)
+
+    return patch
