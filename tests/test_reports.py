@@ -121,6 +121,65 @@ def test_abort_reason_in_the_summary(engine):
     assert outs[0].outputs[0].finish_reason == "abort" and "too much" in summ["abort"]
 
 
+class _LateEvent:
+    """A read-back copy that reports itself done only at its sixth query, a step or two after its step (a step polls a
+    few times; on CPU copies are done at once)."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def query(self) -> bool:
+        self.asked += 1
+        return self.asked > 5
+
+    def synchronize(self) -> None:
+        self.asked = 6
+
+
+@pytest.fixture
+def late_readbacks(monkeypatch):
+    """Read-backs land a step or so after their token, as on a GPU, where the host never waits for them."""
+    from dynsteer.steering.dynamic import driver
+
+    orig = driver.DynamicDriver._launch_readback
+
+    def launch(self, lookup):
+        n = len(self._pending)
+        orig(self, lookup)
+        for pend in self._pending[n:]:
+            pend.event = pend.event or _LateEvent()
+
+    monkeypatch.setattr(driver.DynamicDriver, "_launch_readback", launch)
+
+
+def test_late_values_hold_deltas_and_the_final_output(engine, late_readbacks):
+    """Streamed deltas wait for their tokens' values and the final output for its last ones; each delta still
+    carries exactly its tokens' values, equal to the trace."""
+    from vllm.sampling_params import RequestOutputKind
+
+    llm, st = engine
+    eng = llm.llm_engine
+    payload = dynsteer.encode_payload(policy=policy(st.hidden_size), report="tokens", trace=True)
+    for i, prompt in enumerate(PROMPTS):
+        sp = greedy(extra_args={"dynsteer": with_tag(payload, f"late-{i}")})
+        sp.output_kind = RequestOutputKind.DELTA
+        eng.add_request(f"late-{i}", prompt, sp)
+    chunks: dict[str, list] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            chunks.setdefault(out.request_id, []).append(out.outputs[0])
+    for i, prompt in enumerate(PROMPTS):
+        score, gate, n, sizes = [], [], 0, []
+        for comp in chunks[f"late-{i}"]:
+            rep = comp.dynsteer
+            assert len(rep["score"]) == len(rep["gate"]) == len(comp.token_ids)
+            score, gate, n = score + rep["score"], gate + rep["gate"], n + len(comp.token_ids)
+            sizes.append(len(comp.token_ids))
+        assert n == N and len(sizes) < N  # some deltas waited for their values (went out merged with a later one)
+        whole = {**rep, "score": score, "gate": gate}
+        check_against_trace(whole, st.take_traces([f"late-{i}"])[f"late-{i}"], N)
+
+
 # ---- over HTTP (dynsteer serve, multi-process engine) ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_llama_path, tmp_path_factory):

@@ -15,9 +15,10 @@ The path of a report's values:
 Read-backs land a step or so after their token. So a report request costs one step of latency where its values are
 late, and only then: the engine core holds a report request's *final* output until its last values have arrived
 (running empty steps while it holds one, which is what lets the workers' read-backs land and be sent), and the
-frontend holds a streamed delta until the values of its tokens have arrived, delivering it merged with the next one.
+frontend holds a streamed delta until the values of its tokens have arrived, then delivers it (merged with the
+deltas that became ready with it).
 A request without a report costs one empty-dict check per step in the workers and the engine core, and nothing per
-request.
+output in the frontend (only a report request's state runs dynsteer's ``make_request_output``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynsteer.engine import patching
-from dynsteer.engine.keys import REPORT_OUTPUT_ATTR, REPORT_PARAMS_KEY, REPORT_STASH_ATTR
+from dynsteer.engine.keys import PAYLOAD_KEY, REPORT_OUTPUT_ATTR, REPORT_PARAMS_KEY, REPORT_STASH_ATTR
+from dynsteer.request.payload import decode_payload
+from dynsteer.spec import SteeringValidationError
 from dynsteer.trace import ReportValues, merge_reports
 
 
@@ -114,33 +117,31 @@ class ReportRelay:
 @dataclass
 class _Stash:
     values: ReportValues
-    tokens: int = 0  # output tokens made so far
-    sent: int = 0  # output tokens whose values went out (streamed deltas)
-    held: Any = None  # a streamed RequestOutput waiting for its tokens' values
+    tokens: int = 0  # output tokens received so far
+    made: int = 0  # output tokens in the outputs made so far (streamed: held or delivered)
+    # streamed deltas waiting for their tokens' values, oldest first: (RequestOutput, first token, end token)
+    held: list[tuple[Any, int, int]] = field(default_factory=list)
 
 
 def patch_output_processor(module: Any) -> None:
-    """``vllm.v1.engine.output_processor``: pop report values from ``kv_transfer_params`` and write each output's
+    """``vllm.v1.engine.output_processor``: a report request's state (only its: switched on when vLLM adds it, so
+    other requests run vLLM's own method) pops report values from ``kv_transfer_params`` and writes each output's
     report on its ``CompletionOutput`` (``RequestState.make_request_output``)."""
+    import types
+
     from vllm.sampling_params import RequestOutputKind
 
-    state_cls = module.RequestState
-    orig_make = state_cls.make_request_output
+    orig_make = module.RequestState.make_request_output
+    orig_add_request = module.OutputProcessor.add_request
 
-    @functools.wraps(orig_make)
     def make_request_output(self: Any, new_token_ids: Any, pooling_output: Any, finish_reason: Any,
                             stop_reason: Any, kv_transfer_params: Any = None, *a: Any, **k: Any) -> Any:
-        stash = self.__dict__.get(REPORT_STASH_ATTR)
+        stash = self.__dict__[REPORT_STASH_ATTR]
         if kv_transfer_params and REPORT_PARAMS_KEY in kv_transfer_params:
             kv_transfer_params = dict(kv_transfer_params)
-            delta = kv_transfer_params.pop(REPORT_PARAMS_KEY)
+            stash.values.add(kv_transfer_params.pop(REPORT_PARAMS_KEY))
             kv_transfer_params = kv_transfer_params or None
-            if stash is None:
-                stash = self.__dict__[REPORT_STASH_ATTR] = _Stash(ReportValues(len(self.prompt_token_ids or ())))
-            stash.values.add(delta)
         out = orig_make(self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params, *a, **k)
-        if stash is None:
-            return out
         stash.tokens += len(new_token_ids or ())
         if out is None:
             return None
@@ -149,18 +150,39 @@ def patch_output_processor(module: Any) -> None:
         if self.output_kind != RequestOutputKind.DELTA:  # the whole output so far
             _write(out, self.request_index, stash.values.json(0, stash.tokens, finished, abort))
             return out
-        if stash.held is not None:  # a delta held for its values goes out with this one
-            stash.held.add(out, aggregate=True)
-            out, stash.held = stash.held, None
-        if not finished and not stash.values.covered(stash.tokens):
-            stash.held = out
+        # Streamed: deltas wait, in order, for their tokens' values; the ones whose values have all arrived go out
+        # now, merged into one (a late token holds back only the deltas from its own on).
+        stash.held.append((out, stash.made, stash.tokens))
+        stash.made = stash.tokens
+        ready = 0
+        while ready < len(stash.held) and (finished or stash.values.covered(stash.held[ready][2])):
+            ready += 1
+        if not ready:
             return None
-        _write(out, self.request_index, stash.values.json(stash.sent, stash.tokens, finished, abort))
-        stash.sent = stash.tokens
+        first, start, _ = stash.held[0]
+        end = stash.held[ready - 1][2]
+        for later, _, _ in stash.held[1:ready]:
+            first.add(later, aggregate=True)
+        del stash.held[:ready]
+        _write(first, self.request_index, stash.values.json(start, end, finished and not stash.held, abort))
+        return first
+
+    @functools.wraps(orig_add_request)
+    def add_request(self: Any, request: Any, *a: Any, **k: Any) -> Any:
+        out = orig_add_request(self, request, *a, **k)
+        kind = _report_kind(request)
+        state = self.request_states.get(request.request_id) if kind else None
+        if state is not None and REPORT_STASH_ATTR not in state.__dict__:
+            values = ReportValues(len(state.prompt_token_ids or ()))
+            values.kind = kind
+            state.__dict__[REPORT_STASH_ATTR] = _Stash(values)
+            patching.Switch(state, "make_request_output", types.MethodType(make_request_output, state),
+                            why="a report request's outputs: take dynsteer's values out of kv_transfer_params and "
+                                "write its report").set(True)
         return out
 
-    patching.patch(state_cls, "make_request_output", make_request_output,
-                   why="take dynsteer's report values out of kv_transfer_params; write each output's report")
+    patching.patch(module.OutputProcessor, "add_request", add_request,
+                   why="a request that asked for a report gets its report-writing make_request_output")
 
     from vllm.outputs import RequestOutput
 
@@ -186,3 +208,15 @@ def _write(out: Any, index: int, report: dict | None) -> None:
     for completion in out.outputs:
         if completion.index == index:
             setattr(completion, REPORT_OUTPUT_ATTR, report)
+
+
+def _report_kind(request: Any) -> str | None:
+    """The report a request's payload asks for (``None``: none, or no valid payload: admission refused those)."""
+    params = getattr(request, "sampling_params", None)
+    payload = ((params.extra_args if params is not None else None) or {}).get(PAYLOAD_KEY)
+    if payload is None:
+        return None
+    try:
+        return decode_payload(payload).report  # memoised per payload body
+    except SteeringValidationError:
+        return None
