@@ -67,10 +67,10 @@ class ReportValues:
     """A request's report (payload ``report``) as its values arrive, and its JSON form.
 
     Values arrive per *read-back token* (the token fed to a forward, at ``position``); a report gives them per
-    *generated token*, like logprobs: generated token ``i`` (at position ``prompt_len + i``) carries the values of the
-    forward that produced it, the one fed position ``prompt_len + i − 1`` (the trace's row at that position). The first
-    generated token comes from the prompt's forward, which no gate steers: its entry is ``null``; so are the entries
-    of a request that ran without a dynamic state.
+    *generated token*, like logprobs: generated token ``i`` (at position ``prompt_len + i``) carries the values of
+    the forward that produced it, the one fed position ``prompt_len + i − 1`` (the trace's row at that position). The
+    first generated token comes from the prompt's forward, which no gate steers: its entry is ``null``; so are the
+    entries of a request that ran without a dynamic state.
 
     The JSON form (``dynsteer`` on an OpenAI choice, ``CompletionOutput.dynsteer`` in Python)::
 

@@ -16,7 +16,10 @@ import pytest
 
 import dynsteer
 from dynsteer import Action, DynamicSteeringPolicy, DynsteerConfig, ProbeGate, Rule, SteeringValidationError
+from dynsteer.engine.keys import REPORT_PARAMS_KEY
+from dynsteer.engine.reports import ReportRelay
 from dynsteer.request.payload import decode_payload, with_tag
+from dynsteer.trace import ReportValues, merge_reports
 from tests.conftest import env, make_llm, served, token_ids, unit, vec
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning"]
@@ -67,6 +70,48 @@ def test_payload_report_field_round_trips_and_is_checked():
     assert decode_payload({"report": "summary"}).report == "summary"
     with pytest.raises(SteeringValidationError, match=r"extra_args\.dynsteer\.report"):
         decode_payload({"report": "everything"})
+
+
+def test_report_values_align_tokens_with_the_forward_that_produced_them():
+    rv = ReportValues(prompt_len=3)
+    rv.add({"report": "tokens", "monitors": ["m"], "scopes": ["this_token"], "acts": [True],
+            "position": [3, 4], "score": [[0.5], [float("nan")]], "applied": [[0.25], [0.0]]})
+    assert rv.covered(1) and rv.covered(3) and not rv.covered(4)
+    rep = rv.json(0, 3, final=True)
+    assert rep["score"] == [None, [0.5], [None]] and rep["gate"] == [None, [0.25], [0.0]]
+    assert rep["summary"] == {"acted": True, "tokens_steered": 1, "abort": None,
+                              "rules": [{"monitor": "m", "scope": "this_token", "acts": True, "max_gate": 0.25,
+                                         "max_score": 0.5, "last_score": 0.5}]}
+    assert merge_reports(rv.json(0, 1, False), rv.json(1, 3, True)) == rep
+    rv.kind = "summary"
+    assert rv.json(0, 2, final=False) is None and set(rv.json(0, 3, final=True)) == {"report", "summary"}
+
+
+def test_engine_core_relay_holds_a_final_output_until_its_values_arrive():
+    from types import SimpleNamespace
+
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+    relay = ReportRelay()
+    sched = SimpleNamespace(requests={"r": SimpleNamespace(num_prompt_tokens=4)})
+    relay.fold(sched, {"r": {"report": "tokens", "monitors": ["m"], "scopes": ["this_token"], "acts": [True]}})
+    first = EngineCoreOutput("r", [5])
+    outputs = {0: EngineCoreOutputs(outputs=[first, EngineCoreOutput("other", [1])])}
+    relay.deliver(outputs, EngineCoreOutputs)
+    assert first.kv_transfer_params[REPORT_PARAMS_KEY]["monitors"] == ["m"]
+    assert outputs[0].outputs[1].kv_transfer_params is None  # other requests are untouched
+    relay.fold(sched, {"r": {"position": [4], "score": [[1.0]], "applied": [[0.5]]}})
+    final = EngineCoreOutput("r", [6, 7], finish_reason=FinishReason.LENGTH, kv_transfer_params={"connector": 1})
+    outputs = {0: EngineCoreOutputs(outputs=[final])}
+    relay.deliver(outputs, EngineCoreOutputs)  # 3 tokens need positions 4 and 5: held
+    assert outputs[0].outputs == [] and relay.held == {"r"}
+    relay.fold(sched, {"r": {"position": [5], "score": [[2.0]], "applied": [[0.75]], "done": True}})
+    outputs = {}
+    relay.deliver(outputs, EngineCoreOutputs)
+    assert outputs[0].outputs == [final] and not relay.held and not relay.buffers
+    assert final.kv_transfer_params["connector"] == 1  # merged with what a KV connector put there
+    assert final.kv_transfer_params[REPORT_PARAMS_KEY] == {"position": [4, 5], "score": [[1.0], [2.0]],
+                                                           "applied": [[0.5], [0.75]], "done": True}
 
 
 # ---- in process ------------------------------------------------------------------------------------------------------
@@ -180,7 +225,7 @@ def test_late_values_hold_deltas_and_the_final_output(engine, late_readbacks):
         check_against_trace(whole, st.take_traces([f"late-{i}"])[f"late-{i}"], N)
 
 
-# ---- over HTTP (dynsteer serve, multi-process engine) ------------------------------------------------------------------
+# ---- over HTTP (dynsteer serve, multi-process engine) ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_llama_path, tmp_path_factory):
     from tests.test_serve import _console_script

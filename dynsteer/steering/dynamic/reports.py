@@ -9,8 +9,9 @@ says ``done`` once its last read-back has landed (after it finished). A request 
 or stopped) sends one delta, ``done`` at once, with no slots.
 
 What a delta holds (a plain dict, pickled to the engine core): on its first delta ``report`` (the kind asked),
-``monitors``, ``scopes`` and ``acts`` (per gate slot: its monitor, its rule's scope, whether its gate steers); then ``position``, ``score`` and
-``applied`` (per read-back token, as in :class:`dynsteer.trace.DynamicTrace`); ``done`` when nothing more will come.
+``monitors``, ``scopes`` and ``acts`` (per gate slot: its monitor, its rule's scope, whether its gate steers); then
+``position``, ``score`` and ``applied`` (per read-back token, as in :class:`dynsteer.trace.DynamicTrace`); ``done``
+when nothing more will come.
 """
 
 from __future__ import annotations
