@@ -342,3 +342,24 @@ def test_chat_completions_report(server, client):
     plain = client.chat.completions.create(model=model, messages=msgs, max_tokens=N, temperature=0,
                                            extra_body=xargs(report=None))
     assert field(plain.choices[0]) is None and plain.choices[0].message.content == full.choices[0].message.content
+
+
+def test_several_samples_each_carry_their_own_report(server, client):
+    _, model = server
+    body = {**xargs(), "return_token_ids": True, "ignore_eos": True}
+    full = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=N, temperature=0.8, n=2, seed=1,
+                                     extra_body=body)
+    for choice in full.choices:
+        rep = field(choice)
+        assert rep is not None and len(rep["score"]) == len(choice.model_extra["token_ids"]) == N
+        assert rep["score"][0] is None and all(s is not None for s in rep["score"][1:])
+    counts = {0: 0, 1: 0}
+    for c in client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=N, temperature=0.8, n=2, seed=1,
+                                       stream=True, extra_body=body):
+        for choice in c.choices:
+            rep, toks = field(choice), choice.model_extra.get("token_ids") or []
+            assert (rep is None and not toks) or len(rep["score"]) == len(toks)
+            counts[choice.index] += len(toks)
+            if choice.finish_reason is not None:
+                assert "summary" in rep
+    assert counts == {0: N, 1: N}

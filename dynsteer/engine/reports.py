@@ -132,6 +132,7 @@ def patch_output_processor(module: Any) -> None:
     from vllm.sampling_params import RequestOutputKind
 
     orig_make = module.RequestState.make_request_output
+    orig_new_completion = module.RequestState._new_completion_output
     orig_add_request = module.OutputProcessor.add_request
 
     def make_request_output(self: Any, new_token_ids: Any, pooling_output: Any, finish_reason: Any,
@@ -141,15 +142,12 @@ def patch_output_processor(module: Any) -> None:
             kv_transfer_params = dict(kv_transfer_params)
             stash.values.add(kv_transfer_params.pop(REPORT_PARAMS_KEY))
             kv_transfer_params = kv_transfer_params or None
-        out = orig_make(self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params, *a, **k)
         stash.tokens += len(new_token_ids or ())
-        if out is None:
-            return None
-        finished = finish_reason is not None
-        abort = stop_reason if finished and str(finish_reason) == "abort" and isinstance(stop_reason, str) else None
-        if self.output_kind != RequestOutputKind.DELTA:  # the whole output so far
-            _write(out, self.request_index, stash.values.json(0, stash.tokens, finished, abort))
+        out = orig_make(self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params, *a, **k)
+        if out is None or self.output_kind != RequestOutputKind.DELTA:  # whole outputs: see _new_completion_output
             return out
+        finished = finish_reason is not None
+        abort = _abort(finish_reason, stop_reason)
         # Streamed: deltas wait, in order, for their tokens' values; the ones whose values have all arrived go out
         # now, merged into one (a late token holds back only the deltas from its own on).
         stash.held.append((out, stash.made, stash.tokens))
@@ -167,6 +165,18 @@ def patch_output_processor(module: Any) -> None:
         _write(first, self.request_index, stash.values.json(start, end, finished and not stash.held, abort))
         return first
 
+    def new_completion_output(self: Any, token_ids: Any, finish_reason: Any, stop_reason: Any) -> Any:
+        # A whole output (not streamed) carries its whole report, written as vLLM makes it: with n > 1 a parent
+        # request hands out its samples' outputs only once all are done, each made by its own request state.
+        out = orig_new_completion(self, token_ids, finish_reason, stop_reason)
+        if self.output_kind != RequestOutputKind.DELTA:
+            stash = self.__dict__[REPORT_STASH_ATTR]
+            finished = finish_reason is not None
+            report = stash.values.json(0, stash.tokens, finished, _abort(finish_reason, stop_reason))
+            if report is not None:
+                setattr(out, REPORT_OUTPUT_ATTR, report)
+        return out
+
     @functools.wraps(orig_add_request)
     def add_request(self: Any, request: Any, *a: Any, **k: Any) -> Any:
         out = orig_add_request(self, request, *a, **k)
@@ -177,8 +187,10 @@ def patch_output_processor(module: Any) -> None:
             values.kind = kind
             state.__dict__[REPORT_STASH_ATTR] = _Stash(values)
             patching.Switch(state, "make_request_output", types.MethodType(make_request_output, state),
-                            why="a report request's outputs: take dynsteer's values out of kv_transfer_params and "
-                                "write its report").set(True)
+                            why="a report request's outputs: take dynsteer's values out of kv_transfer_params; "
+                                "streamed deltas wait for their tokens' values").set(True)
+            patching.Switch(state, "_new_completion_output", types.MethodType(new_completion_output, state),
+                            why="a report request's whole output carries its report").set(True)
         return out
 
     patching.patch(module.OutputProcessor, "add_request", add_request,
@@ -192,14 +204,18 @@ def patch_output_processor(module: Any) -> None:
     def add(self: Any, next_output: Any, aggregate: bool) -> None:
         reports = {c.index: r for c in next_output.outputs
                    if (r := getattr(c, REPORT_OUTPUT_ATTR, None)) is not None}
+        merged = {c.index: c for c in self.outputs} if reports and aggregate else {}  # (others are appended)
         orig_add(self, next_output, aggregate)
-        if reports and aggregate:
-            for c in self.outputs:
-                if c.index in reports:
-                    setattr(c, REPORT_OUTPUT_ATTR, merge_reports(getattr(c, REPORT_OUTPUT_ATTR, None),
-                                                                 reports[c.index]))
+        for index, c in merged.items():
+            if index in reports:
+                setattr(c, REPORT_OUTPUT_ATTR, merge_reports(getattr(c, REPORT_OUTPUT_ATTR, None), reports[index]))
 
     patching.patch(RequestOutput, "add", add, why="merged streamed outputs merge their dynsteer reports too")
+
+
+def _abort(finish_reason: Any, stop_reason: Any) -> str | None:
+    """The reason a request was aborted with (a policy's abort rule, a stop): its ``stop_reason``."""
+    return stop_reason if str(finish_reason) == "abort" and isinstance(stop_reason, str) else None
 
 
 def _write(out: Any, index: int, report: dict | None) -> None:
