@@ -50,6 +50,8 @@ logger = logging.getLogger("dynsteer")
 # ACTS_ATTR: a list of (request ids, upto, acted_at, signature) columns (one per read-back): the workers computed and
 #   read back every decode position < upto of a request with a dynamic policy; steering first acted in that read-back
 #   (under signature) at acted_at (-1: it did not). Folded into block hashes (engine.prefix_cache).
+# REPORTS_ATTR: {request id: report delta} of requests that asked for a report; relayed to the frontend with their
+#   outputs, a final output held until its values have arrived (engine.reports).
 
 
 @dataclass
