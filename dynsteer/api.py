@@ -24,7 +24,7 @@ from dynsteer.capture.result import Capture, host_id, merge_captures, unpack_rec
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.engine import keys
 from dynsteer.engine.frontend import state_of
-from dynsteer.request.payload import PAYLOAD_KEY, encode_payload, with_tag
+from dynsteer.request.payload import PAYLOAD_KEY, ReportKind, encode_payload, with_tag
 from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import (AddVector, Ablation, ModelShape, ProjectionClamp, Site, SteeringSpec,
                            SteeringValidationError, Tier, VectorSource, check_name, check_vector)
@@ -186,7 +186,8 @@ class Steerer:
     # ---- generation ---------------------------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None, *,
                  steering: SteeringSpec | Sequence[SteeringSpec | None] | None = None,
-                 capture: CaptureSpec | None = None, policy: PolicyArg = None, **kwargs: Any) -> list[Any]:
+                 capture: CaptureSpec | None = None, policy: PolicyArg = None, report: ReportKind | None = None,
+                 **kwargs: Any) -> list[Any]:
         """``LLM.generate`` with per-request steering, dynamic policies and capture.
 
         Args:
@@ -198,15 +199,21 @@ class Steerer:
             policy: a dynamic policy for all prompts, or one (or ``None``: the global policy, if any) per prompt.
                 With a request or global policy, each output has ``output.trace`` (a
                 :class:`~dynsteer.trace.DynamicTrace`, or ``None`` for a request that ran without one).
+            report: ``"summary"`` or ``"tokens"``: each ``CompletionOutput`` has ``.dynsteer``, the request's
+                report (see :class:`~dynsteer.trace.ReportValues`).
         """
-        params, tags = self._params(prompts, sampling_params, steering, capture=capture, policy=policy)
+        params, tags = self._params(prompts, sampling_params, steering, capture=capture, policy=policy,
+                                    report=report)
         return self._with_results(self.llm.generate(prompts, params, **kwargs), tags, capture, policy)
 
     def chat(self, messages: Any, sampling_params: Any = None, *,
              steering: SteeringSpec | Sequence[SteeringSpec | None] | None = None,
-             capture: CaptureSpec | None = None, policy: PolicyArg = None, **kwargs: Any) -> list[Any]:
-        """``LLM.chat`` with per-request steering, policies and capture (``messages``: one conversation or a list)."""
-        params, tags = self._params(messages, sampling_params, steering, chat=True, capture=capture, policy=policy)
+             capture: CaptureSpec | None = None, policy: PolicyArg = None, report: ReportKind | None = None,
+             **kwargs: Any) -> list[Any]:
+        """``LLM.chat`` with per-request steering, policies, capture and reports (``messages``: one conversation or a
+        list)."""
+        params, tags = self._params(messages, sampling_params, steering, chat=True, capture=capture, policy=policy,
+                                    report=report)
         return self._with_results(self.llm.chat(messages, params, **kwargs), tags, capture, policy)
 
     def set_capture(self, spec: CaptureSpec | None) -> None:
@@ -247,12 +254,13 @@ class Steerer:
 
     # ---- internals ------------------------------------------------------------------------------------------------
     def _params(self, prompts: Any, sampling_params: Any, steering: Any, chat: bool = False,
-                capture: CaptureSpec | None = None, policy: PolicyArg = None) -> tuple[Any, list[str] | None]:
+                capture: CaptureSpec | None = None, policy: PolicyArg = None,
+                report: ReportKind | None = None) -> tuple[Any, list[str] | None]:
         from vllm import SamplingParams
 
         base = sampling_params or SamplingParams()
         tagged = capture is not None or policy is not None or self._front.global_policy is not None
-        if not tagged and (steering is None or isinstance(steering, SteeringSpec)):
+        if not tagged and report is None and (steering is None or isinstance(steering, SteeringSpec)):
             return steer_params(base, steering), None
         single = isinstance(prompts, (str, dict)) or (chat and prompts and isinstance(prompts[0], dict))
         n = 1 if single else len(prompts)
@@ -271,7 +279,7 @@ class Steerer:
         for i, (b, s, p) in enumerate(zip(bases, specs, policies)):
             body = bodies.get((id(s), id(p)))
             if body is None:
-                body = bodies[(id(s), id(p))] = encode_payload(s, None, capture, p, trace=trace)
+                body = bodies[(id(s), id(p))] = encode_payload(s, None, capture, p, trace=trace, report=report)
             params.append(steer_params(b, None, tags[i] if tags else None, payload=body))
         return params, tags
 

@@ -31,6 +31,13 @@ STOPS_ATTR = "dynsteer_stops"  # runners write {request id: reason} of requests 
 ABORTS_ATTR = "dynsteer_aborts"  # runners write {request id: reason} of fired abort rules; the scheduler finishes them
 # runners write (request ids, upto, acted_at, signature) columns per read-back; the scheduler folds them into hashes
 ACTS_ATTR = "dynsteer_acts"
+# runners write {request id: report delta} (steering.dynamic.reports); the scheduler forwards them to the frontend
+REPORTS_ATTR = "dynsteer_reports"
+
+# ---- EngineCoreOutput (engine core → frontend) -------------------------------------------------------------------
+# the scheduler nests a request's report values under this key of kv_transfer_params (beside what a KV connector put
+# there); the frontend's OutputProcessor pops them before vLLM reads the params (engine.reports)
+REPORT_PARAMS_KEY = "dynsteer_report"
 
 # ---- block-hash extra keys and cache salts (frontend and engine core; must match across processes) ---------------
 SALT_TAG = "dynsteer:"  # frontend admission and the engine core's re-salting prefix it to cache_salt fingerprints
@@ -61,6 +68,9 @@ BLOCK_SIZE_ATTR = "_dynsteer_block_size"  # on vLLM's request block hasher: pref
 FRONTEND_ATTR = "_dynsteer_frontend"  # on the InputProcessor: engine.frontend builds its FrontendState once
 RUNTIME_ATTR = "_dynsteer_rt"  # on a model runner: engine.runner caches the model's SteeringRuntime (or None)
 RUNNER_REQUESTS_ATTR = "_dynsteer_reqs"  # on a v2 runner: engine.runner records request id -> (payload, prompt len)
+REPORT_STASH_ATTR = "_dynsteer_report"  # on a frontend RequestState: engine.reports keeps its report values there
+# on a CompletionOutput: engine.reports writes the request's report (dynsteer.trace.report_json); serving reads it
+REPORT_OUTPUT_ATTR = "dynsteer"
 APP_STATE_ATTR = "dynsteer"  # on the FastAPI app.state: the endpoint plugin's engine client and API-key digests
 # on a decoder layer: engine.adapters marks it hooked, and hangs the site hooks its patched forward runs
 ATTACHED_ATTR = "_dynsteer_attached"

@@ -72,8 +72,8 @@ def register() -> None:
     if _registered or os.environ.get("DYNSTEER_DISABLE") == "1":
         return
     _registered = True
-    from dynsteer.engine import (adapters, admission, command_desk, frontend, json_steering, prefix_cache, runner,
-                                 scheduler, worker_ext)
+    from dynsteer.engine import (adapters, admission, command_desk, frontend, json_steering, prefix_cache, reports,
+                                 runner, scheduler, worker_ext)
 
     if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImportFinder())
@@ -89,14 +89,26 @@ def register() -> None:
     for protocol, model in (("completion", "CompletionRequest"), ("chat_completion", "ChatCompletionRequest")):
         when_imported(f"vllm.entrypoints.openai.{protocol}.protocol",
                       lambda m, model=model: json_steering.patch_request_model(getattr(m, model)))
+    when_imported("vllm.v1.engine.output_processor", reports.patch_output_processor)
     when_imported("vllm.v1.core.kv_cache_utils", prefix_cache.patch_block_hashing)
     when_imported("vllm.v1.request", lambda m: prefix_cache.patch_request(m.Request))
     when_imported("vllm.v1.core.sched.scheduler", lambda m: scheduler.patch_scheduler(m.Scheduler))
     when_imported("vllm.v1.engine.core", lambda m: command_desk.patch_engine_core(m.EngineCore))
     when_imported("vllm.entrypoints.serve", _guard_dev_routes)  # API servers only: keeps fastapi out of workers
+    when_imported("vllm.entrypoints.openai.completion.serving", _report_serving("patch_completion_serving"))
+    when_imported("vllm.entrypoints.openai.chat_completion.serving", _report_serving("patch_chat_serving"))
 
 
 def _guard_dev_routes(module: ModuleType) -> None:
     from dynsteer.engine.dev_routes import patch_dev_routes
 
     patch_dev_routes(module)
+
+
+def _report_serving(name: str) -> Callable[[ModuleType], None]:
+    def patch(module: ModuleType) -> None:
+        from dynsteer.engine import report_serving
+
+        getattr(report_serving, name)(module)
+
+    return patch

@@ -17,8 +17,8 @@ import numpy as np
 
 from dynsteer.engine import patching
 from dynsteer.engine.adapters import find_runtime
-from dynsteer.engine.keys import (ABORTS_ATTR, ACTS_ATTR, COMMANDS_ATTR, PAYLOAD_KEY, RUNNER_REQUESTS_ATTR,
-                                  RUNTIME_ATTR, STEP_ATTR, STOPS_ATTR)
+from dynsteer.engine.keys import (ABORTS_ATTR, ACTS_ATTR, COMMANDS_ATTR, PAYLOAD_KEY, REPORTS_ATTR,
+                                  RUNNER_REQUESTS_ATTR, RUNTIME_ATTR, STEP_ATTR, STOPS_ATTR)
 from dynsteer.steering.runtime import BatchView, SteeringRuntime
 
 logger = logging.getLogger("dynsteer")
@@ -27,6 +27,7 @@ _UNSET = object()
 _RELEASE = "release finished and preempted requests' rows; apply the step's monitor commands"
 _PLAN = "plan the step's steering rows (a BatchView)"
 _AFTER_FORWARD = "once the forward is enqueued: start copying captured rows and read-backs out"
+_UNSAMPLED = "a step without sampling reports too (stops, acts, report values)"
 
 
 def runtime_of(runner: Any) -> SteeringRuntime | None:
@@ -68,8 +69,9 @@ def attach(output: Any, attr: str, value: Any) -> Any:
 
 
 def _report(runner: Any, output: Any) -> Any:
-    """Attach to the step's output the requests this rank stopped (the scheduler finishes them) and where dynamic
-    steering acted (the scheduler folds it into block hashes)."""
+    """Attach to the step's output the requests this rank stopped (the scheduler finishes them), where dynamic
+    steering acted (the scheduler folds it into block hashes) and the report values landed (the scheduler forwards
+    them to the frontend)."""
     rt = runtime_of(runner)
     if rt is None or output is None:
         return output
@@ -81,7 +83,19 @@ def _report(runner: Any, output: Any) -> Any:
         output = attach(output, ABORTS_ATTR, aborts)
     if rt.stops:
         output = attach(output, STOPS_ATTR, rt.take_stops())
+    reports = rt.take_reports()
+    if reports:
+        output = attach(output, REPORTS_ATTR, reports)
     return output
+
+
+def _report_unsampled(runner: Any, output: Any) -> Any:
+    """A step that returns from ``execute_model`` without sampling (nothing scheduled: the step that tells the
+    workers which requests finished, or the steps the scheduler runs while a finished request's report values are
+    still in flight) reports too; a step that samples reports from ``sample_tokens``."""
+    if output is None:
+        return output
+    return _report(runner, output)
 
 
 def _zero_on_reuse(runner: Any) -> None:
@@ -166,6 +180,13 @@ def patch_v1_runner(cls: type) -> None:
                     lambda req_id: _payload(requests[req_id].sampling_params))
         return out
 
+    orig_execute = cls.execute_model
+
+    @functools.wraps(orig_execute)
+    def execute_model(self: Any, *a: Any, **k: Any) -> Any:
+        return _report_unsampled(self, orig_execute(self, *a, **k))
+
+    patching.patch(cls, "execute_model", execute_model, why=_UNSAMPLED)
     patching.patch(cls, "_update_states", _update_states, why=_RELEASE)
     patching.patch(cls, "_prepare_inputs", _prepare_inputs, why=_PLAN)
     patching.patch(cls, "_model_forward", _model_forward, why=_AFTER_FORWARD)
@@ -220,7 +241,7 @@ def patch_v2_runner(cls: type) -> None:
         rt = runtime_of(self)
         if rt is not None:
             rt.after_forward()  # the forward is enqueued; a dummy run selected nothing, so this is a no-op
-        return out
+        return _report_unsampled(self, out)
 
     @functools.wraps(orig_add)
     def add_requests(self: Any, scheduler_output: Any) -> Any:
@@ -242,4 +263,4 @@ def patch_v2_runner(cls: type) -> None:
     patching.patch(cls, "finish_requests", finish_requests, why=_RELEASE)
     patching.patch(cls, "add_requests", add_requests, why="record each new request's payload and prompt length")
     patching.patch(cls, "prepare_inputs", prepare_inputs, why=_PLAN)
-    patching.patch(cls, "execute_model", execute_model, why=_AFTER_FORWARD)
+    patching.patch(cls, "execute_model", execute_model, why=f"{_AFTER_FORWARD}; {_UNSAMPLED}")

@@ -34,10 +34,11 @@ from typing import Any
 from dynsteer.config import DynsteerConfig
 from dynsteer.engine import patching
 from dynsteer.engine.command_desk import CommandDesk
-from dynsteer.engine.keys import (ABORTS_ATTR, ACTED_ATTR, ACTS_ATTR, COMMANDS_ATTR, DYNAMIC_KEY, ROWS_KEY,
-                                  SCHEDULER_ATTR, STEP_ATTR, STOPS_ATTR)
+from dynsteer.engine.keys import (ABORTS_ATTR, ACTED_ATTR, ACTS_ATTR, COMMANDS_ATTR, DYNAMIC_KEY, REPORTS_ATTR,
+                                  ROWS_KEY, SCHEDULER_ATTR, STEP_ATTR, STOPS_ATTR)
 from dynsteer.engine.patching import Switch
 from dynsteer.engine.prefix_cache import ActedState, hash_limit, hashed_tokens, resalt
+from dynsteer.engine.reports import ReportRelay
 from dynsteer.spec import SteeringValidationError
 
 logger = logging.getLogger("dynsteer")
@@ -49,6 +50,8 @@ logger = logging.getLogger("dynsteer")
 # ACTS_ATTR: a list of (request ids, upto, acted_at, signature) columns (one per read-back): the workers computed and
 #   read back every decode position < upto of a request with a dynamic policy; steering first acted in that read-back
 #   (under signature) at acted_at (-1: it did not). Folded into block hashes (engine.prefix_cache).
+# REPORTS_ATTR: {request id: report delta} of requests that asked for a report; relayed to the frontend with their
+#   outputs, a final output held until its values have arrived (engine.reports).
 
 
 @dataclass
@@ -77,6 +80,7 @@ class SchedulerState:
     held: set[str] = field(default_factory=set)
     alloc_hook: Switch | None = None  # the KV cache manager's allocate_slots: the row check
     cache_hook: Switch | None = None  # the coordinator's cache_blocks: cache no further than hashed
+    reports: ReportRelay = field(default_factory=ReportRelay)  # report requests' values on their way (engine.reports)
 
     def sync_hooks(self) -> None:
         """Put the per-request hooks in while some request needs them, vLLM's own methods otherwise."""
@@ -236,6 +240,9 @@ def patch_scheduler(cls: type) -> None:
         for req_id, reason in (getattr(model_runner_output, ABORTS_ATTR, None) or {}).items():
             aborts.setdefault(req_id, reason)  # a monitor's abort taken at this step keeps its own reason
         _apply_acts(self, getattr(model_runner_output, ACTS_ATTR, None))
+        reports = getattr(model_runner_output, REPORTS_ATTR, None)
+        if reports:  # before vLLM frees the requests this output finishes
+            state.reports.fold(self, reports)
         swapped = bool(state.stops)
         if swapped:  # a step with stops (rare): the stop-aware per-request update, for this call only
             _STOP_AWARE.acquire(cls)
@@ -264,6 +271,8 @@ def patch_scheduler(cls: type) -> None:
             if swapped:
                 _STOP_AWARE.release(cls)
             state.stops = {}
+        if state.reports.buffers:
+            state.reports.deliver(outputs, EngineCoreOutputs)
         return outputs
 
     @functools.wraps(orig_update_req)
@@ -286,6 +295,8 @@ def patch_scheduler(cls: type) -> None:
         if request.is_finished():
             state.pending.discard(req_id)
             state.held.discard(req_id)
+            if state.reports.buffers:
+                state.reports.freed(req_id)
         elif rows_of(request):  # preempted: its rows are released, and taken again when it is resumed
             state.pending.add(req_id)
         state.sync_hooks()
@@ -293,6 +304,14 @@ def patch_scheduler(cls: type) -> None:
             state.stopped.discard(req_id)
             _quarantine_blocks(self, request)
         return orig_free_blocks(self, request)
+
+    orig_has_finished = cls.has_finished_requests
+
+    @functools.wraps(orig_has_finished)
+    def has_finished_requests(self: Any) -> bool:
+        # a final output held for its report values: keep stepping (empty steps), so the workers' read-backs land
+        # and reach this process (engine.reports)
+        return orig_has_finished(self) or bool(getattr(self, SCHEDULER_ATTR).reports.held)
 
     orig_shutdown = cls.shutdown
 
@@ -309,6 +328,8 @@ def patch_scheduler(cls: type) -> None:
             ("schedule", schedule, "take monitors' commands at the step; number steps; zero stopped requests' blocks"),
             ("update_from_output", update_from_output, "finish requests the workers stopped or aborted; fold acts"),
             ("_free_request_blocks", _free_request_blocks, "release rows; quarantine a stopped request's blocks"),
+            ("has_finished_requests", has_finished_requests,
+             "keep stepping while a report request's final output waits for its values"),
             ("shutdown", shutdown, "close the command desk")):
         patching.patch(cls, name, fn, why=why)
 

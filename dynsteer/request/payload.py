@@ -15,7 +15,7 @@ import binascii
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import msgspec
 import numpy as np
@@ -30,6 +30,8 @@ from dynsteer.spec import SteeringSpec, SteeringValidationError
 PAYLOAD_KEY = "dynsteer"
 _PREFIX = "ds1:"
 _TAG_SEP = "~"  # not in the base64 alphabet
+#: what a request may ask to get back about its steering (``RequestPayload.report``)
+ReportKind = Literal["summary", "tokens"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class RequestPayload:
     capture: CaptureSpec | None = None
     policy: DynamicSteeringPolicy | None = None
     trace: bool = False  # keep the dynamic-steering trace for the caller to take (Steerer does; HTTP clients need not)
+    # return what steering did with the outputs: "summary" (per request) or "tokens" (per generated token too)
+    report: ReportKind | None = None
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -51,13 +55,14 @@ def _enc_hook(obj: Any) -> Any:
 
 def encode_payload(spec: SteeringSpec | None = None, tag: str | None = None,
                    capture: CaptureSpec | None = None, policy: DynamicSteeringPolicy | None = None,
-                   trace: bool = False, allow_files: bool = True) -> str:
+                   trace: bool = False, report: ReportKind | None = None, allow_files: bool = True) -> str:
     """Pack a spec, optional capture spec and policy, and a tag into the string stored under ``extra_args["dynsteer"]``.
 
     A policy's probe-file monitors are loaded here (an engine never reads a file a request names: a server packing
     what a client sent passes ``allow_files=False``, and a probe-file monitor is an error naming it); monitors
     naming a registered probe stay names. ``trace``: ask the engine to keep the request's dynamic-steering trace
-    until it is taken (:meth:`dynsteer.Steerer.take_traces`).
+    until it is taken (:meth:`dynsteer.Steerer.take_traces`). ``report``: return what steering did with the outputs
+    (``"summary"`` or ``"tokens"``; see :mod:`dynsteer.trace`).
     """
     body: dict[str, Any] = {"spec": (spec or SteeringSpec()).model_dump(mode="python")}
     if capture is not None:
@@ -66,6 +71,8 @@ def encode_payload(spec: SteeringSpec | None = None, tag: str | None = None,
         body["policy"] = policy.resolved(allow_files=allow_files).model_dump(mode="python", exclude_none=True)
     if trace:
         body["trace"] = True
+    if report is not None:
+        body["report"] = _check_report(report, "report")
     packed = _PREFIX + base64.b64encode(msgspec.msgpack.encode(body, enc_hook=_enc_hook)).decode("ascii")
     return with_tag(packed, tag)
 
@@ -109,7 +116,7 @@ def decode_payload(obj: Any, field: str = f"extra_args.{PAYLOAD_KEY}",
         decoded = _decode_packed(packed, field, limits)
         if tag is None:
             return decoded
-        return RequestPayload(decoded.spec, tag, decoded.capture, decoded.policy, decoded.trace)
+        return RequestPayload(decoded.spec, tag, decoded.capture, decoded.policy, decoded.trace, decoded.report)
     if not isinstance(obj, dict):
         raise SteeringValidationError(f"{field}: expected a packed string or an object, got {type(obj).__name__}")
     try:
@@ -162,10 +169,10 @@ def _check_tag(tag: Any, field: str) -> str:
 
 
 def _decode_body(body: Any, field: str, limits: Limits = DEFAULT_LIMITS) -> RequestPayload:
-    if not isinstance(body, dict) or set(body) - {"spec", "tag", "capture", "policy", "trace"}:
+    if not isinstance(body, dict) or set(body) - {"spec", "tag", "capture", "policy", "trace", "report"}:
         raise SteeringValidationError(
-            f"{field}: payload must be an object with keys 'spec', 'capture', 'policy', 'trace' and 'tag' (all "
-            f"optional)")
+            f"{field}: payload must be an object with keys 'spec', 'capture', 'policy', 'trace', 'report' and 'tag' "
+            f"(all optional)")
     check_shape(body, field, limits)
     parsed: dict[str, Any] = {}
     for key, model in (("spec", SteeringSpec), ("capture", CaptureSpec), ("policy", DynamicSteeringPolicy)):
@@ -188,9 +195,18 @@ def _decode_body(body: Any, field: str, limits: Limits = DEFAULT_LIMITS) -> Requ
     tag, trace = body.get("tag"), body.get("trace", False)
     if not isinstance(trace, bool):
         raise SteeringValidationError(f"{field}.trace: must be true or false")
+    report = body.get("report")
     return RequestPayload(spec=parsed.get("spec", SteeringSpec()),
                           tag=None if tag is None else _check_tag(tag, field), capture=parsed.get("capture"),
-                          policy=parsed.get("policy"), trace=trace)
+                          policy=parsed.get("policy"), trace=trace,
+                          report=None if report is None else _check_report(report, f"{field}.report"))
+
+
+def _check_report(report: Any, field: str) -> ReportKind:
+    if report not in get_args(ReportKind):
+        raise SteeringValidationError(f"{field}: must be one of {', '.join(map(repr, get_args(ReportKind)))} or "
+                                      f"null")
+    return report
 
 
 def _is_field(part: Any) -> bool:

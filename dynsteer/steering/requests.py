@@ -40,6 +40,7 @@ class RequestEntry:
     policy: DynamicSteeringPolicy | None = None  # the request's own policy (overrides the global one)
     dyn: DynState | None = None
     trace: bool = False  # keep the trace for the caller (payload's ``trace`` flag)
+    report: str | None = None  # payload's ``report``: its read-back values go back with its outputs
     cmd_spec: SteeringSpec | None = None  # a monitor's ``steer`` command: added to its decode tokens
     cmd_policy: DynamicSteeringPolicy | None = None  # its policy as monitors' threshold/rule commands patched it
 

@@ -213,10 +213,12 @@ class SteeringRuntime:
         capture: CaptureSpec | None = None
         error = None
         trace = False
+        report = None
         if payload is not None:
             try:
                 decoded = decode_payload(payload, limits=self.limits)
-                spec, tag, capture, trace = decoded.spec, decoded.tag, decoded.capture, decoded.trace
+                spec, tag, capture, trace, report = (decoded.spec, decoded.tag, decoded.capture, decoded.trace,
+                                                     decoded.report)
                 if decoded.policy is not None:
                     policy = admit_policy(decoded.policy, self.probes, self.controllers, REQUEST_POLICY)
                 if capture is not None:
@@ -225,6 +227,7 @@ class SteeringRuntime:
             except Exception as exc:  # noqa: BLE001 - the frontend validates too; this catches what bypassed it
                 error = self._stop(req_id, exc)
         entry = RequestEntry(prompt_len=prompt_len, spec=spec, tag=tag, error=error, policy=policy, trace=trace,
+                             report=report,
                              payload_key=body_digest(payload_body(payload)) if isinstance(payload, str) else None,
                              cmd_spec=self._cmd_specs.get(req_id), cmd_policy=self._cmd_policies.get(req_id))
         for cmd in self._deferred.pop(req_id, ()):
@@ -233,6 +236,8 @@ class SteeringRuntime:
             except Exception as exc:  # noqa: BLE001
                 entry.error = self._stop(req_id, exc)
         self._set_dyn(req_id, entry, fresh=False)
+        if report is not None:
+            self.dynamic_tier.start_report(req_id, report, entry.dyn)
         self._assign_rows(req_id, entry)
         self.delivery.begin(req_id, tag, None if entry.error else capture, prompt_len)
         self.requests[req_id] = entry
@@ -243,7 +248,9 @@ class SteeringRuntime:
         """Give the request its dynamic state (a resumed request keeps the one it had before preemption)."""
         self._version += 1
         try:
-            entry.dyn = self.dynamic_tier.attach(req_id, self.registry.effective_policy(entry), entry.trace, fresh)
+            # a report reads the trace's record, so a request asking for one keeps it too
+            entry.dyn = self.dynamic_tier.attach(req_id, self.registry.effective_policy(entry),
+                                                 entry.trace or entry.report is not None, fresh)
         except ControllerOptionsError as exc:
             where = f"extra_args.{PAYLOAD_KEY}.policy" if entry.policy is not None else "global_policy"
             entry.error = self._stop(req_id, SteeringValidationError(f"{where}.controller.options: {exc}"))
@@ -330,6 +337,11 @@ class SteeringRuntime:
         with their stop reasons: the runner glue reports them with the step's output and the scheduler finishes
         them at that output (their tokens so far delivered, their blocks shareable)."""
         return self.dynamic_tier.take_aborts(self.requests)
+
+    def take_reports(self) -> dict[str, dict[str, Any]]:
+        """Report deltas of requests that asked for a report (``dynsteer.steering.dynamic.reports``), from the
+        read-backs landed so far (polled without waiting); ``{}`` at the cost of one check while none did."""
+        return self.dynamic_tier.take_reports()
 
     def take_stops(self) -> dict[str, str]:
         """Requests to stop since the last call, with their reasons (the runner glue reports them with the step's

@@ -15,6 +15,7 @@ import numpy as np
 
 from dynsteer.controllers.registry import ControllerRegistry
 from dynsteer.steering.dynamic.driver import DynamicDriver
+from dynsteer.steering.dynamic.reports import Deltas, ReportCursors
 from dynsteer.steering.dynamic.state import DynState
 from dynsteer.steering.dynamic.tokens import StepTokens
 from dynsteer.steering.dynamic.traces import TraceStore
@@ -49,6 +50,7 @@ class DynamicTier:
         # finished requests whose last read-backs are in flight: (state, entry, read-backs enqueued at finish)
         self.finishing: dict[str, tuple[DynState, RequestEntry | None, int]] = {}
         self.retuning: dict[str, DynState] = {}  # retuned since they were last scheduled (DynState.retuned_from)
+        self.reports = ReportCursors()  # requests that asked for a report (payload ``report``)
 
     # ---- a request's state -------------------------------------------------------------------------------------------
     def attach(self, req_id: str, policy: DynamicSteeringPolicy | None, keep: bool, fresh: bool) -> DynState | None:
@@ -86,6 +88,8 @@ class DynamicTier:
         if st is not None:
             self.driver.free(st)
             if retire:
+                if req_id in self.reports:  # it loses its state: what landed is all its report will hold
+                    self.reports.flush(req_id, st, self.driver.records, done=True)
                 self.driver.retire(st)
         return st
 
@@ -179,6 +183,25 @@ class DynamicTier:
         fired, driver.aborts = driver.aborts, {}
         return {r: f"{reason} (fired at position {pos})" for r, (pos, reason) in fired.items() if r in live}
 
+    def start_report(self, req_id: str, kind: str, st: DynState | None) -> None:
+        """``req_id`` asked for a ``kind`` report (``st``: its state, ``None`` without one)."""
+        self.reports.start(req_id, kind, st, self.driver.records)
+
+    def take_reports(self) -> Deltas:
+        """Report deltas of the requests that asked for one, from the read-backs landed so far (polled without
+        waiting); nothing at all while no request asked for one."""
+        if not self.reports:
+            return {}
+        self.driver.poll(self.state_of)
+        if self.finishing:
+            self.complete_traces()
+        records = self.driver.records
+        for req_id in list(self.reports.sent):
+            st = self.state_of(req_id)
+            if st is not None:
+                self.reports.flush(req_id, st, records)
+        return self.reports.take()
+
     def take_traces(self, tags: Iterable[str], entries: Mapping[str, RequestEntry]) -> list[dict[str, Any]]:
         """Traces of finished requests with these tags; live states with these tags (``entries``: the live
         requests) are finished here, since the caller knows they are done before the scheduler tells the runner."""
@@ -195,6 +218,8 @@ class DynamicTier:
         """Finish the traces of finished requests whose last read-backs have landed."""
         for req_id in [r for r, (_, _, seq) in self.finishing.items() if self.driver.completed >= seq]:
             st, entry, _ = self.finishing.pop(req_id)
+            if req_id in self.reports:
+                self.reports.flush(req_id, st, self.driver.records, done=True)
             self._store_trace(req_id, st, entry)
             self.driver.retire(st)
 
@@ -221,6 +246,7 @@ class NullDynamicTier:
         self.live: dict[str, DynState] = {}  # stay empty: the runtime's checks of them are its only per-step cost
         self.finishing: dict[str, tuple[DynState, RequestEntry | None, int]] = {}
         self.retuning: dict[str, DynState] = {}
+        self.reports = ReportCursors()
 
     def attach(self, req_id: str, policy: DynamicSteeringPolicy | None, keep: bool, fresh: bool) -> None:
         return None
@@ -242,6 +268,12 @@ class NullDynamicTier:
 
     def take_aborts(self, live: Container[str]) -> dict[str, str]:
         return {}
+
+    def start_report(self, req_id: str, kind: str, st: None) -> None:
+        self.reports.start(req_id, kind, None, None)  # no state: done at once
+
+    def take_reports(self) -> Deltas:
+        return self.reports.take() if self.reports else {}
 
     def take_traces(self, tags: Iterable[str], entries: Mapping[str, RequestEntry]) -> list[dict[str, Any]]:
         return []
