@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
@@ -143,3 +147,32 @@ def test_plain_vllm_serve_with_dynsteer_loaded_refuses_dynsteer_state_changes_ov
         assert client.post("/reset_prefix_cache").status_code == 200  # vLLM's own dev routes are vLLM's business
     assert [c[:2] for c in engine.calls] == [("collective_rpc", "dynsteer_describe"),
                                              ("collective_rpc", "get_model_inspection"), ("reset_prefix_cache",)]
+
+
+#: a FastAPI that includes routers by reference (``app.router.routes`` holds the included router, not its routes), as
+#: GPU hosts install it; the guard must find vLLM's development routes there too
+NEWER_FASTAPI = "0.165.0"
+RERUN = "DYNSTEER_FASTAPI_RERUN"
+
+
+@pytest.mark.skipif(os.environ.get(RERUN) != "1", reason="runs inside the newer-FastAPI rerun only")
+def test_the_rerun_runs_the_newer_fastapi():
+    import fastapi
+
+    assert fastapi.__version__ == NEWER_FASTAPI
+
+
+@pytest.mark.skipif(os.environ.get(RERUN) == "1", reason="the rerun itself")
+def test_every_guard_test_holds_with_fastapi_including_routers_by_reference(tmp_path):
+    target = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
+                           "--target", str(target), f"fastapi=={NEWER_FASTAPI}"], capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode:
+        pytest.skip(f"pip cannot install fastapi {NEWER_FASTAPI} here: {proc.stderr[-300:]}")
+    env = {**os.environ, RERUN: "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(target),
+                                                                                 os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stdout[-4000:]
+    assert "failed" not in run.stdout and "7 passed" in run.stdout, run.stdout[-2000:]

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Protocol
 
@@ -40,10 +41,44 @@ RPC_ALLOWED = frozenset({RPC_DESCRIBE})
 _MAX_RPC_BODY = 1 << 20
 
 
-def dev_routes(app: Any) -> list[Any]:
-    """The app's routes that vLLM's development routers registered."""
-    return [r for r in app.router.routes
-            if getattr(getattr(r, "endpoint", None), "__module__", "").startswith(DEV_ROUTE_MODULES)]
+@dataclass(frozen=True)
+class GuardedRoute:
+    """One of vLLM's development routes as a request is matched against it: the route itself, and the prefix of the
+    routers it was included through where FastAPI keeps that apart (FastAPI 0.16x includes a router by reference:
+    ``app.router.routes`` then holds the included router, whose routes carry their own paths only)."""
+
+    route: Any
+    prefix: str = ""
+
+    @property
+    def path(self) -> str:
+        return self.prefix + str(getattr(self.route, "path", ""))
+
+    def matches(self, scope: Any) -> bool:
+        if self.prefix:
+            path = scope.get("path", "")
+            if not path.startswith(self.prefix):
+                return False
+            scope = {**scope, "path": path[len(self.prefix):]}
+        return self.route.matches(scope)[0] != Match.NONE
+
+
+def _leaf_routes(routes: Sequence[Any], prefix: str = "") -> Iterator[tuple[Any, str]]:
+    """Every route an app serves, with the prefix it is included under: routes included by copy (FastAPI before
+    0.16x) are leaves already; a router included by reference is walked into."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            context = getattr(route, "include_context", None)
+            yield from _leaf_routes(inner.routes, prefix + (getattr(context, "prefix", "") or ""))
+        else:
+            yield route, prefix
+
+
+def dev_routes(app: Any) -> list[GuardedRoute]:
+    """The app's routes that vLLM's development routers registered, however FastAPI included them."""
+    return [GuardedRoute(route, prefix) for route, prefix in _leaf_routes(app.router.routes)
+            if getattr(getattr(route, "endpoint", None), "__module__", "").startswith(DEV_ROUTE_MODULES)]
 
 
 def patch_dev_routes(module: Any) -> None:
@@ -70,13 +105,13 @@ class DevRouteGuard:
     other than :data:`RPC_ALLOWED` on ``/collective_rpc`` (module docstring). A route counts when Starlette's own
     matching says so, so root paths and methods are read as the router reads them."""
 
-    def __init__(self, app: Any, endpoints: KeyRule | None, routes: Sequence[Any]) -> None:
+    def __init__(self, app: Any, endpoints: KeyRule | None, routes: Sequence[GuardedRoute]) -> None:
         self.app, self.endpoints, self.routes = app, endpoints, list(routes)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route = next((r for r in self.routes if r.matches(scope)[0] != Match.NONE), None)
+        route = next((r for r in self.routes if r.matches(scope)), None)
         if route is None:
             return await self.app(scope, receive, send)
         if self.endpoints is not None:
@@ -87,7 +122,7 @@ class DevRouteGuard:
             refusal = self.endpoints.refusal(state["keys"], request.headers.get("authorization"), request.client)
             if refusal is not None:
                 return await _error(send, *refusal)
-        if getattr(route, "path", None) == RPC_ROUTE:
+        if route.path == RPC_ROUTE:
             body = b""
             while True:
                 message = await receive()
