@@ -134,7 +134,9 @@ def served(command: Callable[[int, list[str]], list[str]], log: Any, timeout_s: 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = ["--dtype", "bfloat16"] if ON_GPU else ["--dtype", "float32", "--enforce-eager"]
+    # on GPU a server takes the engines' share of memory too: a module's in-process engine may still hold its own
+    args = (["--dtype", "bfloat16", "--gpu-memory-utilization", str(ENGINE_DEFAULTS["gpu_memory_utilization"])]
+            if ON_GPU else ["--dtype", "float32", "--enforce-eager"])
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     proc = subprocess.Popen(command(port, args), env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     url = f"http://127.0.0.1:{port}"
