@@ -78,10 +78,11 @@ async def pack_off_loop(state: FrontendState, payload: Any, field: str) -> str:
     """``payload`` (a JSON form) packed, in the pool unless ``state``'s memo holds it; raises
     ``SteeringValidationError`` naming the field."""
     key = state.pack_key(payload, field)
-    hit = None if key is None else state._packed.get(key)
+    hit = state.packed(key)
     if hit is not None:
         return hit
-    return await asyncio.get_running_loop().run_in_executor(_executor(), state.snapshot().pack, payload, field)
+    return await asyncio.get_running_loop().run_in_executor(_executor(), state.snapshot().pack_fill, key, payload,
+                                                            field)
 
 
 def _settled(state: FrontendState, key: Any, future: asyncio.Future) -> None:

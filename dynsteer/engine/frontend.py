@@ -113,12 +113,20 @@ class FrontendState:
         if payload is None or is_packed(payload):
             return payload
         key = self.pack_key(payload, field)
-        hit = None if key is None else self._packed.get(key)
-        if hit is None:
-            hit = pack_json(payload, field, self.presets, self.limits)
-            if key is not None:
-                self._packed.put(key, hit)
-        return hit
+        hit = self.packed(key)
+        return hit if hit is not None else self.pack_fill(key, payload, field)
+
+    def packed(self, key: Any) -> str | None:
+        """The memoised packed form under a :meth:`pack_key` key (None: not held, or no key)."""
+        return None if key is None else self._packed.get(key)
+
+    def pack_fill(self, key: Any, payload: Any, field: str) -> str:
+        """Pack the JSON form ``payload`` and remember it under ``key`` (taken with this state; None: not
+        memoised)."""
+        packed = pack_json(payload, field, self.presets, self.limits)
+        if key is not None:
+            self._packed.put(key, packed)
+        return packed
 
     def pack_key(self, payload: Any, field: str) -> tuple[int, bytes, str] | None:
         """The JSON-form memo key of ``payload`` (None: not memoised, an object msgpack cannot encode)."""

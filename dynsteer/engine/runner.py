@@ -71,7 +71,9 @@ def attach(output: Any, attr: str, value: Any) -> Any:
 def _report(runner: Any, output: Any) -> Any:
     """Attach to the step's output the requests this rank stopped (the scheduler finishes them), where dynamic
     steering acted (the scheduler folds it into block hashes) and the report values landed (the scheduler forwards
-    them to the frontend)."""
+    them to the frontend). A step that samples reports from ``sample_tokens``; one that returns from
+    ``execute_model`` without sampling (nothing scheduled: the step telling the workers which requests finished, or
+    the steps the scheduler runs while a finished request's report values are in flight) reports from there."""
     rt = runtime_of(runner)
     if rt is None or output is None:
         return output
@@ -87,15 +89,6 @@ def _report(runner: Any, output: Any) -> Any:
     if reports:
         output = attach(output, REPORTS_ATTR, reports)
     return output
-
-
-def _report_unsampled(runner: Any, output: Any) -> Any:
-    """A step that returns from ``execute_model`` without sampling (nothing scheduled: the step that tells the
-    workers which requests finished, or the steps the scheduler runs while a finished request's report values are
-    still in flight) reports too; a step that samples reports from ``sample_tokens``."""
-    if output is None:
-        return output
-    return _report(runner, output)
 
 
 def _zero_on_reuse(runner: Any) -> None:
@@ -184,7 +177,7 @@ def patch_v1_runner(cls: type) -> None:
 
     @functools.wraps(orig_execute)
     def execute_model(self: Any, *a: Any, **k: Any) -> Any:
-        return _report_unsampled(self, orig_execute(self, *a, **k))
+        return _report(self, orig_execute(self, *a, **k))
 
     patching.patch(cls, "execute_model", execute_model, why=_UNSAMPLED)
     patching.patch(cls, "_update_states", _update_states, why=_RELEASE)
@@ -241,7 +234,7 @@ def patch_v2_runner(cls: type) -> None:
         rt = runtime_of(self)
         if rt is not None:
             rt.after_forward()  # the forward is enqueued; a dummy run selected nothing, so this is a no-op
-        return _report_unsampled(self, out)
+        return _report(self, out)
 
     @functools.wraps(orig_add)
     def add_requests(self: Any, scheduler_output: Any) -> Any:

@@ -44,7 +44,7 @@ from dynsteer.engine.dev_routes import DevRouteGuard, dev_routes
 from dynsteer.engine.frontend import FrontendState, frontend_state
 from dynsteer.engine.keys import (APP_STATE_ATTR, HTTP_PREFIX, PAYLOAD_KEY, RPC_REGISTER_VECTOR, RPC_SET_GLOBAL,
                                   RPC_UNREGISTER_VECTOR)
-from dynsteer.engine.server_json import add_json_routes
+from dynsteer.engine.server_json import add_json_routes, checked
 from dynsteer.request.payload import decode_payload, encode_payload
 from dynsteer.spec import SteeringSpec, SteeringValidationError, check_name, check_vector
 from dynsteer.vectors import as_vector, pack_vector
@@ -125,7 +125,7 @@ class SteeringEndpoints:
         async def register_vector(body: VectorBody, request: Request) -> dict[str, Any]:
             engine = self._engine(request)
             front = self.front(engine)
-            arr = _check(lambda: check_vector(as_vector(body.vector), front.shape.hidden_size, "vector"), "vector")
+            arr = checked(lambda: check_vector(as_vector(body.vector), front.shape.hidden_size, "vector"), "vector")
             async with self._lock:
                 try:
                     front.check_register(body.name)  # over max_named_vectors: nothing changes anywhere
@@ -210,7 +210,7 @@ class SteeringEndpoints:
         policy = None
         if raw is not None:
             limits = self.front(engine).limits
-            decoded = _check(lambda: decode_payload({"policy": raw}, field="body", limits=limits), "policy")
+            decoded = checked(lambda: decode_payload({"policy": raw}, field="body", limits=limits), "policy")
             policy = decoded.policy
         _, admitted = await self.set_global(engine, policy=policy)
         return {"policy": None if admitted is None else admitted.model_dump(mode="json", exclude_none=True)}
@@ -263,15 +263,6 @@ class SteeringEndpoints:
         if engine is None:
             raise HTTPException(503, "this server has no engine")
         return engine
-
-
-def _check(fn: Any, field: str) -> Any:
-    try:
-        return fn()
-    except SteeringValidationError as exc:
-        raise _bad_request(str(exc)) from None
-    except (ValueError, TypeError) as exc:
-        raise _bad_request(f"{field}: {exc}") from None
 
 
 def _bad_request(message: str) -> Exception:

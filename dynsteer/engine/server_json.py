@@ -47,8 +47,8 @@ def add_json_routes(router: APIRouter, endpoints: Any) -> None:
     @router.put("/presets/{name}")
     async def put_preset(name: str, body: Preset, request: Request) -> dict[str, Any]:
         front = endpoints.front(endpoints._engine(request))
-        _check(lambda: check_name(name, "preset name"), "name")
-        _check(lambda: front.set_preset(name, body), "preset")
+        checked(lambda: check_name(name, "preset name"), "name", FIELD)
+        checked(lambda: front.set_preset(name, body), "preset", FIELD)
         return {"name": name, "preset": body.model_dump(mode="json")}
 
     @router.delete("/presets/{name}")
@@ -70,7 +70,8 @@ def add_json_routes(router: APIRouter, endpoints: Any) -> None:
         spec = SteeringSpec()
         if body.spec is not None:
             limits = endpoints.front(engine).limits
-            spec = _check(lambda: decode_payload({"spec": body.spec}, field="body", limits=limits), "spec").spec
+            spec = checked(lambda: decode_payload({"spec": body.spec}, field="body", limits=limits), "spec",
+                           FIELD).spec
         spec, _ = await endpoints.set_global(engine, spec=spec)
         return {"spec": None if spec.is_empty() else spec.model_dump(mode="json")}
 
@@ -82,14 +83,14 @@ def add_json_routes(router: APIRouter, endpoints: Any) -> None:
     @router.post("/validate")
     async def validate(body: SteeringObject, request: Request) -> dict[str, Any]:
         front = endpoints.front(endpoints._engine(request))
-        packed = _check(lambda: front.pack(body.as_dict(), FIELD), FIELD)
+        packed = checked(lambda: front.pack(body.as_dict(), FIELD), FIELD, FIELD)
         decoded = decode_payload(packed, limits=front.limits)
 
         def admitted() -> Any:
             front.admit_uncached(packed)  # the fit to the model: what a request's admission checks
             return front.effective(decoded)
 
-        effective = _check(admitted, FIELD)
+        effective = checked(admitted, FIELD, FIELD)
         return {"request": {"spec": decoded.spec.model_dump(mode="json"), "policy": _dump(decoded.policy),
                             "capture": _dump(decoded.capture), "tag": decoded.tag, "trace": decoded.trace},
                 "effective": {"specs": [{"source": "global" if source.startswith("global") else "request",
@@ -101,17 +102,20 @@ def add_json_routes(router: APIRouter, endpoints: Any) -> None:
     @router.post("/encode")
     async def encode(body: SteeringObject, request: Request) -> dict[str, Any]:
         front = endpoints.front(endpoints._engine(request))
-        return {"packed": _check(lambda: front.pack(body.as_dict(), FIELD), FIELD)}
+        return {"packed": checked(lambda: front.pack(body.as_dict(), FIELD), FIELD, FIELD)}
 
 
 def _dump(model: Any) -> Any:
     return None if model is None else model.model_dump(mode="json", exclude_none=True)
 
 
-def _check(fn: Any, field: str) -> Any:
+def checked(fn: Any, field: str, payload_field: str | None = None) -> Any:
+    """``fn()``, its validation error a 400: a ``SteeringValidationError`` names its own field (a payload's default
+    field renamed to ``payload_field`` where given), any other ``ValueError`` / ``TypeError`` is put under
+    ``field``. The steering routes of both modules answer through it."""
     try:
         return fn()
     except SteeringValidationError as exc:
-        raise HTTPException(400, str(renamed(exc, FIELD))) from None
+        raise HTTPException(400, str(exc if payload_field is None else renamed(exc, payload_field))) from None
     except (ValueError, TypeError) as exc:
         raise HTTPException(400, f"{field}: {exc}") from None
