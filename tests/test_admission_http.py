@@ -4,10 +4,7 @@ and the engine core each end within their memos' budgets (+10 %) of the resident
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import openai
@@ -16,7 +13,7 @@ import pytest
 
 from dynsteer.request.payload import encode_payload
 from dynsteer.spec import AddVector, SteeringSpec
-from tests.conftest import ON_GPU, served
+from tests.conftest import ON_GPU, console_script, served
 
 KEY = "test-key-adm"
 HIDDEN = 128
@@ -32,11 +29,6 @@ def _payload(seed: int) -> str:
                                                           .astype(np.float32)) for i in range(250)]))
 
 
-def _console_script() -> Path:
-    here = Path(sys.executable).with_name("dynsteer")
-    return here if here.exists() else Path(shutil.which("dynsteer") or here)
-
-
 def _processes(port: int) -> dict[str, psutil.Process]:
     """The API server (this test's child serving ``port``) and its descendants (the engine core, its workers), by
     name and pid."""
@@ -47,7 +39,7 @@ def _processes(port: int) -> dict[str, psutil.Process]:
 @pytest.mark.skipif(ON_GPU, reason="CPU memory of a CPU engine")
 def test_serve_holds_distinct_large_payloads_within_memo_budgets(tiny_llama_path, tmp_path):
     cfg = {"dynsteer": {"max_rows": 16, "limits": {"cache_bytes": BUDGET}}}
-    exe = _console_script()
+    exe = console_script()
     ports: list[int] = []
 
     def command(port: int, args: list[str]) -> list[str]:

@@ -4,9 +4,7 @@ broken; ``dynsteer --version``."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,16 +12,10 @@ import pytest
 
 from dynsteer.cli import doctor
 from dynsteer.spec import ModelShape
-from tests.conftest import ON_GPU
+from tests.conftest import ON_GPU, console_script
 
 
-def _console_script() -> Path:
-    """The ``dynsteer`` script beside this interpreter (a venv), else the one on PATH (a system-wide install)."""
-    here = Path(sys.executable).with_name("dynsteer")
-    return here if here.exists() else Path(shutil.which("dynsteer") or here)
-
-
-EXE = _console_script()
+EXE = console_script()
 CHECKS = ("hooked", "steering fires", "batchmates untouched", "clear restores baseline", "prefix cache",
           "decode cost")
 

@@ -8,8 +8,6 @@ One server per module (tiny Llama on CPU, ``--api-key`` set, a preset in the eng
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -17,8 +15,7 @@ import pytest
 from dynsteer.policy import Action, DynamicSteeringPolicy, ProbeGate, Rule
 from dynsteer.request.payload import encode_payload
 from dynsteer.spec import AddVector, SteeringSpec
-from tests.conftest import served
-from tests.test_serve import _console_script
+from tests.conftest import dynsteer_served, http_json
 
 KEY = "test-key-json"
 HIDDEN = 128
@@ -43,24 +40,14 @@ PRESET = {"spec": {"vectors": [{"layer": 1, "vector": JOY, "scale": "$scale"}]},
 @pytest.fixture(scope="module")
 def server(tiny_llama_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve_json") / "server.log"
-    cfg = {"dynsteer": {"max_gates": 2, "max_rows": 16, "presets": {"joy": PRESET}}}
-    exe = _console_script()
-    with served(lambda port, args: [str(exe), "serve", str(tiny_llama_path), "--host", "127.0.0.1", "--port",
-                                    str(port), "--max-model-len", "256", "--max-num-seqs", "16", "--api-key", KEY,
-                                    "--seed", "0", "--additional-config", json.dumps(cfg), *args], log) as url:
+    cfg = {"max_gates": 2, "max_rows": 16, "presets": {"joy": PRESET}}
+    with dynsteer_served(tiny_llama_path, log, KEY, cfg) as url:
         yield url, str(tiny_llama_path)
 
 
 def call(server, method: str, path: str, body=None) -> tuple[int, dict]:
     url, _ = server
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"{url}{path}", data=data, headers=headers, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return http_json(f"{url}{path}", method, body, KEY, timeout=300)
 
 
 def complete(server, prompt: str = PROMPTS[0], chat: bool = False, **extra) -> str:

@@ -7,8 +7,6 @@ CPU: one in-process engine and one ``dynsteer serve`` per module.
 
 from __future__ import annotations
 
-import json
-import urllib.request
 
 import numpy as np
 import openai
@@ -20,7 +18,7 @@ from dynsteer.engine.keys import REPORT_PARAMS_KEY
 from dynsteer.engine.reports import ReportRelay
 from dynsteer.request.payload import decode_payload, with_tag
 from dynsteer.trace import ReportValues, merge_reports
-from tests.conftest import ON_GPU, env, make_llm, served, token_ids, unit, vec
+from tests.conftest import ON_GPU, dynsteer_served, make_llm, token_ids, unit, vec
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning"]
 MON_LAYER, ACT_LAYER = 1, 2
@@ -230,15 +228,8 @@ def test_late_values_hold_deltas_and_the_final_output(engine, late_readbacks):
 # ---- over HTTP (dynsteer serve, multi-process engine) ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_llama_path, tmp_path_factory):
-    from tests.test_serve import _console_script
-
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    cfg = {"dynsteer": {"max_gates": 2}}
-    with env(VLLM_ENABLE_V1_MULTIPROCESSING="1"), \
-            served(lambda port, args: [str(_console_script()), "serve", str(tiny_llama_path), "--host", "127.0.0.1",
-                                       "--port", str(port), "--max-model-len", "256", "--max-num-seqs", "8",
-                                       "--api-key", KEY, "--seed", "0", "--additional-config", json.dumps(cfg),
-                                       *args], log) as url:
+    with dynsteer_served(tiny_llama_path, log, KEY, {"max_gates": 2}, max_num_seqs=8) as url:
         yield url, str(tiny_llama_path)
 
 

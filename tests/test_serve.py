@@ -7,13 +7,10 @@ import asyncio
 import datetime
 import json
 import os
-import shutil
 import platform
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +19,7 @@ import pytest
 
 import dynsteer
 from dynsteer import Action, AddVector, DynamicSteeringPolicy, ProbeGate, Rule, SteeringSpec
-from tests.conftest import ON_GPU, env, served
+from tests.conftest import ON_GPU, dynsteer_served, env, http_json
 
 KEY = "test-key-7f3a"
 MAX_NAMED = 4  # Limits.max_named_vectors of the module's server
@@ -43,23 +40,13 @@ def always_on_policy(seed: int = 1) -> DynamicSteeringPolicy:
         rules=[Rule(monitor="m", actions=[Action(kind="add", layer=ACT_LAYER, vector=vec(seed))])])
 
 
-def _console_script() -> Path:
-    """The ``dynsteer`` script beside this interpreter (a venv), else the one on PATH (a system-wide install)."""
-    here = Path(sys.executable).with_name("dynsteer")
-    return here if here.exists() else Path(shutil.which("dynsteer") or here)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_llama_path, tmp_path_factory):
     """``dynsteer serve`` on a free loopback port, with vLLM's development routes (``/collective_rpc``, ...); yields
     (base url, model)."""
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    cfg = {"dynsteer": {"max_gates": 2, "max_rows": 16, "limits": {"max_named_vectors": MAX_NAMED}}}
-    exe = _console_script()
-    with env(VLLM_SERVER_DEV_MODE="1"), \
-            served(lambda port, args: [str(exe), "serve", str(tiny_llama_path), "--host", "127.0.0.1", "--port",
-                                       str(port), "--max-model-len", "256", "--max-num-seqs", "16", "--api-key", KEY,
-                                       "--seed", "0", "--additional-config", json.dumps(cfg), *args], log) as url:
+    cfg = {"max_gates": 2, "max_rows": 16, "limits": {"max_named_vectors": MAX_NAMED}}
+    with env(VLLM_SERVER_DEV_MODE="1"), dynsteer_served(tiny_llama_path, log, KEY, cfg) as url:
         yield url, str(tiny_llama_path)
 
 
@@ -72,31 +59,13 @@ def client(server):
 
 def steering(server, method: str, path: str, body=None, key: str | None = KEY) -> tuple[int, dict]:
     url, _ = server
-    headers = {"Content-Type": "application/json"}
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"{url}/v1/steering/{path}", data=data, headers=headers, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return http_json(f"{url}/v1/steering/{path}", method, body, key)
 
 
 def rpc(server, method: str, args=(), key: str | None = KEY, path: str = "collective_rpc") -> tuple[int, dict]:
     """A call to one of vLLM's development routes (``/collective_rpc`` by default)."""
     url, _ = server
-    headers = {"Content-Type": "application/json"}
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(f"{url}/{path}", data=json.dumps({"method": method, "args": list(args)}).encode(),
-                                 headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+    return http_json(f"{url}/{path}", "POST", {"method": method, "args": list(args)}, key, empty={})
 
 
 def complete(client, model: str, prompt: str = PROMPTS[0], payload: str | None = None) -> str:

@@ -40,9 +40,13 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
+    def command(self) -> list[str]:
+        """What runs ``serve`` (the argv before the model)."""
+        return [str(dynsteer_exe()), "serve"]
+
     def start(self, timeout: float = 300) -> str:
         port = free_port()
-        argv = [str(dynsteer_exe()), "serve", self.model, "--host", "127.0.0.1", "--port", str(port),
+        argv = [*self.command(), self.model, "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0", *self.args]
         self.proc = subprocess.Popen(argv, env=self.env, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"))
         self.url = f"http://127.0.0.1:{port}"
