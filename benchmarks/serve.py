@@ -1,0 +1,372 @@
+"""Serving under load: ``vllm serve`` against ``dynsteer serve`` through an async streaming OpenAI client.
+
+Three servers of one model run side by side on one device: ``vllm`` and ``vllm_aa`` (plain ``vllm serve``, dynsteer's
+plugin off; the pair is the A/A control) and ``dynsteer`` (``dynsteer serve``). Traffic goes to one server at a time:
+for each concurrency, a round sends one batch of streaming ``/v1/completions`` requests to each entry (``vllm``,
+``vllm_aa``, then ``dynsteer`` under each traffic mix), in an order rotated every round, and the report pairs every
+entry's round with ``vllm``'s round at the same concurrency (median over rounds of the per-round ratios, as
+``overhead.py`` does). Every request's prompt is fresh random token ids, so no request reads another's prefix cache,
+and generates exactly ``--output-tokens`` tokens (``ignore_eos``).
+
+Traffic mixes (``--mixes``) on ``dynsteer``: ``none`` (nothing steered), ``registered`` (half the requests name a
+registered vector), ``inline`` (half carry the vector as a JSON list), ``dynamic`` (half carry a per-request dynamic
+policy, direction and action as JSON lists), ``global`` (a global dynamic policy set over HTTP steers every request),
+``preset`` (half name a registered preset with a parameter), ``reports`` (half carry the dynamic policy and ask for a
+per-token report).
+
+Per entry and round: output tokens per second over the batch, TTFT, TPOT (per request: time from the first to the
+last token over the tokens after the first) and inter-token latency (gaps between streamed chunks), p50 and p99;
+errors (any non-200, or a stream that ends short) are counted and the first are kept.
+
+    python3 benchmarks/serve.py --shape llama3-8b --tokenizer DIR --out benchmarks/results   # a GPU, one call
+    python benchmarks/serve.py --cpu-smoke --out /tmp                                             # tiny model, CPU
+    python benchmarks/serve.py --from-json REPORT --plot fig.png                                  # re-print, plot
+
+``--budget-min`` stops starting rounds once another would not fit; the report is rewritten after every round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from lib.engines import LLAMA3_8B, gpu_memory
+from lib.report import git_sha, host_facts, save_json, utc_now
+from lib.serve import CPU_ARGS, CPU_ENV, Server, VanillaServer
+from lib.stats import paired, quantile
+
+MIXES = ("none", "registered", "inline", "dynamic", "global", "preset", "reports")
+METRICS = ("tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99")
+NAME = "bench"  # the served model name, the registered vector's and the preset's
+
+
+# ---- the model -------------------------------------------------------------------------------------------------------
+def shaped_model(shape: str, tokenizer: Path, dest: Path) -> Path:
+    """A dummy-weight model directory: ``shape``'s config with the vocabulary of ``tokenizer`` (a directory holding
+    ``tokenizer.json`` and ``tokenizer_config.json``), whose files are copied beside it."""
+    assert shape == "llama3-8b", shape
+    vocab = len(json.loads((tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
+    dest.mkdir(parents=True, exist_ok=True)
+    cfg = dict(LLAMA3_8B, vocab_size=vocab, bos_token_id=1, eos_token_id=2)
+    (dest / "config.json").write_text(json.dumps(cfg))
+    for f in tokenizer.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+# ---- the mixes -------------------------------------------------------------------------------------------------------
+class Mixes:
+    """Each mix's set-up and tear-down on the dynsteer server and the ``steering`` object of request ``i``."""
+
+    def __init__(self, hidden: int, layers: int, seed: int = 0) -> None:
+        rng = random.Random(seed)
+        self.vector = [round(rng.gauss(0, 1) / hidden ** 0.5, 6) for _ in range(hidden)]
+        self.direction = [round(rng.gauss(0, 1) / hidden ** 0.5, 6) for _ in range(hidden)]
+        self.layer, self.monitor_layer = layers // 2, max(0, layers // 2 - 2)
+        # threshold 0 on a random direction: the gate is open on some tokens and shut on others, as a real one is
+        self.policy = {"monitors": [{"name": "m", "layer": self.monitor_layer, "direction": self.direction,
+                                     "sharpness": 4.0, "threshold": 0.0}],
+                       "rules": [{"monitor": "m", "actions": [{"kind": "add", "layer": self.layer,
+                                                               "vector": self.vector}]}]}
+
+    def setup(self, mix: str, call: Callable[[str, str, dict | None], Any]) -> None:
+        if mix in ("registered", "preset"):
+            call("POST", "/v1/steering/vectors", {"name": NAME, "vector": self.vector})
+        if mix == "preset":
+            call("PUT", f"/v1/steering/presets/{NAME}", {
+                "spec": {"vectors": [{"layer": self.layer, "vector": NAME, "scale": "$scale"}]},
+                "params": {"scale": {"default": 1.0, "min": 0.0, "max": 16.0}}})
+        if mix == "global":
+            call("PUT", "/v1/steering/policy", {"policy": self.policy})
+
+    def teardown(self, mix: str, call: Callable[[str, str, dict | None], Any]) -> None:
+        if mix == "global":
+            call("DELETE", "/v1/steering/policy", None)
+        if mix == "preset":
+            call("DELETE", f"/v1/steering/presets/{NAME}", None)
+        if mix in ("registered", "preset"):
+            call("DELETE", f"/v1/steering/vectors/{NAME}", None)
+
+    def steering(self, mix: str, i: int) -> dict | None:
+        """Request ``i``'s steering object (every other request is steered in the half mixes)."""
+        if mix in ("none", "global") or i % 2:
+            return None
+        return {"registered": {"spec": {"vectors": [{"layer": self.layer, "vector": NAME, "scale": 1.0}]}},
+                "inline": {"spec": {"vectors": [{"layer": self.layer, "vector": self.vector, "scale": 1.0}]}},
+                "dynamic": {"policy": self.policy},
+                "preset": {"preset": NAME, "params": {"scale": 2.0}},
+                "reports": {"policy": self.policy, "report": "tokens"}}[mix]
+
+
+# ---- the client ------------------------------------------------------------------------------------------------------
+async def one_request(session: Any, url: str, body: dict, n_out: int) -> dict:
+    """One streaming completion: TTFT, the chunks' arrival times, the tokens the usage reports, or the error."""
+    t0 = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    try:
+        async with session.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                return {"error": f"HTTP {r.status}: {(await r.text())[:300]}"}
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("choices"):
+                    arrivals.append(time.perf_counter())
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except Exception as exc:  # noqa: BLE001 - a failed request is data: counted and kept
+        return {"error": repr(exc)[:300]}
+    if tokens != n_out or not arrivals:
+        return {"error": f"stream ended with {tokens} of {n_out} tokens ({len(arrivals)} chunks)"}
+    return {"ttft": arrivals[0] - t0, "tpot": (arrivals[-1] - arrivals[0]) / max(1, tokens - 1),
+            "itl": [b - a for a, b in zip(arrivals, arrivals[1:])], "tokens": tokens}
+
+
+async def batch(url: str, n: int, concurrency: int, n_in: int, n_out: int, vocab: int, rng: random.Random,
+                steering: Callable[[int], dict | None]) -> dict:
+    """``n`` requests, ``concurrency`` at a time, each with fresh random prompt ids; the batch's metrics."""
+    import aiohttp
+
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(n_in)] for _ in range(n)]
+    sem = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), timeout=timeout) as s:
+        async def run(i: int) -> dict:
+            body = {"model": NAME, "prompt": prompts[i], "max_tokens": n_out, "ignore_eos": True, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            st = steering(i)
+            if st is not None:
+                body["steering"] = st
+            async with sem:
+                return await one_request(s, url, body, n_out)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(run(i) for i in range(n)))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    out: dict[str, Any] = {"n": n, "errors": len(errors), "first_errors": errors[:3], "wall_s": round(wall, 3)}
+    if ok:
+        ms = lambda v: round(v * 1e3, 3)  # noqa: E731
+        ttft, tpot = [r["ttft"] for r in ok], [r["tpot"] for r in ok]
+        itl = [g for r in ok for g in r["itl"]]
+        out |= {"tok_s": round(sum(r["tokens"] for r in ok) / wall, 2),
+                "ttft_p50": ms(quantile(ttft, .5)), "ttft_p99": ms(quantile(ttft, .99)),
+                "tpot_p50": ms(quantile(tpot, .5)), "tpot_p99": ms(quantile(tpot, .99)),
+                "itl_p50": ms(quantile(itl, .5)), "itl_p99": ms(quantile(itl, .99))}
+    return out
+
+
+def http(url: str, method: str, path: str, body: dict | None) -> Any:
+    import urllib.request
+
+    req = urllib.request.Request(url + path, None if body is None else json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"}, method=method)
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read() or b"null")
+
+
+# ---- the report ------------------------------------------------------------------------------------------------------
+def summarise(report: dict) -> dict:
+    """Per concurrency and entry: each metric's median over rounds and its paired change against ``vllm`` in %."""
+    out: dict[str, dict] = {}
+    for conc, entries in report["rounds"].items():
+        base = entries.get("vllm", [])
+        out[conc] = {}
+        for entry, runs in entries.items():
+            row: dict[str, Any] = {"errors": sum(r["errors"] for r in runs), "rounds": len(runs)}
+            for m in METRICS:
+                xs = [r[m] for r in runs if m in r]
+                if xs:
+                    row[m] = round(statistics.median(xs), 3)
+                if entry != "vllm":
+                    pairs = [(r[m], b[m]) for r, b in zip(runs, base) if m in r and m in b]
+                    if pairs:
+                        row[f"{m}_vs_vllm_pct"] = paired([x for x, _ in pairs], [y for _, y in pairs])["median"]
+            out[conc][entry] = row
+    return out
+
+
+def print_summary(summary: dict) -> None:
+    heads = ("tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99")
+    for conc, rows in summary.items():
+        print(f"\nconcurrency {conc} (change against vllm, median of per-round ratios, %)")
+        print("| entry | errors | " + " | ".join(heads) + " |")
+        print("|---" * (len(heads) + 2) + "|")
+        for entry, row in rows.items():
+            cells = [f"{row[f'{m}_vs_vllm_pct']:+.1f}" if f"{m}_vs_vllm_pct" in row else
+                     (f"{row[m]:.1f}" if m in row else "-") for m in METRICS]
+            print(f"| {entry} | {row['errors']} | " + " | ".join(cells) + " |")
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = report["summary"]
+    shown = ("tok_s", "ttft_p50", "tpot_p50", "tpot_p99")
+    fig, axes = plt.subplots(1, len(summary), figsize=(5 * len(summary), 4.5), squeeze=False)
+    for ax, (conc, rows) in zip(axes[0], summary.items()):
+        entries = [e for e in rows if e != "vllm"]
+        width = 0.8 / len(shown)
+        for k, m in enumerate(shown):
+            ax.bar([i + k * width for i in range(len(entries))],
+                   [rows[e].get(f"{m}_vs_vllm_pct", 0.0) for e in entries], width, label=m)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(entries))], entries, rotation=35, ha="right")
+        ax.set_title(f"concurrency {conc}")
+        ax.set_ylabel("change against vllm serve (%)")
+    axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.suptitle(f"{report['device']}, {report['model']}: dynsteer serve against vllm serve (vllm_aa: A/A)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=["llama3-8b"], help="a dummy-weight model of this shape (GPU)")
+    ap.add_argument("--tokenizer", type=Path, help="directory with the tokenizer files for --shape")
+    ap.add_argument("--model", help="a model directory (real weights) instead of --shape")
+    ap.add_argument("--cpu-smoke", action="store_true", help="the tiny local Llama on CPU, small batches")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--requests", type=int, nargs="+", help="requests per batch, one per concurrency "
+                    "(default: 4 x concurrency, at least 64, at most 512)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--input-tokens", type=int, default=256)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=MIXES)
+    ap.add_argument("--kv-gib", type=float, default=16.0, help="KV cache per server (GPU)")
+    ap.add_argument("--budget-min", type=float, default=8.5, help="start no round that would end after this")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--plot")
+    ap.add_argument("--keep-logs", action="store_true", help="copy the servers' logs beside the report")
+    ap.add_argument("--from-json", help="re-print (and --plot) a report")
+    args = ap.parse_args()
+
+    if args.from_json:
+        report = json.loads(Path(args.from_json).read_text())
+        print_summary(report["summary"])
+        if args.plot:
+            plot(report, args.plot)
+        return 0
+
+    t_start = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="dynsteer-serve-bench-"))
+    common = ["--served-model-name", NAME, "--max-num-seqs", str(max(args.concurrency))]
+    if args.cpu_smoke:
+        from dynsteer.testing.tiny_models import tiny_model
+
+        model, base, env = str(tiny_model("llama")), CPU_ARGS, CPU_ENV
+        device = "cpu"
+        args.input_tokens, args.output_tokens = min(args.input_tokens, 64), min(args.output_tokens, 16)
+    else:
+        model = args.model or str(shaped_model(args.shape, args.tokenizer, work / "model"))
+        base = ["--max-model-len", str(max(1024, args.input_tokens + args.output_tokens)),
+                "--kv-cache-memory-bytes", str(int(args.kv_gib * 2**30)), "--gpu-memory-utilization", "0.3"]
+        base += [] if args.model else ["--load-format", "dummy"]
+        env = {}
+        device = (gpu_memory() or ("cuda",))[0]
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    vocab, hidden, layers = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]
+    servers: dict[str, Server] = {
+        "vllm": VanillaServer(model, work / "vllm.log", common, base=base, env=env),
+        "dynsteer": Server(model, work / "dynsteer.log", common, base=base, env=env),
+        "vllm_aa": VanillaServer(model, work / "vllm_aa.log", common, base=base, env=env)}
+    requests = args.requests or [min(512, max(64, 4 * c)) for c in args.concurrency]
+    report: dict[str, Any] = {
+        "benchmark": "serve", "date": utc_now(), "device": device, "git": git_sha(), "host": host_facts(),
+        "model": args.model or (f"{args.shape} shape, dummy weights, vocab {vocab}" if args.shape else "tiny llama"),
+        "input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
+        "concurrency": args.concurrency, "requests": requests, "mixes": args.mixes, "server_args": base + common,
+        "rounds": {str(c): {} for c in args.concurrency}, "summary": {}}
+    name = f"serve-{device.replace(' ', '_')}-{report['date'][:10]}{'-' + args.label if args.label else ''}.json"
+    path = Path(args.out) / name
+    mixes = Mixes(hidden, layers)
+    entries = [("vllm", "none"), ("vllm_aa", "none")] + [("dynsteer", m) for m in args.mixes]
+    rng = random.Random(0)
+    try:
+        # vllm and dynsteer start at once; vllm_aa once vllm is up, to read its compile cache
+        servers["vllm"].launch()
+        servers["dynsteer"].launch()
+        servers["vllm"].wait(900)
+        servers["vllm_aa"].launch()
+        for s in ("dynsteer", "vllm_aa"):
+            servers[s].wait(900)
+        report["startup_s"] = round(time.monotonic() - t_start, 1)
+        print(f"[serve] servers up in {report['startup_s']} s", flush=True)
+        call = lambda m, p, b: http(servers["dynsteer"].url, m, p, b)  # noqa: E731
+
+        def run_entry(server: str, mix: str, conc: int, n: int, n_out: int) -> dict:
+            if server == "dynsteer":
+                mixes.setup(mix, call)
+            try:
+                return asyncio.run(batch(servers[server].url, n, conc, args.input_tokens, n_out, vocab, rng,
+                                         lambda i: mixes.steering(mix, i) if server == "dynsteer" else None))
+            finally:
+                if server == "dynsteer":
+                    mixes.teardown(mix, call)
+
+        for server, mix in entries:  # warm-up: first requests, first payloads, each mix's memo
+            warm = run_entry(server, mix, args.concurrency[0], args.concurrency[0], min(16, args.output_tokens))
+            if warm["errors"]:
+                raise RuntimeError(f"warm-up of {server}/{mix} failed: {warm['first_errors']}")
+        round_s: list[float] = []
+        for r in range(args.rounds):
+            elapsed = time.monotonic() - t_start
+            if round_s and elapsed + max(round_s) > args.budget_min * 60:
+                print(f"[serve] budget: stopping after {r} rounds", flush=True)
+                break
+            t_round = time.monotonic()
+            for conc, n in zip(args.concurrency, requests):
+                order = entries[r % len(entries):] + entries[:r % len(entries)]
+                for server, mix in order:
+                    key = server if server != "dynsteer" else f"dynsteer:{mix}"
+                    res = run_entry(server, mix, conc, n, args.output_tokens)
+                    report["rounds"][str(conc)].setdefault(key, []).append(res)
+                    print(f"[serve] round {r} c={conc} {key}: {res.get('tok_s')} tok/s, TTFT p50 "
+                          f"{res.get('ttft_p50')} ms, TPOT p50 {res.get('tpot_p50')} ms, errors {res['errors']}",
+                          flush=True)
+            round_s.append(time.monotonic() - t_round)
+            report["summary"] = summarise(report)
+            report["rounds_done"] = r + 1
+            save_json(path, report)
+    finally:
+        for s in servers.values():
+            s.stop()
+        if args.keep_logs:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            for s in servers:
+                shutil.copy(servers[s].log, Path(args.out) / f"{path.stem}-{s}.log")
+    report["summary"] = summarise(report)
+    report["errors"] = sum(r["errors"] for rows in report["rounds"].values() for runs in rows.values() for r in runs)
+    report["wall_s"] = round(time.monotonic() - t_start, 1)
+    save_json(path, report)
+    print_summary(report["summary"])
+    print(f"\n[serve] report: {path}; errors {report['errors']}")
+    if args.plot:
+        plot(report, args.plot)
+    return 0 if report["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
