@@ -72,8 +72,8 @@ def register() -> None:
     if _registered or os.environ.get("DYNSTEER_DISABLE") == "1":
         return
     _registered = True
-    from dynsteer.engine import (adapters, admission, command_desk, frontend, json_steering, prefix_cache, reports,
-                                 runner, scheduler, worker_ext)
+    from dynsteer.engine import (adapters, admission, command_desk, compile_key, frontend, json_steering,
+                                 prefix_cache, reports, runner, scheduler, worker_ext)
 
     if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImportFinder())
@@ -81,6 +81,7 @@ def register() -> None:
         when_imported(adapter.module, lambda m, a=adapter: adapters.patch_model_module(m, a))
     when_imported("vllm.model_executor.model_loader.base_loader",
                   lambda m: adapters.patch_model_loader(m.BaseModelLoader))
+    when_imported("vllm.config.vllm", lambda m: compile_key.patch_config_hash(m.VllmConfig))
     when_imported("vllm.v1.worker.gpu_model_runner", lambda m: runner.patch_v1_runner(m.GPUModelRunner))
     when_imported("vllm.v1.worker.gpu.model_runner", lambda m: runner.patch_v2_runner(m.GPUModelRunner))
     when_imported("vllm.v1.worker.worker_base", lambda m: worker_ext.install(m.WorkerWrapperBase))
