@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import SteeringSpec
 from dynsteer.sweep.grid import GridAxis, GridPathError, apply_point, parse_axis
+from dynsteer.sweep.vectorref import resolve_vector_refs
 
 __all__ = ["BASELINE", "PromptItem", "SweepConfig", "UNLABELLED", "load_prompts", "load_target"]
 
@@ -82,15 +83,42 @@ def load_prompts(path: str | Path) -> list[PromptItem]:
 
 
 def load_target(path: str | Path) -> DynamicSteeringPolicy | SteeringSpec:
-    """A policy or steering-spec file (YAML or JSON): a policy if it has ``monitors``/``rules``/``controller``."""
+    """A policy or steering-spec file (YAML or JSON): a policy if it has ``monitors``/``rules``/``controller``.
+
+    Vector fields may reference ``.npy`` or steering-vector files and registered names
+    (:mod:`dynsteer.sweep.vectorref`); relative paths there and in monitors' ``probe_file`` are read against the
+    file's directory.
+
+    Raises:
+        ValueError: not a mapping, a reference that cannot be read, or a field the schema rejects (each naming it).
+    """
     import yaml
 
-    data = yaml.safe_load(Path(path).read_text())
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping (a DynamicSteeringPolicy or a SteeringSpec)")
+    try:
+        data = resolve_vector_refs(data, path.parent)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     if {"monitors", "rules", "controller", "max_relative_dose"} & set(data):
+        monitors = data.get("monitors")
+        if isinstance(monitors, list):
+            data["monitors"] = [_probe_file_here(m, path.parent) for m in monitors]
         return DynamicSteeringPolicy.model_validate(data)
     return SteeringSpec.model_validate(data)
+
+
+def _probe_file_here(monitor: Any, base_dir: Path) -> Any:
+    """A monitor whose relative ``probe_file`` names a file next to the policy file, made absolute."""
+    pf = monitor.get("probe_file") if isinstance(monitor, dict) else None
+    if isinstance(pf, str) and not Path(pf).expanduser().is_absolute() and (base_dir / pf).is_file():
+        return {**monitor, "probe_file": str((base_dir / pf).resolve())}
+    return monitor
 
 
 class SweepConfig(BaseModel):
