@@ -271,6 +271,10 @@ def test_example_sweep_files_parse_and_validate(name, monkeypatch):
     validates, with vectors of SmolLM2-135M's hidden size (576)."""
     cfg, named = _example_config(EXAMPLES / name, monkeypatch)
     assert cfg.grid and cfg.target_class == "complaint" and len(cfg.prompts) == 6
+    assert set(cfg.registered_vectors) == set(named)  # a registered vector's digest is part of the fingerprint
+    if named:
+        other = cfg.model_copy(update={"registered_vectors": {k: "0" * 64 for k in named}})
+        assert other.fingerprint() != cfg.fingerprint()
     variants = make_variants(cfg, None)
     assert len(variants) > 2 and all(v.error is None for v in variants), [v.error for v in variants]
     for v in variants[1:]:

@@ -131,13 +131,13 @@ def sweep(
 
     console = Console()
     try:
+        named = _named_vectors(vector)
         cfg = SweepConfig.build(
             load_target(target), grid=grid, prompts=prompts, samples=samples, seed=seed, max_tokens=max_tokens,
             temperature=temperature, target_class=target_class, leave_alone=tuple(leave_alone) or None,
             probe_file=str(probe) if probe else None, concept_class=concept_class, chat=not raw,
             words=tuple(w.strip() for w in words.read_text().splitlines() if w.strip()) if words else (),
-            batch_size=batch_size)
-        named = _named_vectors(vector)
+            batch_size=batch_size, registered_vectors={k: _digest(v) for k, v in named.items()})
         extra = parse_engine_args(engine_arg)
     except (OSError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -184,3 +184,11 @@ def _named_vectors(items: list[str]) -> dict[str, Any]:
         except ValueError as exc:
             raise ValueError(f"--vector {name}: {exc}") from None
     return out
+
+
+def _digest(arr: Any) -> str:
+    import hashlib
+
+    import numpy as np
+
+    return hashlib.sha256(np.ascontiguousarray(arr, dtype="<f4").tobytes()).hexdigest()

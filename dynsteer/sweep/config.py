@@ -161,6 +161,7 @@ class SweepConfig(BaseModel):
     concept_class: Literal[0, 1] = 1
     words: tuple[str, ...] = ()
     batch_size: int = Field(default=64, ge=1)
+    registered_vectors: dict[str, str] = Field(default_factory=dict)
 
     @classmethod
     def build(cls, target: DynamicSteeringPolicy | SteeringSpec, *, grid: Sequence[str | GridAxis] = (),
@@ -213,7 +214,8 @@ class SweepConfig(BaseModel):
 
     def fingerprint(self) -> str:
         """sha256 of everything that decides the samples (the probe file's bytes included)."""
-        data = self.model_dump(mode="json", exclude={"batch_size"})
+        data = self.model_dump(mode="json", exclude={"batch_size"} | ({"registered_vectors"}
+                                                                     if not self.registered_vectors else set()))
         if self.probe_file is not None:
             data["probe_sha256"] = hashlib.sha256(Path(self.probe_file).read_bytes()).hexdigest()
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
