@@ -232,6 +232,23 @@ def test_vector_references_in_policy_files(tmp_path):
     assert np.array_equal(p.monitors[0].direction, np.arange(H))
     assert np.array_equal(p.rules[0].actions[0].vector, np.full(H, 2.0))
 
+    # a grid over vectors: files (relative to the current directory) and names, variants named by them
+    with pytest.MonkeyPatch.context() as m:
+        m.chdir(tmp_path)
+        cfg = SweepConfig.build(policy(), grid=["rules[0].actions[0].vector=file:v.npy,{file: v.safetensors, "
+                                                "layer: 5},happy", "rules[0].actions[0].scale=1,2"], prompts=["x"])
+        labels = [v.label for v in make_variants(cfg, None)]
+        assert labels[1:4] == ["vector=v.npy, scale=1", "vector=v.npy, scale=2", "vector=v.safetensors:5, scale=1"]
+        assert labels[5] == "vector=happy, scale=1"
+        assert np.array_equal(apply_point(cfg.target(), grid_points(list(cfg.grid))[2]).rules[0].actions[0].vector,
+                              np.full(H, 2.0))
+        np.save(tmp_path / "v.npy", np.ones(H, dtype=np.float32))  # another vector in the same file: another sweep
+        again = SweepConfig.build(policy(), grid=["rules[0].actions[0].vector=file:v.npy,{file: v.safetensors, "
+                                                  "layer: 5},happy", "rules[0].actions[0].scale=1,2"], prompts=["x"])
+        assert again.fingerprint() != cfg.fingerprint()
+        with pytest.raises(ValueError, match=r"--grid rules\[0\]\.actions\[0\]\.vector \(value 2\): no such file"):
+            SweepConfig.build(policy(), grid=["rules[0].actions[0].vector=file:v.npy,file:w.npy"], prompts=["x"])
+
 
 def _example_config(path: Path, monkeypatch):
     """The CLI's SweepConfig (and registered vectors) for an example file's own command line, without an engine."""

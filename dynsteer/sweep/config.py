@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import SteeringSpec
 from dynsteer.sweep.grid import GridAxis, GridPathError, apply_point, parse_axis
-from dynsteer.sweep.vectorref import resolve_vector_refs
+from dynsteer.sweep.vectorref import resolve_axis_refs, resolve_vector_refs
 
 __all__ = ["BASELINE", "PromptItem", "SweepConfig", "UNLABELLED", "load_prompts", "load_target"]
 
@@ -176,7 +176,7 @@ class SweepConfig(BaseModel):
         else:
             items = [p if isinstance(p, PromptItem) else PromptItem.model_validate(
                 {"prompt": p} if isinstance(p, str) else p) for p in prompts]
-        axes = [a if isinstance(a, GridAxis) else parse_axis(a) for a in grid]
+        axes = [resolve_axis_refs(a if isinstance(a, GridAxis) else parse_axis(a), base) for a in grid]
         if kwargs.get("probe_file") is not None:
             kwargs["probe_file"] = str(Path(kwargs["probe_file"]).resolve())
         cfg = cls(kind=kind, base=base, grid=tuple(axes), prompts=tuple(items), **kwargs)
@@ -216,6 +216,9 @@ class SweepConfig(BaseModel):
         """sha256 of everything that decides the samples (the probe file's bytes included)."""
         data = self.model_dump(mode="json", exclude={"batch_size"} | ({"registered_vectors"}
                                                                      if not self.registered_vectors else set()))
+        for axis in data["grid"]:  # fields that are unset keep the fingerprints sweeps had before they existed
+            if axis.get("names") is None:
+                axis.pop("names", None)
         if self.probe_file is not None:
             data["probe_sha256"] = hashlib.sha256(Path(self.probe_file).read_bytes()).hexdigest()
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()

@@ -114,7 +114,7 @@ def _metric_plots(cfg: SweepConfig, result: SweepResult) -> list[tuple[str, str,
                 y = _num(row[metric])
                 if y is None:
                     continue
-                rest = point_label({a.path: v.point[a.path] for a in others}) if others else ""
+                rest = point_label({a.path: v.point[a.path] for a in others}, others) if others else ""
                 x = _axis_value(v.point[first.path])
                 combos.setdefault(rest, []).append((x if numeric else xs.index(x), y))
             for k, (rest, pts) in enumerate(combos.items()):
@@ -123,7 +123,7 @@ def _metric_plots(cfg: SweepConfig, result: SweepResult) -> list[tuple[str, str,
                         linestyle=["-", ":", "-.", (0, (5, 1))][k % 4],
                         label=f"{cls}" + (f", {rest}" if rest else ""))
         if not numeric:
-            ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+            ax.set_xticks(range(len(xs)), [first.name(v) for v in first.values])
         ax.set_xlabel(first.path)
         ax.set_ylabel(metric)
         ax.set_title(f"{metric} vs {first.path.split('.')[-1]}")

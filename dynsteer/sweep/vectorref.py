@@ -9,7 +9,9 @@ A ``vector`` (actions, ``vectors[i]``) or ``direction`` (monitors, clamps, ablat
 * ``{name: registered}`` or a bare string — a vector registered on the engine (``--vector NAME=FILE`` on the CLI,
   :meth:`dynsteer.Steerer.register_vector` in Python); a monitor's ``direction`` must be inline or a file.
 
-Relative paths are read against the policy file's directory. Files are read once, when the file is loaded, so the
+Relative paths are read against the policy file's directory. A grid axis over a vector field
+(``--grid 'rules[0].actions[0].vector=file:a.npy,file:b.npy'``) takes the same forms, paths relative to the
+current directory, and names its variants by the files (``vector=a.npy``). Files are read once, when the file is loaded, so the
 sweep's fingerprint holds their values. A reference that cannot be read raises ``ValueError`` naming the field
 (``rules[0].actions[0].vector: ...``).
 """
@@ -22,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from dynsteer.sweep.grid import GridAxis, parse_path
 from dynsteer.vectors import as_vector, load_vector, pack_vector
 
-__all__ = ["VECTOR_FIELDS", "load_vector_file", "resolve_vector_refs"]
+__all__ = ["VECTOR_FIELDS", "load_vector_file", "resolve_axis_refs", "resolve_vector_refs"]
 
 VECTOR_FIELDS = ("vector", "direction")
 """Field names that hold a vector in policies and specs."""
@@ -73,7 +76,7 @@ def _ref(value: Any, entry: Mapping[str, Any], base_dir: Path, field: str) -> An
         return value
     keys = set(value)
     if keys == {"name"}:
-        if field.endswith(".direction") and "monitors[" in field:
+        if "monitors[" in field and ".direction" in field:
             raise ValueError(f"{field}: a monitor's direction cannot be a registered name (give a file or a vector)")
         if not isinstance(value["name"], str):
             raise ValueError(f"{field}: name must be a string, got {type(value['name']).__name__}")
@@ -112,3 +115,38 @@ def resolve_vector_refs(data: Any, base_dir: str | Path = ".", _path: str = "") 
     if isinstance(data, list):
         return [resolve_vector_refs(v, base_dir, f"{_path}[{i}]") for i, v in enumerate(data)]
     return data
+
+
+def resolve_axis_refs(axis: GridAxis, base: Mapping[str, Any], base_dir: str | Path = ".") -> GridAxis:
+    """``axis`` with vector references among its values resolved (an axis over a ``vector``/``direction`` field),
+    each named by its file or registered name; other axes unchanged.
+
+    Args:
+        axis: the grid axis.
+        base: the base policy's or spec's JSON form (a safetensors file's layer defaults to the entry's ``layer``).
+        base_dir: where relative paths are read from.
+
+    Raises:
+        ValueError: naming the axis and the value that cannot be read.
+    """
+    keys = parse_path(axis.path)
+    if keys[-1] not in VECTOR_FIELDS:
+        return axis
+    entry: Any = base
+    for k in keys[:-1]:
+        try:
+            entry = entry[k]
+        except (KeyError, IndexError, TypeError):
+            return axis  # a path that names no field: SweepConfig.check_paths says so
+    entry = entry if isinstance(entry, Mapping) else {}
+    values, names = [], []
+    for i, v in enumerate(axis.values):
+        ref = {"file": v[len(FILE_PREFIX):]} if isinstance(v, str) and v.startswith(FILE_PREFIX) else v
+        values.append(_ref(v, entry, Path(base_dir), f"--grid {axis.path} (value {i + 1})"))
+        if isinstance(ref, Mapping) and "file" in ref:
+            names.append(Path(str(ref["file"])).name + (f":{ref['layer']}" if "layer" in ref else ""))
+        elif isinstance(ref, Mapping) and "name" in ref:
+            names.append(str(ref["name"]))
+        else:
+            names.append(v if isinstance(v, str) else f"inline {i + 1}")
+    return GridAxis(path=axis.path, values=tuple(values), names=tuple(names))
