@@ -87,7 +87,9 @@ def quiet_vllm_logs(verbose: bool) -> None:
 
 
 def sweep(
-    target: Path = typer.Argument(..., help="policy or steering-spec file (YAML or JSON)"),
+    target: Path = typer.Argument(..., help="policy or steering-spec file (YAML or JSON; vectors inline, "
+                                            "{file: x.npy}, {file: x.safetensors} or {name: registered}; "
+                                            "examples in examples/sweeps/)"),
     prompts: Path = typer.Option(..., "--prompts", help="JSONL: {\"prompt\": ..., \"label\": ...} per line"),
     grid: list[str] = typer.Option([], "--grid", help="PATH=V1,V2,... e.g. rules[0].actions[0].scale=0,2,4 "
                                                       "(repeat for more axes)"),
