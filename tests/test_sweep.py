@@ -13,10 +13,9 @@ import base64
 import csv
 import io
 import json
-import shutil
+import os
 import subprocess
 import sys
-from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,9 @@ import dynsteer
 from dynsteer import AddVector, DynamicSteeringPolicy, DynsteerConfig, SteeringSpec, SteeringValidationError
 from dynsteer.sweep import SweepConfig, SweepInterrupted, run_sweep
 from dynsteer.sweep import metrics as M
-from tests.conftest import make_llm
+from tests.conftest import console_script, make_llm
+from tests.report_check import CHROMIUM, Tables, check_report_shows_csv, layout, screenshot
+from tests.test_sweep_units import example_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import dynamic_sentiment as ds  # noqa: E402
@@ -78,44 +79,6 @@ def first_run(rig):
     return res
 
 
-class _Tables(HTMLParser):
-    """Rows of ``<table id=...>`` (cells by ``data-col``) and every ``<img>``'s ``src`` and ``data-plot``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tables: dict[str, list[dict[str, str]]] = {}
-        self.images: list[tuple[str, str]] = []
-        self._table = self._col = None
-        self._row: dict[str, str] | None = None
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        if tag == "table":
-            self._table = a.get("id")
-            self.tables[self._table] = []
-        elif tag == "tr" and self._table:
-            self._row = {}
-        elif tag == "td" and self._row is not None:
-            self._col = a.get("data-col")
-            if self._col:
-                self._row[self._col] = ""
-        elif tag == "img":
-            self.images.append((a.get("data-plot", ""), a.get("src", "")))
-
-    def handle_endtag(self, tag):
-        if tag == "td":
-            self._col = None
-        elif tag == "tr" and self._row:
-            self.tables[self._table].append(self._row)
-            self._row = None
-        elif tag == "table":
-            self._table = None
-
-    def handle_data(self, data):
-        if self._col and self._row is not None:
-            self._row[self._col] += data
-
-
 def test_sweep_outputs_and_report_numbers(rig, first_run):
     res, out = first_run, first_run.out_dir
     print(f"sweep of 20 samples took {res.seconds:.1f} s")
@@ -163,10 +126,9 @@ def test_sweep_outputs_and_report_numbers(rig, first_run):
             assert max(r["dose_trace"]) <= float(strong["all"]["max_relative_dose"]) * (1 + 1e-5)
             assert (max(r["dose_trace"]) > 0) == r["fired"]
 
-    # the report shows exactly the CSV's values
-    page = _Tables()
-    page.feed((out / "report.html").read_text())
-    assert page.tables["summary"] == rows
+    # the report shows the CSV's values (to 4 significant digits), variants named by their grid values
+    page = check_report_shows_csv((out / "report.html").read_text(), (out / "summary.csv").read_text())
+    assert page.tables["variants"][3]["label"] == f"scale=1, threshold={float(rows[3 * 3]['monitors[0].threshold']):g}"
     names = [name for name, _ in page.images]
     assert {"metric-concept_probe", "metric-perplexity", "metric-repeat_4gram", "metric-distinct_2",
             "gate-fire-rate", "probe-traces"} <= set(names), names
@@ -211,17 +173,19 @@ def test_sweep_resumes_after_interrupt(rig, first_run):
         run_sweep(sweep_config(rig, seed=1), rig["steerer"], out, progress=False)
 
 
-def test_report_renders_in_headless_chromium(first_run, tmp_path):
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert browser, "chromium is missing: scripts/setup.sh installs it (apt-get install chromium)"
-    shot = tmp_path / "shot.png"
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,2400", f"--screenshot={shot}",
-                    first_run.report_html.resolve().as_uri()], check=True, timeout=120, capture_output=True)
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on PATH (scripts/setup.sh installs it: apt-get install "
+                                               "chromium)")
+def test_report_at_1280px_in_headless_chromium(first_run, tmp_path):
+    """At a 1,280 px window the selectivity column is on screen and nothing overflows sideways; the page renders
+    text and coloured plots."""
+    box = layout(first_run.report_html, tmp_path, width=1280)
+    assert box["visible"] and box["inner_width"] == 1280
+    assert 0 <= box["left"] < box["right"] <= 1280, box
+    assert box["scroll_width"] <= 1280, box  # wide tables scroll inside their own box, not the page
     from PIL import Image
 
-    px = np.asarray(Image.open(shot).convert("RGB"), np.int64)
-    assert px.shape[0] >= 1000 and px.shape[1] >= 1000
+    px = np.asarray(Image.open(screenshot(first_run.report_html, tmp_path, width=1280)).convert("RGB"), np.int64)
+    assert px.shape[0] >= 1000 and px.shape[1] == 1280
     gray = px.mean(axis=2)
     assert gray.std() > 10 and (gray < 128).mean() > 0.005  # text and plots, not a blank page
     colors = len(np.unique(px.reshape(-1, 3)[::7], axis=0))
@@ -280,9 +244,7 @@ def test_spec_sweep_with_seeded_sampling(rig, monkeypatch):
     assert float(rows[("v002", "all")]["changed_rate"]) > 0.5 and rows[("v002", "all")]["fire_rate"] == ""
     assert rows[("v001", "all")]["max_relative_dose"] == "0" and float(rows[("v002", "all")]["max_relative_dose"]) > 0
     assert rows[("v002", "all")]["concept_words"] != "" and rows[("v002", "all")]["concept_probe"] == ""
-    page = _Tables()
-    page.feed(res.report_html.read_text())
-    assert page.tables["summary"] == list(csv.DictReader(io.StringIO(res.summary_csv.read_text())))
+    page = check_report_shows_csv(res.report_html.read_text(), res.summary_csv.read_text())
     assert "metric-changed_rate" in [n for n, _ in page.images] and "gate-fire-rate" not in [n for n, _ in page.images]
 
 
@@ -305,3 +267,25 @@ def test_cli_sweep(rig, monkeypatch):
     assert again.exit_code == 0 and "0 samples generated, 8 already done" in again.output
     bad = CliRunner().invoke(app, [*args[:-2], "--grid", "rules[0].actions[9].scale=1"])
     assert bad.exit_code != 0
+
+
+def test_example_runs_quietly_from_its_command_line(rig, tmp_path):
+    """examples/sweeps/policy-gated.yaml's own command, run by the console script (engine core in its own process):
+    vLLM's INFO logs stay out of the terminal, the report names variants by their values."""
+    root = Path(__file__).resolve().parents[1]
+    argv = example_command(root / "examples" / "sweeps" / "policy-gated.yaml")
+    out = tmp_path / "out"
+    argv += ["--out", str(out), "--max-tokens", "8", "--model", str(rig["model"]), "--dtype", "float32",
+             "--max-model-len", "512", "--kv-cache-gb", "0.25", "--engine-arg", "max_num_seqs=16"]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(root)}
+    env.pop("VLLM_LOGGING_LEVEL", None)
+    proc = subprocess.run([str(console_script()), *argv], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "30 samples generated, 0 already done" in output  # 6 prompts × (baseline + 2×2 grid)
+    info = [ln for ln in output.splitlines() if " INFO " in ln or ln.startswith("INFO")]
+    assert not info, info[:5]
+    page = Tables((out / "report.html").read_text())
+    assert [r["label"] for r in page.tables["variants"]] == [
+        "unsteered", "scale=20, on=1", "scale=20, on=2", "scale=40, on=1", "scale=40, on=2"]

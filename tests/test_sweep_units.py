@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import re
+import shlex
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +18,7 @@ from dynsteer.sweep import SweepConfig, apply_point, grid_points, load_prompts, 
 from dynsteer.sweep import metrics as M
 from dynsteer.sweep.grid import GridPathError, point_label
 from dynsteer.sweep.runner import BASELINE, make_variants, summarize
+from tests.report_check import CHROMIUM
 
 H = 8
 
@@ -130,3 +135,243 @@ def test_cli_engine_config_covers_probe_and_actions(tmp_path):
     dc = engine_config(cfg)
     assert set(dc.capture_sites) == {"pre_attn", "post_block"} and set(dc.capture_layers) == {2, 4}
     assert dc.max_gates == 2
+
+
+def synthetic_result(out_dir, classes=("complaint", "praise", "neutral"), scales=(0.0, 2.0, 4.0, 8.0),
+                     thresholds=(-1.234567, 0.5, 1.987654)):
+    """A policy sweep's result without an engine: 2 axes, 3 classes, traces and doses, deterministic values."""
+    from dynsteer.sweep.types import SweepResult
+
+    prompts = [{"prompt": f"prompt {i} about {c}", "label": c} for c in classes for i in range(2)]
+    cfg = SweepConfig.build(policy(), grid=[f"rules[0].actions[0].scale={','.join(map(repr, scales))}",
+                                            f"monitors[0].threshold={','.join(map(repr, thresholds))}"],
+                            prompts=prompts, target_class=classes[0], words=("good",))
+    variants = make_variants(cfg, {(2, "post_block"): 23.456789})
+    rng = np.random.default_rng(0)
+    recs = []
+    for v in variants:
+        for p, item in enumerate(cfg.prompts):
+            ch = v.id != BASELINE and (item.cls == classes[0] or rng.random() < 0.2)
+            trace = [round(float(x), 6) for x in rng.random(12)]
+            recs.append({"variant": v.id, "prompt_index": p, "sample": 0, "label": item.cls, "changed": ch,
+                         "identical": not ch, "fired": ch, "steered_tokens": int(ch) * 3,
+                         "gate_rate": float(rng.random()), "concept_probe": float(rng.random()),
+                         "concept_words": float(rng.random()), "perplexity": 1.0 + 10 * float(rng.random()),
+                         "repeat_4gram": float(rng.random()) / 7, "distinct_1": float(rng.random()),
+                         "distinct_2": float(rng.random()), "applied_dose": float(rng.random()) / 3,
+                         "text": f"output of {v.id} for prompt {p} " * 3, "token_ids": [1, 2, 3],
+                         "probe_trace": None, "gate_trace": trace})
+    return cfg, SweepResult(out_dir=out_dir, variants=variants, generated=len(recs), skipped=0, records=recs,
+                            summary=summarize(cfg, variants, recs))
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "sweeps"
+
+
+def example_command(path: Path) -> list[str]:
+    """The ``dynsteer sweep ...`` command in an example file's header comment (continued with backslashes)."""
+    lines = [ln.lstrip("#").strip() for ln in path.read_text().splitlines() if ln.startswith("#")]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("dynsteer sweep"))
+    text = ""
+    for ln in lines[start:]:
+        text += ln.rstrip("\\").strip() + " "
+        if not ln.endswith("\\"):
+            break
+    return shlex.split(text)[1:]  # without the program name
+
+
+def test_vector_references_in_policy_files(tmp_path):
+    from dynsteer.vectors import save_vector
+
+    np.save(tmp_path / "v.npy", np.arange(H, dtype=np.float32))
+    save_vector(tmp_path / "v.safetensors", {2: np.ones(H), 5: np.full(H, 2.0)})
+    probe_dir = tmp_path / "probes"
+    probe_dir.mkdir()
+    t = tmp_path / "spec.yaml"
+    t.write_text("vectors:\n"
+                 "- {layer: 2, vector: {file: v.npy}}\n"
+                 "- {layer: 5, vector: {file: v.safetensors}}\n"  # the entry's layer picks the file's vector
+                 "- {layer: 1, vector: {file: v.safetensors, layer: 2}}\n"
+                 "- {layer: 1, vector: 'file:v.npy'}\n"
+                 "- {layer: 1, vector: {name: happy}}\n"
+                 "- {layer: 1, vector: sad}\n"
+                 "clamps:\n- {layer: 1, direction: {file: v.npy}, hi: 1.0}\n")
+    spec = load_target(t)
+    got = [e.vector for e in spec.vectors]
+    assert np.array_equal(got[0], np.arange(H)) and np.array_equal(got[1], np.full(H, 2.0))
+    assert np.array_equal(got[2], np.ones(H)) and np.array_equal(got[3], np.arange(H))
+    assert got[4:] == ["happy", "sad"] and np.array_equal(spec.clamps[0].direction, np.arange(H))
+    cfg = SweepConfig.build(spec, prompts=["x"])
+    assert cfg.base["vectors"][0]["vector"] == {"b64": cfg.target().model_dump(mode="json")["vectors"][0]["vector"]["b64"]}
+
+    def fails(text: str, match: str, name: str = "spec.yaml") -> None:
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=match):
+            load_target(tmp_path / name)
+
+    fails("vectors:\n- {layer: 1, vector: {file: nope.npy}}\n", r"spec\.yaml: vectors\[0\]\.vector: no such file")
+    fails("vectors:\n- {layer: 3, vector: {file: v.safetensors}}\n",
+          r"vectors\[0\]\.vector: .*has no vector for layer 3 \(layers: \[2, 5\]\)")
+    fails("vectors:\n- {vector: {file: v.safetensors}}\n", r"vectors\[0\]\.vector: .*holds layers \[2, 5\]")
+    fails("vectors:\n- {layer: 1, vector: {fiel: v.npy}}\n", r"vectors\[0\]\.vector: expected .*got keys \['fiel'\]")
+    fails("vectors:\n- {layer: 1, vector: {file: spec.yaml}}\n", r"vectors\[0\]\.vector: .*expected a \.npy")
+    (tmp_path / "m.npy").write_bytes(b"not numpy")
+    fails("vectors:\n- {layer: 1, vector: {file: m.npy}}\n", r"vectors\[0\]\.vector: .*not a numpy array file")
+    np.save(tmp_path / "m2.npy", np.ones((2, H)))
+    fails("vectors:\n- {layer: 1, vector: {file: m2.npy}}\n", r"vectors\[0\]\.vector: expected a 1-D vector")
+    mon = policy().model_dump(mode="json")
+    mon["monitors"][0]["direction"] = {"name": "happy"}
+    import yaml
+
+    fails(yaml.safe_dump(mon), r"monitors\[0\]\.direction: a monitor's direction cannot be a registered name",
+          "policy.yaml")
+    mon["monitors"][0]["direction"] = {"file": "v.npy"}
+    mon["rules"][0]["actions"][0]["vector"] = {"file": "v.safetensors", "layer": 5}
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(mon))
+    p = load_target(tmp_path / "policy.yaml")
+    assert np.array_equal(p.monitors[0].direction, np.arange(H))
+    assert np.array_equal(p.rules[0].actions[0].vector, np.full(H, 2.0))
+
+    # a grid over vectors: files (relative to the current directory) and names, variants named by them
+    with pytest.MonkeyPatch.context() as m:
+        m.chdir(tmp_path)
+        cfg = SweepConfig.build(policy(), grid=["rules[0].actions[0].vector=file:v.npy,{file: v.safetensors, "
+                                                "layer: 5},happy", "rules[0].actions[0].scale=1,2"], prompts=["x"])
+        labels = [v.label for v in make_variants(cfg, None)]
+        assert labels[1:4] == ["vector=v.npy, scale=1", "vector=v.npy, scale=2", "vector=v.safetensors:5, scale=1"]
+        assert labels[5] == "vector=happy, scale=1"
+        assert np.array_equal(apply_point(cfg.target(), grid_points(list(cfg.grid))[2]).rules[0].actions[0].vector,
+                              np.full(H, 2.0))
+        np.save(tmp_path / "v.npy", np.ones(H, dtype=np.float32))  # another vector in the same file: another sweep
+        again = SweepConfig.build(policy(), grid=["rules[0].actions[0].vector=file:v.npy,{file: v.safetensors, "
+                                                  "layer: 5},happy", "rules[0].actions[0].scale=1,2"], prompts=["x"])
+        assert again.fingerprint() != cfg.fingerprint()
+        with pytest.raises(ValueError, match=r"--grid rules\[0\]\.actions\[0\]\.vector \(value 2\): no such file"):
+            SweepConfig.build(policy(), grid=["rules[0].actions[0].vector=file:v.npy,file:w.npy"], prompts=["x"])
+
+
+def _example_config(path: Path, monkeypatch):
+    """The CLI's SweepConfig (and registered vectors) for an example file's own command line, without an engine."""
+    from typer.testing import CliRunner
+
+    import dynsteer.cli.sweep as cli_sweep
+    import dynsteer.zoo
+    from dynsteer.cli.app import app
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_engine(model, cfg, **kw):
+        seen.update(cfg=cfg, **kw)
+        raise Stop
+
+    monkeypatch.setattr(cli_sweep, "make_engine", fake_engine)
+    monkeypatch.setattr(dynsteer.zoo, "smollm2", lambda: "unused")
+    argv = example_command(path)
+    with monkeypatch.context() as m:
+        m.chdir(EXAMPLES.parents[1])  # the commands are written from the repository root
+        res = CliRunner().invoke(app, argv)
+    assert isinstance(res.exception, Stop), (path.name, res.output)
+    named = {}
+    for i, a in enumerate(argv):
+        if a == "--vector":
+            name, _, f = argv[i + 1].partition("=")
+            named[name] = np.load(EXAMPLES.parents[1] / f)
+    return seen["cfg"], named
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_example_sweep_files_parse_and_validate(name, monkeypatch):
+    """Every example policy/spec file loads, and its header's command line builds a sweep whose every variant
+    validates, with vectors of SmolLM2-135M's hidden size (576)."""
+    cfg, named = _example_config(EXAMPLES / name, monkeypatch)
+    assert cfg.grid and cfg.target_class == "complaint" and len(cfg.prompts) == 6
+    assert set(cfg.registered_vectors) == set(named)  # a registered vector's digest is part of the fingerprint
+    if named:
+        other = cfg.model_copy(update={"registered_vectors": {k: "0" * 64 for k in named}})
+        assert other.fingerprint() != cfg.fingerprint()
+    variants = make_variants(cfg, None)
+    assert len(variants) > 2 and all(v.error is None for v in variants), [v.error for v in variants]
+    for v in variants[1:]:
+        obj = v.policy or v.spec
+        vecs = ([a.vector for r in obj.rules for a in r.actions] if v.policy is not None
+                else [e.vector for e in obj.vectors])
+        for vec in vecs:
+            arr = named[vec] if isinstance(vec, str) else vec
+            assert np.asarray(arr).shape == (576,), name
+            assert np.linalg.norm(arr) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_cli_engine_options_and_log_level(tmp_path, monkeypatch):
+    """Engine flags and --engine-arg reach vllm.LLM (dynsteer's own config kept); vLLM logs errors only unless
+    --verbose, in this process and (through the environment) in the engine core."""
+    import logging
+
+    import vllm
+    from typer.testing import CliRunner
+
+    from dynsteer.cli.app import app
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(**kw):
+        seen.update(kw, level=os.environ.get("VLLM_LOGGING_LEVEL"), logger=logging.getLogger("vllm").level)
+        raise Stop
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "x")  # restored after the test
+    saved_level = logging.getLogger("vllm").level
+    monkeypatch.setattr(logging.getLogger("vllm"), "level", saved_level)
+    t = tmp_path / "p.yaml"
+    t.write_text(policy().to_yaml())
+    base = ["sweep", str(t), "--prompts", str(EXAMPLES / "prompts.jsonl"), "--model", "m", "--out", str(tmp_path)]
+
+    def run(*extra: str):
+        monkeypatch.delenv("VLLM_LOGGING_LEVEL")
+        seen.clear()
+        return CliRunner().invoke(app, [*base, *extra])
+
+    res = run("--no-enforce-eager", "--kv-cache-gb", "0.5", "--dtype", "bfloat16", "--max-model-len", "300",
+              "--max-num-seqs", "4", "--engine-arg", "max-num-batched-tokens=1024", "--engine-arg", "max_num_seqs=8")
+    assert isinstance(res.exception, Stop), res.output
+    assert (seen["model"], seen["dtype"], seen["max_model_len"], seen["enforce_eager"]) == ("m", "bfloat16", 300, False)
+    assert seen["kv_cache_memory_bytes"] == 2**29 and seen["max_num_batched_tokens"] == 1024
+    assert seen["max_num_seqs"] == 8  # --engine-arg wins over the flag
+    assert "dynsteer" in seen["additional_config"]
+    assert seen["level"] == "ERROR" and seen["logger"] == logging.ERROR
+    res = run("--verbose")
+    assert isinstance(res.exception, Stop) and seen["level"] == "INFO" and seen["logger"] == logging.INFO
+    assert seen["enforce_eager"] is True and "kv_cache_memory_bytes" not in seen
+    for bad, match in ((["--engine-arg", "max_num_seq=3"], "max_num_seq: not a vLLM engine argument .*max_num_seqs"),
+                       (["--engine-arg", "model=x"], "model: set by the sweep itself"),
+                       (["--engine-arg", "oops"], "expected KEY=VALUE"),
+                       (["--vector", "v=nope.npy"], "--vector v: no such file")):
+        res = run(*bad)
+        assert res.exit_code == 2 and not seen, res.output
+        assert re.search(match, " ".join(res.output.split())), res.output
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on PATH (scripts/setup.sh installs it: apt-get install "
+                                               "chromium)")
+def test_report_layout_at_1280px(tmp_path):
+    """A 12-variant, 3-class policy sweep's report in headless Chromium at 1,280 px: the selectivity column is on
+    screen and the page does not overflow sideways; one row per variant, named by its grid values; the tables show
+    the CSV's values to 4 significant digits."""
+    from dynsteer.sweep.report import write_report
+    from dynsteer.sweep.summary import summary_csv_text
+    from tests.report_check import check_report_shows_csv, layout
+
+    cfg, res = synthetic_result(tmp_path)
+    write_report(res, cfg)
+    page = check_report_shows_csv(res.report_html.read_text(), summary_csv_text(cfg, res.summary))
+    labels = [r["label"] for r in page.tables["variants"]]
+    assert labels[:2] == ["unsteered", "scale=0, threshold=-1.23457"] and len(labels) == 13
+    assert page.tables["variants"][5]["max_relative_dose"] == "0.2558"  # 2·3/23.456789 = 0.255789...
+    box = layout(res.report_html, tmp_path, width=1280)
+    assert box["visible"] and 0 <= box["left"] < box["right"] <= 1280, box
+    assert box["scroll_width"] <= 1280, box

@@ -3,9 +3,10 @@
 * :mod:`dynsteer.sweep.grid` — ``path=v1,v2`` axes applied to pydantic models;
 * :mod:`dynsteer.sweep.metrics` — the per-sample metrics and their definitions;
 * :mod:`dynsteer.sweep.config` — :class:`SweepConfig`, prompt and policy/spec files;
+* :mod:`dynsteer.sweep.vectorref` — vectors in those files and grids by file (``.npy``, safetensors) or name;
 * :mod:`dynsteer.sweep.runner` — :func:`run_sweep` (resumable, reproducible), ``samples.jsonl``;
 * :mod:`dynsteer.sweep.summary` — ``summary.csv``: per variant and class;
-* :mod:`dynsteer.sweep.report` — the self-contained HTML report.
+* :mod:`dynsteer.sweep.report` — the self-contained HTML report (its tables: :mod:`dynsteer.sweep.report_tables`).
 """
 
 from dynsteer.sweep.grid import GridAxis, apply_point, grid_points, parse_axis

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.spec import SteeringSpec
 from dynsteer.sweep.grid import GridAxis, GridPathError, apply_point, parse_axis
+from dynsteer.sweep.vectorref import resolve_axis_refs, resolve_vector_refs
 
 __all__ = ["BASELINE", "PromptItem", "SweepConfig", "UNLABELLED", "load_prompts", "load_target"]
 
@@ -82,15 +83,42 @@ def load_prompts(path: str | Path) -> list[PromptItem]:
 
 
 def load_target(path: str | Path) -> DynamicSteeringPolicy | SteeringSpec:
-    """A policy or steering-spec file (YAML or JSON): a policy if it has ``monitors``/``rules``/``controller``."""
+    """A policy or steering-spec file (YAML or JSON): a policy if it has ``monitors``/``rules``/``controller``.
+
+    Vector fields may reference ``.npy`` or steering-vector files and registered names
+    (:mod:`dynsteer.sweep.vectorref`); relative paths there and in monitors' ``probe_file`` are read against the
+    file's directory.
+
+    Raises:
+        ValueError: not a mapping, a reference that cannot be read, or a field the schema rejects (each naming it).
+    """
     import yaml
 
-    data = yaml.safe_load(Path(path).read_text())
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping (a DynamicSteeringPolicy or a SteeringSpec)")
+    try:
+        data = resolve_vector_refs(data, path.parent)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     if {"monitors", "rules", "controller", "max_relative_dose"} & set(data):
+        monitors = data.get("monitors")
+        if isinstance(monitors, list):
+            data["monitors"] = [_probe_file_here(m, path.parent) for m in monitors]
         return DynamicSteeringPolicy.model_validate(data)
     return SteeringSpec.model_validate(data)
+
+
+def _probe_file_here(monitor: Any, base_dir: Path) -> Any:
+    """A monitor whose relative ``probe_file`` names a file next to the policy file, made absolute."""
+    pf = monitor.get("probe_file") if isinstance(monitor, dict) else None
+    if isinstance(pf, str) and not Path(pf).expanduser().is_absolute() and (base_dir / pf).is_file():
+        return {**monitor, "probe_file": str((base_dir / pf).resolve())}
+    return monitor
 
 
 class SweepConfig(BaseModel):
@@ -133,6 +161,7 @@ class SweepConfig(BaseModel):
     concept_class: Literal[0, 1] = 1
     words: tuple[str, ...] = ()
     batch_size: int = Field(default=64, ge=1)
+    registered_vectors: dict[str, str] = Field(default_factory=dict)
 
     @classmethod
     def build(cls, target: DynamicSteeringPolicy | SteeringSpec, *, grid: Sequence[str | GridAxis] = (),
@@ -147,7 +176,7 @@ class SweepConfig(BaseModel):
         else:
             items = [p if isinstance(p, PromptItem) else PromptItem.model_validate(
                 {"prompt": p} if isinstance(p, str) else p) for p in prompts]
-        axes = [a if isinstance(a, GridAxis) else parse_axis(a) for a in grid]
+        axes = [resolve_axis_refs(a if isinstance(a, GridAxis) else parse_axis(a), base) for a in grid]
         if kwargs.get("probe_file") is not None:
             kwargs["probe_file"] = str(Path(kwargs["probe_file"]).resolve())
         cfg = cls(kind=kind, base=base, grid=tuple(axes), prompts=tuple(items), **kwargs)
@@ -185,7 +214,11 @@ class SweepConfig(BaseModel):
 
     def fingerprint(self) -> str:
         """sha256 of everything that decides the samples (the probe file's bytes included)."""
-        data = self.model_dump(mode="json", exclude={"batch_size"})
+        data = self.model_dump(mode="json", exclude={"batch_size"} | ({"registered_vectors"}
+                                                                     if not self.registered_vectors else set()))
+        for axis in data["grid"]:  # fields that are unset keep the fingerprints sweeps had before they existed
+            if axis.get("names") is None:
+                axis.pop("names", None)
         if self.probe_file is not None:
             data["probe_sha256"] = hashlib.sha256(Path(self.probe_file).read_bytes()).hexdigest()
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any, Optional, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,12 +42,21 @@ class GridAxis(BaseModel):
     Attributes:
         path: the field's path (``rules[0].actions[0].scale``).
         values: the values it takes (JSON-like: numbers, strings, booleans, ``None``, lists, dicts).
+        names: how each value is named in variant labels and plots (e.g. the file a vector came from); ``None``:
+            the values themselves.
     """
 
     model_config = ConfigDict(frozen=True)
 
     path: str = Field(min_length=1)
     values: tuple[Any, ...] = Field(min_length=1)
+    names: Optional[tuple[str, ...]] = None
+
+    def name(self, value: Any) -> str:
+        """How ``value`` (one of :attr:`values`) is shown."""
+        if self.names is not None and value in self.values:
+            return self.names[self.values.index(value)]
+        return _fmt(value)
 
     def model_post_init(self, __context: Any) -> None:
         parse_path(self.path)
@@ -125,11 +135,14 @@ def apply_point(base: M, point: dict[str, Any]) -> M:
     return type(base).model_validate(data)
 
 
-def point_label(point: dict[str, Any]) -> str:
-    """``"scale=2, threshold=0.5"``: each path's last field name with its value (the full path where two clash)."""
+def point_label(point: dict[str, Any], axes: Sequence[GridAxis] = ()) -> str:
+    """``"scale=2, threshold=0.5"``: each path's last field name with its value (the full path where two clash;
+    a value as its axis names it, when ``axes`` has the path)."""
     short = [str(parse_path(p)[-1]) for p in point]
     names = [s if short.count(s) == 1 else p for s, p in zip(short, point)]
-    return ", ".join(f"{n}={_fmt(v)}" for n, v in zip(names, point.values())) or "base"
+    by_path = {a.path: a for a in axes}
+    shown = [by_path[p].name(v) if p in by_path else _fmt(v) for p, v in point.items()]
+    return ", ".join(f"{n}={v}" for n, v in zip(names, shown)) or "base"
 
 
 def _fmt(v: Any) -> str:

@@ -1,5 +1,7 @@
-"""A sweep's self-contained HTML report: the summary table (the CSV's values, as written), plots (matplotlib Agg,
-embedded as base64 PNG), relative doses, and example outputs side by side.
+"""A sweep's self-contained HTML report: a table with one row per variant (selectivity first), plots (matplotlib Agg,
+embedded as base64 PNG, legends beside the axes), the metrics per class, relative doses, and example outputs side by
+side (tables: :mod:`dynsteer.sweep.report_tables`). It is laid out to read at 1,280 px: the variants table's
+per-variant figures come first, wide tables scroll inside their box.
 
 Plots:
     * metric vs parameter per class: each metric of :data:`PLOT_METRICS` against the first grid axis, one line per
@@ -17,13 +19,12 @@ import base64
 import html
 import io
 import json
-from collections.abc import Sequence
 from typing import Any
 
-from dynsteer.sweep.grid import point_label
 from dynsteer.sweep.config import BASELINE, SweepConfig
+from dynsteer.sweep.grid import point_label
+from dynsteer.sweep.report_tables import by_class_table, doses_table, examples_table, variants_table
 from dynsteer.sweep.types import SweepResult
-from dynsteer.sweep.summary import format_value, summary_columns
 
 __all__ = ["PLOT_METRICS", "render_report", "write_report"]
 
@@ -32,13 +33,17 @@ PLOT_METRICS = ("concept_probe", "concept_words", "perplexity", "repeat_4gram", 
 MAX_EXAMPLE_COLUMNS = 8
 
 _CSS = """
-body{font-family:DejaVu Sans,Arial,sans-serif;margin:24px;color:#1b1f24;background:#fff}
-h1{font-size:22px}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ccd;padding-bottom:4px}
+body{font-family:DejaVu Sans,Arial,sans-serif;margin:16px;color:#1b1f24;background:#fff}
+h1{font-size:20px}h2{font-size:17px;margin-top:24px;border-bottom:1px solid #ccd;padding-bottom:4px}
+.scroll{max-width:100%;overflow-x:auto}
 table{border-collapse:collapse;font-size:12px;margin:8px 0}
-td,th{border:1px solid #ccd;padding:3px 6px;text-align:right;vertical-align:top}
-th{background:#eef1f6}td.text{text-align:left;max-width:360px;white-space:pre-wrap}
-figure{display:inline-block;margin:8px}figure img{border:1px solid #dde}
-figcaption{font-size:12px;color:#445}code{background:#f3f4f6;padding:1px 3px}
+td,th{border:1px solid #ccd;padding:2px 5px;text-align:right;vertical-align:top;font-variant-numeric:tabular-nums}
+th{background:#eef1f6;font-weight:600;max-width:90px;white-space:normal}th.sub{font-weight:normal}
+td.name,th.name{text-align:left;white-space:nowrap}td.key{font-weight:bold;background:#f4f8ee}
+tr.group td{border-top:2px solid #99a}tr.rejected td{color:#a33}
+td.text{text-align:left;max-width:320px;white-space:pre-wrap}
+figure{display:inline-block;margin:6px;vertical-align:top}figure img{border:1px solid #dde;max-width:100%}
+figcaption{font-size:12px;color:#445;max-width:620px}code{background:#f3f4f6;padding:1px 3px}
 dl{font-size:13px}dt{font-weight:bold}dd{margin:0 0 6px 16px}
 """
 
@@ -62,7 +67,8 @@ _DEFINITIONS = [
 
 def _png(fig: Any) -> str:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80, metadata={"Software": None})
+    # bbox "tight" grows the image to hold a legend placed outside the axes
+    fig.savefig(buf, format="png", dpi=80, metadata={"Software": None}, bbox_inches="tight")
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -108,7 +114,7 @@ def _metric_plots(cfg: SweepConfig, result: SweepResult) -> list[tuple[str, str,
                 y = _num(row[metric])
                 if y is None:
                     continue
-                rest = point_label({a.path: v.point[a.path] for a in others}) if others else ""
+                rest = point_label({a.path: v.point[a.path] for a in others}, others) if others else ""
                 x = _axis_value(v.point[first.path])
                 combos.setdefault(rest, []).append((x if numeric else xs.index(x), y))
             for k, (rest, pts) in enumerate(combos.items()):
@@ -117,13 +123,12 @@ def _metric_plots(cfg: SweepConfig, result: SweepResult) -> list[tuple[str, str,
                         linestyle=["-", ":", "-.", (0, (5, 1))][k % 4],
                         label=f"{cls}" + (f", {rest}" if rest else ""))
         if not numeric:
-            ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+            ax.set_xticks(range(len(xs)), [first.name(v) for v in first.values])
         ax.set_xlabel(first.path)
         ax.set_ylabel(metric)
         ax.set_title(f"{metric} vs {first.path.split('.')[-1]}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
+        _legend_outside(ax)
         plots.append((f"metric-{metric}", f"{metric} against {first.path} per class (dashed: unsteered)", _png(fig)))
     return plots
 
@@ -145,12 +150,11 @@ def _gate_plot(cfg: SweepConfig, result: SweepResult) -> list[tuple[str, str, st
             ys.append(_num(row["fire_rate"]) or 0.0)
         ax.bar(np.arange(len(variants)) + ci * width, ys, width, label=cls, color=f"C{ci}")
     ax.set_xticks(np.arange(len(variants)) + width * (len(classes) - 1) / 2,
-                  [v.id for v in variants], fontsize=8)
+                  [v.label for v in variants], fontsize=8, rotation=30, ha="right")
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel("fire_rate (samples steered by the policy)")
+    ax.set_ylabel("fire_rate (samples steered)")
     ax.set_title("gate firing rate per variant and class")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    _legend_outside(ax)
     return [("gate-fire-rate", "share of samples in which the policy acted, per variant and class", _png(fig))]
 
 
@@ -163,59 +167,27 @@ def _trace_plot(cfg: SweepConfig, result: SweepResult) -> list[tuple[str, str, s
     recs = {(r["variant"], r["prompt_index"]): r for r in result.records if r["sample"] == 0}
     if not any(recs.get((v.id, p), {}).get(key) for v in result.variants for p in firsts):
         return []
-    fig, axes = plt.subplots(1, len(classes), figsize=(5.0 * len(classes), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(classes), figsize=(4.2 * len(classes), 3.2), squeeze=False, sharey=True)
     for ax, cls, p in zip(axes[0], classes, firsts):
         for k, v in enumerate(result.variants):
             tr = recs.get((v.id, p), {}).get(key)
             if tr:
                 ax.plot(range(len(tr)), tr, color="k" if v.id == BASELINE else f"C{k % 10}",
                         linestyle="--" if v.id == BASELINE else "-", linewidth=1.2,
-                        label=f"{v.id} {v.label}"[:40])
+                        label=v.label if len(v.label) <= 40 else v.label[:39] + "…")
         ax.set_title(f"{cls}: prompt {p}", fontsize=10)
         ax.set_xlabel("generated token")
         ax.set_ylabel("concept probability" if key == "probe_trace" else "gate")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
+    _legend_outside(axes[0][-1])
     what = "the concept probe's probability" if key == "probe_trace" else "the first gate"
     return [("probe-traces", f"{what} per generated token, first prompt of each class, sample 0", _png(fig))]
 
 
-def _table(columns: Sequence[str], rows: Sequence[dict[str, str]], table_id: str) -> str:
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f'<td data-col="{html.escape(c)}">{html.escape(r.get(c, ""))}</td>'
-                                    for c in columns) + "</tr>\n" for r in rows)
-    return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>\n{body}</tbody></table>'
-
-
-def _examples(cfg: SweepConfig, result: SweepResult) -> str:
-    variants = [v for v in result.variants if v.error is None][:MAX_EXAMPLE_COLUMNS + 1]
-    recs = {(r["variant"], r["prompt_index"]): r for r in result.records if r["sample"] == 0}
-    shown: list[int] = []
-    for cls in cfg.classes():
-        shown += [i for i, p in enumerate(cfg.prompts) if p.cls == cls][:2]
-    head = "<th>prompt</th><th>class</th>" + "".join(f"<th>{html.escape(v.id)}<br>{html.escape(v.label)}</th>"
-                                                     for v in variants)
-    rows = []
-    for i in shown:
-        cells = []
-        for v in variants:
-            r = recs.get((v.id, i))
-            text = "" if r is None else r["text"]
-            mark = "" if r is None or v.id == BASELINE or r["changed"] else " (identical)"
-            cells.append(f'<td class="text">{html.escape(text)}{mark}</td>')
-        rows.append(f'<tr><td class="text">{html.escape(cfg.prompts[i].text())}</td>'
-                    f'<td class="text">{html.escape(cfg.prompts[i].cls)}</td>{"".join(cells)}</tr>')
-    return f'<table id="examples"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
-
-
-def _doses(result: SweepResult) -> str:
-    cols = ["variant", "where", "layer", "site", "scale", "vector_norm", "mean_norm", "dose", "peak_dose",
-            "clipped_from"]
-    rows = [{"variant": v.id, **{k: format_value(val) for k, val in d.model_dump().items()}}
-            for v in result.variants for d in v.doses]
-    return _table(cols, rows, "doses") if rows else "<p>No additive actions.</p>"
+def _legend_outside(ax: Any) -> None:
+    """The legend right of the axes, never over the data (``_png`` saves with a tight box that includes it)."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
 
 
 def render_report(result: SweepResult, cfg: SweepConfig) -> str:
@@ -245,16 +217,19 @@ def render_report(result: SweepResult, cfg: SweepConfig) -> str:
 {cfg.temperature:g}, seeds {cfg.seed}…{cfg.seed + cfg.samples - 1}.
 Fingerprint <code>{cfg.fingerprint()[:16]}</code>.</p>
 <h2>Grid</h2><ul>{grid}</ul>
-<h2>Summary</h2>
-<p>The values of <code>summary.csv</code>, one row per variant and class.</p>
-{_table(summary_columns(cfg), result.summary, "summary")}
+<h2>Variants</h2>
+<p>One row per variant: selectivity and side effects (all classes), relative doses, then a few metrics per class.
+Values of <code>summary.csv</code> to 4 significant digits (hover for the full value and the variant's id).</p>
+<div class="scroll">{variants_table(cfg, result)}</div>
 {err_html}
 <h2>Plots</h2>
 {figures}
+<h2>Metrics per class</h2>
+<div class="scroll">{by_class_table(cfg, result)}</div>
 <h2>Relative doses</h2>
-{_doses(result)}
+<div class="scroll">{doses_table(result)}</div>
 <h2>Examples (sample 0)</h2>
-{_examples(cfg, result)}
+<div class="scroll">{examples_table(cfg, result, MAX_EXAMPLE_COLUMNS)}</div>
 <h2>Metric definitions</h2><dl>{defs}</dl>
 </body></html>
 """

@@ -57,7 +57,7 @@ def make_variants(cfg: SweepConfig, norms: dict[tuple[int, str], float] | None,
     base = cfg.target()
     variants = [Variant(id=BASELINE, point={}, label="unsteered")]
     for i, point in enumerate(grid_points(list(cfg.grid)), 1):
-        v = Variant(id=f"v{i:03d}", point=point, label=point_label(point))
+        v = Variant(id=f"v{i:03d}", point=point, label=point_label(point, cfg.grid))
         try:
             obj = apply_point(base, point)
             if isinstance(obj, DynamicSteeringPolicy):
