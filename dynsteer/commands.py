@@ -288,8 +288,8 @@ def user_request_id(engine_id: str) -> str:
     """The id a request has in vLLM's outputs (``RequestOutput.request_id``: what the user or the OpenAI server
     passed to vLLM) from the id its engine, its stream frames and its commands use.
 
-    vLLM 0.26 makes the engine id unique by appending ``-`` and 8 hex characters (``"32"`` becomes
-    ``"32-bad6edaa"``); this strips them. The ``n`` samples of one prompt (``SamplingParams.n > 1``) are requests
+    vLLM 0.26 makes the engine id unique by appending ``-`` and 8 random hex characters to it (``"32"`` becomes
+    ``"32-"`` and those 8); this strips them. The ``n`` samples of one prompt (``SamplingParams.n > 1``) are requests
     ``"{index}_{id}"``, which is what this returns for them. With ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` set in
     the engine, engine ids are the user's and need no mapping.
     """

@@ -12,6 +12,9 @@ A safety monitor in a few lines (see ``examples/safety_monitor.py``)::
 
 Frames arrive as numpy views of the received buffers (no copy); ``frame.torch(place)`` wraps one as a tensor.
 Commands are applied by the engine at one step on every rank; :class:`~dynsteer.commands.CommandAck` names it.
+``abort``/``steer``/... wait for their ack; :meth:`MonitorClient.send` and :meth:`MonitorClient.send_all` send
+without waiting, so commands for one frame reach the engine before the same step. Frames name requests by the
+engine's ids (``frame.req_ids``) and by those vLLM's outputs show (``frame.user_ids``); commands take either.
 
 Over ``tcp://`` the engine requires CURVE: pass its server key and this monitor's key pair (``curve_server_public``,
 ``curve_client_secret``, ``curve_client_public``); the operator lists the public key in ``MonitorConfig.curve`` and
