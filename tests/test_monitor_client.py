@@ -171,3 +171,32 @@ def test_the_probe_monitor_summary_names_frames_commands_and_user_ids():
     assert stats.summary() == "12 frames, 30 rows; 3 commands (2 applied, 1 rejected); aborted: 32, 1_7"
     stats.action = "steer"
     assert stats.summary().endswith("steered: 32, 1_7")
+
+
+def test_the_monitor_cli_says_it_subscribed_prints_counts_while_frames_come_and_a_summary(hub, tmp_path):
+    import threading
+
+    from typer.testing import CliRunner
+
+    from dynsteer.cli.app import app
+    from dynsteer.probefile.fileformat import save_probe
+
+    h, mon = hub
+    save_probe(tmp_path / "p.safetensors", np.ones(4), bias=0.0, model_id="tiny", layer=3, site="post_block")
+
+    def publish() -> None:
+        wait_for_subscribers([mon.endpoint], "resid", timeout_s=60)
+        for step in range(3):
+            h.publish("resid", {"step": step, "req_ids": ["9-0123abcd"], "places": ["3.post_block"]},
+                      [np.zeros(1, np.int32), np.zeros(1, np.int64), np.zeros((1, 4), np.float32)])
+
+    threading.Thread(target=publish, daemon=True).start()
+    res = CliRunner().invoke(app, ["monitor", str(tmp_path / "p.safetensors"), "--endpoint", mon.endpoint,
+                                   "--command-endpoint", mon.command_endpoint, "--threshold", "1e9",
+                                   "--start-timeout", "60", "--timeout", "2", "--progress-every", "0"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert "monitor: subscribed to resid as 'probe-monitor'; waiting for the first frame (up to 60 s)" in lines
+    assert [line for line in lines if line.startswith("monitor: ") and "frames" in line] == [
+        f"monitor: {n} frames, 0 commands (0 applied, 0 rejected)" for n in (1, 2, 3)]
+    assert lines[-1] == "3 frames, 3 rows; 0 commands (0 applied, 0 rejected); aborted: none"
