@@ -309,7 +309,8 @@ class MonitorClient:
 
     def send_all(self, commands: Sequence[Any], timeout_s: float = 30.0) -> list[CommandAck]:
         """Send ``commands`` together, then collect their acks in order (rejections included, not raised): taken
-        at the same step where the engine's per-step budget allows, e.g. an abort and a steer for one frame."""
+        at the same step where the engine's per-step budget allows, e.g. an abort and a steer for one frame. It
+        blocks until the engine steps: where this thread also steps the engine, use :meth:`send`."""
         pending = [self.send(c) for c in commands]
         deadline = time.monotonic() + timeout_s
         return [p.ack(max(0.0, deadline - time.monotonic())) for p in pending]

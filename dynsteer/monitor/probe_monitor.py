@@ -58,8 +58,8 @@ def run_probe_monitor(monitor: MonitorClient, probe: Any, *, action: Literal["st
         timeout_s: stop after this long without a frame, counted from the last frame (None: never).
         start_timeout_s: how long to wait for the first frame (None: as long as it takes; a long prefill or an idle
             engine sends none).
-        on_progress: called with the stats after a frame, at most every ``progress_s`` seconds (the first frame
-            included).
+        on_progress: called with the stats when a frame arrives, at most every ``progress_s`` seconds (at the
+            first frame too).
         stats: filled in place and returned (pass one to keep the figures of a run stopped by ``KeyboardInterrupt``).
     """
     if target_class not in (0, 1):
