@@ -252,6 +252,22 @@ class Steerer:
         """Clear global steering; the engine keeps running unsteered."""
         self.clear_all()
 
+    def wait_for_subscribers(self, stream: str, n: int = 1, timeout_s: float = 30.0) -> list[str]:
+        """Block until at least ``n`` monitors are connected to ``stream``, and return their names: the start
+        handshake (frames published before a monitor subscribes are not delivered to it, so send the traffic it
+        should watch after this returns).
+
+        Raises:
+            ValueError: ``n`` / ``timeout_s`` out of range, or an engine without a stream hub or with CURVE.
+            LookupError: the engine has no stream ``stream``.
+            TimeoutError: fewer than ``n`` after ``timeout_s`` (the message names those connected).
+        """
+        from dynsteer.engine.build import hub_endpoints
+        from dynsteer.streams.readiness import wait_for_subscribers
+
+        engine = getattr(self.llm, "llm_engine", self.llm)
+        return wait_for_subscribers(hub_endpoints(engine.vllm_config), stream, n, timeout_s)
+
     # ---- internals ------------------------------------------------------------------------------------------------
     def _params(self, prompts: Any, sampling_params: Any, steering: Any, chat: bool = False,
                 capture: CaptureSpec | None = None, policy: PolicyArg = None,

@@ -12,7 +12,9 @@ same step; the ack names that step::
     {"id": "c-18", "status": "rejected", "error": "command.spec.vectors[0].vector: unknown vector 'x'"}
 
 Commands change what a request computes from the acked step on; they never touch tokens computed before it.
-Request ids are the engine's ids, as stream frames name them.
+A command's ``request`` is the engine's id, as stream frames name it (``StreamFrame.req_ids``: vLLM's id with its
+``-`` and 8 hex characters), or the id the user gave vLLM and its outputs show (``StreamFrame.user_ids``,
+:func:`user_request_id`) when exactly one live request has it; the ack names the engine id it was applied to.
 
 Who may send what is the engine core's business (``dynsteer.engine.command_desk``): ``monitor`` is checked against the
 connection's CURVE key when there is one, and ``op`` against ``MonitorConfig.grants``, before the command is
@@ -133,6 +135,7 @@ class CommandAck(BaseModel):
     status: Literal["applied", "rejected"]
     step: Optional[int] = None
     error: Optional[str] = None
+    request: Optional[str] = None  # applied: the engine id of the request the command named (None for global)
 
 
 _ENVELOPE = TypeAdapter(CommandEnvelope)
@@ -276,6 +279,21 @@ def check_steer(spec: SteeringSpec | None) -> None:
             if entry.tier == "prefill":
                 raise SteeringValidationError(f"command.spec.{group}[{i}].tier: commands steer generated tokens "
                                               f"only ('base' or 'decode'); prompt tokens are not recomputed")
+
+
+_ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}\Z")
+
+
+def user_request_id(engine_id: str) -> str:
+    """The id a request has in vLLM's outputs (``RequestOutput.request_id``: what the user or the OpenAI server
+    passed to vLLM) from the id its engine, its stream frames and its commands use.
+
+    vLLM 0.26 makes the engine id unique by appending ``-`` and 8 random hex characters to it (``"32"`` becomes
+    ``"32-"`` and those 8); this strips them. The ``n`` samples of one prompt (``SamplingParams.n > 1``) are requests
+    ``"{index}_{id}"``, which is what this returns for them. With ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` set in
+    the engine, engine ids are the user's and need no mapping.
+    """
+    return _ENGINE_SUFFIX.sub("", engine_id)
 
 
 # Old name kept for one release (the stream wire has its own ack, :class:`dynsteer.transport.wire.StreamAck`).

@@ -5,13 +5,14 @@ monitor=MonitorConfig.private(streams={"resid": StreamSpec(places=("12.post_bloc
 
     python examples/safety_monitor.py probe.safetensors STREAM_ENDPOINT COMMAND_ENDPOINT [--steer VECTOR_NAME]
 
-It waits for the engine's first frame, stops after 30 s without one and prints what it flagged.
+It waits for the engine's first frame, stops after 30 s without one (or at Ctrl-C) and prints a summary: frames,
+commands, and the requests it aborted or steered, by the ids vLLM's outputs show.
 """
 
 import sys
 
 from dynsteer.monitor.client import MonitorClient
-from dynsteer.monitor.probe_monitor import run_probe_monitor
+from dynsteer.monitor.probe_monitor import ProbeMonitorStats, run_probe_monitor
 from dynsteer.probefile import load_probe
 from dynsteer.spec import AddVector, SteeringSpec
 
@@ -20,7 +21,11 @@ steer = sys.argv[5] if len(sys.argv) > 5 and sys.argv[4] == "--steer" else None
 probe = load_probe(probe_file)
 spec = SteeringSpec(vectors=[AddVector(layer=probe.layer, vector=steer, scale=-1.0, tier="decode")]) if steer else None
 
-with MonitorClient(stream_ep, command_ep, name="safety", streams=["resid"], policy="drop") as monitor:
-    stats = run_probe_monitor(monitor, probe, action="steer" if steer else "abort", steer_spec=spec, timeout_s=30.0,
-                              probe_name="safety-probe")
-print(f"{stats.frames} frames, {stats.rows} rows, flagged {len(stats.flagged)} requests: {stats.flagged}")
+stats = ProbeMonitorStats()
+try:
+    with MonitorClient(stream_ep, command_ep, name="safety", streams=["resid"], policy="drop") as monitor:
+        run_probe_monitor(monitor, probe, action="steer" if steer else "abort", steer_spec=spec, timeout_s=30.0,
+                          probe_name="safety-probe", stats=stats)
+except KeyboardInterrupt:
+    pass
+print(stats.summary())

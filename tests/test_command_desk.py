@@ -222,7 +222,7 @@ def test_global_is_granted_to_nobody_by_default_and_a_refused_one_changes_nothin
     out = desk.take(sched, 1)
     acks = {a["id"]: a for a in _acks(sock, 2)}
     for cid in ("g", "bad"):  # refused on the op before the spec is even validated
-        assert acks[cid] == {"id": cid, "status": "rejected", "step": None,
+        assert acks[cid] == {"id": cid, "status": "rejected", "step": None, "request": None,
                              "error": "command.op: monitor 'm' is not granted 'global' (MonitorConfig.grants)"}
     assert out == [] and not compiled
     assert desk.state.global_spec.is_empty() and sched._dynsteer.global_salt == ""
@@ -276,8 +276,36 @@ def test_shape_limits_refuse_a_large_steer_or_global_before_validation_or_compil
     sock.send(_raw("m", {"op": "steer", "request": "r0", "spec": {"vectors": [entry] * 8}}, "small"))
     _queue(desk, 1)
     desk.take(sched, 2)
-    assert _acks(sock, 1)[0] == {"id": "small", "status": "applied", "step": 2, "error": None}
+    assert _acks(sock, 1)[0] == {"id": "small", "status": "applied", "step": 2, "error": None, "request": "r0"}
     assert len(compiled) == 1
+    sock.close(0)
+
+
+# ---- request ids -------------------------------------------------------------------------------------------------
+def test_a_command_may_name_the_user_id_of_exactly_one_live_request(make_desk):
+    """vLLM's engine ids are the user's plus ``-`` and 8 hex characters: a command naming the user id reaches that
+    request (the ack names its engine id); one shared by two live requests (``n > 1`` samples) is refused."""
+    desk = make_desk()
+    sched = _Scheduler("32-bad6edaa", "3-0123abcd", "0_7-aaaaaaaa", "1_7-bbbbbbbb", "7-cccccccc")
+    sock = _client(desk)
+    sock.send(_msg("m", AbortCommand(request="32", reason="x"), "user"))
+    sock.send(_msg("m", AbortCommand(request="3-0123abcd"), "engine"))
+    sock.send(_msg("m", AbortCommand(request="0_7"), "child"))
+    sock.send(_msg("m", AbortCommand(request="bad6edaa"), "none"))
+    _queue(desk, 4)
+    desk.take(sched, 5)
+    acks = {a["id"]: a for a in _acks(sock, 4)}
+    assert (acks["user"]["status"], acks["user"]["request"], acks["user"]["step"]) == ("applied", "32-bad6edaa", 5)
+    assert acks["engine"]["request"] == "3-0123abcd" and acks["child"]["request"] == "0_7-aaaaaaaa"
+    assert acks["none"]["error"] == "command.request: no live request 'bad6edaa'"
+    assert set(sched._dynsteer.aborts) == {"32-bad6edaa", "3-0123abcd", "0_7-aaaaaaaa"}
+    sched.requests["7-dddddddd"] = _Request("7-dddddddd")
+    sock.send(_msg("m", AbortCommand(request="7"), "twice"))
+    _queue(desk, 1)
+    desk.take(sched, 6)
+    error = _acks(sock, 1)[0]["error"]
+    assert error.startswith("command.request: '7' is the user id of 2 live requests (7-cccccccc, 7-dddddddd)")
+    assert "7-cccccccc" not in sched._dynsteer.aborts
     sock.close(0)
 
 

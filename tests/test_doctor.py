@@ -4,10 +4,12 @@ broken; ``dynsteer --version``."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from dynsteer.cli import doctor
@@ -32,6 +34,12 @@ def test_doctor_passes_on_cpu_and_prints_its_report(tiny_llama_path):
     for name in CHECKS:
         assert any(name in row and "PASS" in row for row in rows), name
     assert "FAIL" not in proc.stdout and "all checks passed" in proc.stdout
+    # progress: each step as it starts and as it ends, with its time (before the report's table)
+    lines = proc.stdout.splitlines()
+    assert f"… starting vLLM on {Path(tiny_llama_path).name} (1-2 min on CPU, longer for a larger model)" in lines
+    for name in CHECKS:
+        start = lines.index(f"… check: {name}")
+        assert re.fullmatch(rf"✓ check: {name}: PASS in \d+\.\d s", lines[start + 1]), lines[start + 1]
     # what dynsteer overrides in vLLM, in this process, the engine core's and the worker's
     assert "vLLM attributes dynsteer overrides" in proc.stdout
     for attribute, where in (("InputProcessor.process_inputs", "frontend"), ("Scheduler.schedule", "engine core"),
@@ -133,3 +141,32 @@ def test_demo_score_and_verbose_flag():
     assert sentiment_score([""]) == 0.0
     res = CliRunner().invoke(app, ["demo", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0 and "--verbose" in res.output
+
+
+def test_demo_says_what_it_is_doing_before_each_long_step(monkeypatch, tmp_path):
+    """The demo's steps (vector, engine start, generation) print a line as they start and end; the heavy parts are
+    stand-ins here (the real run is ``scripts/demo.sh``)."""
+    import io
+
+    import vllm
+    from rich.console import Console
+
+    import dynsteer
+    from dynsteer.cli import demo
+
+    class _Steerer:
+        def register_vector(self, name, vec):
+            pass
+
+        def chat(self, batch, params, steering=None, use_tqdm=False):
+            return [SimpleNamespace(outputs=[SimpleNamespace(text="a happy day")]) for _ in batch]
+
+    monkeypatch.setattr(demo, "contrastive_vector", lambda model, layer: np.ones(4, np.float32))
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: object())
+    monkeypatch.setattr(dynsteer, "attach", lambda llm: _Steerer())
+    out = io.StringIO()
+    demo._demo(Console(file=out, width=200), tmp_path, layer=3, scale=1.0, max_tokens=8)
+    lines = out.getvalue().splitlines()
+    assert "… starting vLLM (first run ~3 min on CPU: it compiles; later runs ~1 min)" in lines
+    for step in ("computing a contrastive sentiment vector", "starting vLLM", "generating 9 replies in one batch"):
+        assert any(re.fullmatch(rf"✓ {step}: done in \d+\.\d s", line) for line in lines), step

@@ -19,6 +19,8 @@ import pytest
 
 import dynsteer
 from dynsteer import Action, AddVector, DynamicSteeringPolicy, ProbeGate, Rule, SteeringSpec
+from dynsteer.commands import AbortCommand
+from dynsteer.config import MonitorConfig, StreamSpec
 from tests.conftest import ON_GPU, dynsteer_served, env, http_json
 
 KEY = "test-key-7f3a"
@@ -41,11 +43,19 @@ def always_on_policy(seed: int = 1) -> DynamicSteeringPolicy:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_path, tmp_path_factory):
+def monitor_cfg() -> MonitorConfig:
+    """The module server's async tier: stream ``resid`` (every request's generated tokens at layer 1)."""
+    return MonitorConfig.private(streams={"resid": StreamSpec(places=("1.post_block",), requests="all",
+                                                             positions="generated")})
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_path, tmp_path_factory, monitor_cfg):
     """``dynsteer serve`` on a free loopback port, with vLLM's development routes (``/collective_rpc``, ...); yields
     (base url, model)."""
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    cfg = {"max_gates": 2, "max_rows": 16, "limits": {"max_named_vectors": MAX_NAMED}}
+    cfg = {"max_gates": 2, "max_rows": 16, "limits": {"max_named_vectors": MAX_NAMED}, "capture_sites": ["post_block"],
+           "capture_layers": [1], "monitor": monitor_cfg.model_dump(mode="json")}
     with env(VLLM_SERVER_DEV_MODE="1"), dynsteer_served(tiny_llama_path, log, KEY, cfg) as url:
         yield url, str(tiny_llama_path)
 
@@ -151,6 +161,38 @@ def test_named_vectors_register_list_use_delete(server, client, baseline):
         complete(client, model, payload=by_name)
     assert "extra_args.dynsteer.spec.vectors[0].vector" in str(err.value)
     assert [complete(client, model, p) for p in PROMPTS] == baseline
+
+
+def test_a_monitor_handshake_then_frames_and_an_abort_by_the_id_the_response_shows(server, client, monitor_cfg):
+    """The served start handshake (``GET /v1/steering/streams/{name}/subscribers``), and a monitor that aborts the
+    first request it sees by its user id: the id the chat completion's response carries."""
+    import threading
+
+    from dynsteer.monitor.client import MonitorClient
+
+    url, model = server
+    status, reply = steering(server, "GET", "streams/resid/subscribers?timeout_s=0.2")
+    assert status == 504 and error_message(reply).startswith("timeout_s: 0 of 1 subscribers connected to stream "
+                                                             "'resid'"), reply
+    seen: dict[str, object] = {}
+    with MonitorClient(monitor_cfg.endpoint, monitor_cfg.command_endpoint, name="srv-mon", streams=["resid"]) as mon:
+        def watch() -> None:
+            frame = mon.recv(120)
+            if frame is not None:
+                seen["user"], seen["engine"] = frame.user_ids[0], frame.req_ids[0]
+                seen["ack"] = mon.send(AbortCommand(request=frame.user_ids[0], reason="seen")).ack(60)
+
+        status, reply = steering(server, "GET", "streams/resid/subscribers?min=1&timeout_s=60")
+        assert status == 200 and reply == {"stream": "resid", "subscribers": ["srv-mon"], "ready": True}, reply
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
+        watcher.join(120)
+    ack = seen["ack"]
+    assert seen["user"] == chat.id and str(seen["engine"]).startswith(chat.id + "-")
+    assert ack.status == "applied" and ack.request == seen["engine"], ack
+    assert chat.choices[0].finish_reason != "length" and chat.usage.completion_tokens < 200
 
 
 def test_steering_endpoints_refuse_without_the_key(server):

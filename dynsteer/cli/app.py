@@ -60,10 +60,12 @@ def monitor(
                                                         "from the last one"),
     start_timeout: Optional[float] = typer.Option(None, help="exit if no first frame comes within this many "
                                                              "seconds (default: wait for it)"),
+    progress_every: float = typer.Option(10.0, help="print frame and command counts to stderr at most this often "
+                                                    "(seconds, while frames come)"),
 ) -> None:
     """Watch a stream with a probe file and steer or abort the requests it flags."""
     from dynsteer.monitor.client import MonitorClient
-    from dynsteer.monitor.probe_monitor import run_probe_monitor
+    from dynsteer.monitor.probe_monitor import ProbeMonitorStats, run_probe_monitor
     from dynsteer.probefile.fileformat import load_probe
     from dynsteer.spec import AddVector, SteeringSpec
 
@@ -78,11 +80,22 @@ def monitor(
             raise typer.BadParameter("--vector: required with --action steer")
         spec = SteeringSpec(vectors=[AddVector(layer=probe.layer, site=probe.site, vector=vector, scale=scale,
                                                tier="decode")])
-    with MonitorClient(endpoint, command_endpoint, name=name, streams=stream, policy=policy) as mon:
-        stats = run_probe_monitor(mon, probe, action=action, steer_spec=spec, threshold=threshold, timeout_s=timeout,
-                                  start_timeout_s=start_timeout, target_class=target_class, probe_name=probe_file.stem)
-    typer.echo(f"{stats.frames} frames, {stats.rows} rows; {len(stats.flagged)} requests flagged, "
-               f"{stats.rejected} commands rejected")
+    def progress(stats: ProbeMonitorStats) -> None:
+        typer.echo(f"monitor: {stats.frames} frames, {stats.commands} commands ({len(stats.flagged)} applied, "
+                   f"{stats.rejected} rejected)", err=True)
+
+    stats = ProbeMonitorStats()
+    try:
+        with MonitorClient(endpoint, command_endpoint, name=name, streams=stream, policy=policy) as mon:
+            wait = "as long as it takes" if start_timeout is None else f"up to {start_timeout:g} s"
+            typer.echo(f"monitor: subscribed to {', '.join(stream)} as {name!r}; waiting for the first frame ({wait})",
+                       err=True)
+            run_probe_monitor(mon, probe, action=action, steer_spec=spec, threshold=threshold, timeout_s=timeout,
+                              start_timeout_s=start_timeout, target_class=target_class, probe_name=probe_file.stem,
+                              on_progress=progress, progress_s=progress_every, stats=stats)
+    except KeyboardInterrupt:
+        pass
+    typer.echo(stats.summary())
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},

@@ -99,11 +99,16 @@ def run_demo(model: Path | None, layer: int, scale: float, max_tokens: int, verb
 
 def _demo(console: Any, model: Path | None, layer: int, scale: float, max_tokens: int) -> None:
     from rich.table import Table
+
+    from dynsteer.cli.progress import Steps
+
+    steps = Steps(console)
     if model is None:
         from dynsteer.zoo import smollm2
 
-        model = smollm2()
-    with console.status("computing a contrastive sentiment vector"):
+        with steps.step("getting SmolLM2-135M-Instruct", "converted once, then cached"):
+            model = smollm2()
+    with steps.step("computing a contrastive sentiment vector", "a transformers forward of 16 sentences"):
         vec = contrastive_vector(model, layer)
     console.print(f"steering vector at layer {layer}: ‖v‖ = {np.linalg.norm(vec):.1f}")
 
@@ -112,7 +117,7 @@ def _demo(console: Any, model: Path | None, layer: int, scale: float, max_tokens
     import dynsteer
     from dynsteer import AddVector, SteeringSpec
 
-    with console.status("starting vLLM"):
+    with steps.step("starting vLLM", "first run ~3 min on CPU: it compiles; later runs ~1 min"):
         llm = LLM(model=str(model), dtype="float32", max_model_len=512, max_num_seqs=16, seed=0)
     steerer = dynsteer.attach(llm)
     steerer.register_vector("sentiment", vec)
@@ -125,7 +130,8 @@ def _demo(console: Any, model: Path | None, layer: int, scale: float, max_tokens
     # All three variants of every prompt run in one continuous batch.
     batch = [conv for conv in conversations for _ in columns]
     specs = [spec for _ in conversations for spec in columns.values()]
-    outputs = steerer.chat(batch, params, steering=specs, use_tqdm=False)
+    with steps.step(f"generating {len(batch)} replies in one batch", f"{max_tokens} tokens each"):
+        outputs = steerer.chat(batch, params, steering=specs, use_tqdm=False)
     table = Table(title=f"SmolLM2-135M-Instruct, steering at layer {layer} (post_block), greedy", show_lines=True,
                   caption="score: sentiment words in the column's outputs, (positive − negative) per 100 words")
     table.add_column("prompt", style="bold")

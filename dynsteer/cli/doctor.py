@@ -19,15 +19,19 @@ where vLLM runs the worker in it, as on one GPU).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dynsteer.cli.progress import Steps
 
 PROMPTS = ["The weather today is", "My favourite food is", "In the morning I usually", "The best way to learn is"]
 LONG = ("Here is a long shared preamble that many requests start with, so that its blocks can be cached and reused. "
@@ -94,12 +98,13 @@ def _run(console: Any, model: str | None, max_overhead: float,
 
     import dynsteer
 
-    with console.status(f"starting vLLM on {path.name}"):
+    steps = Steps(console)
+    expect = "about 1 min" if cuda else "1-2 min on CPU, longer for a larger model"
+    with steps.step(f"starting vLLM on {path.name}", expect):
         llm = LLM(model=str(path), **kwargs)
     checks: list[Check] = []
     try:
-        with console.status("running checks"):
-            checks = _checks(llm, dynsteer.attach(llm), max_overhead)
+        checks = _checks(llm, dynsteer.attach(llm), max_overhead, steps)
         patched = patches(llm)
     finally:
         try:
@@ -178,18 +183,28 @@ def _vllm_version() -> str:
     return getattr(vllm, "__version__", "?")
 
 
-def _checks(llm: Any, steerer: Any, max_overhead: float) -> list[Check]:
+def _checks(llm: Any, steerer: Any, max_overhead: float, steps: Steps | None = None) -> list[Check]:
+    """Every check, in order; ``steps`` prints each one as it starts and ends (PASS/FAIL, seconds)."""
     from vllm import SamplingParams
 
     from dynsteer import AddVector, SteeringSpec
 
+    steps = steps or Steps(None)
     shape = steerer.shape
     checks: list[Check] = []
-    layers = shape.num_layers if shape.layers is None else len(shape.layers)
-    rank = steerer.describe()[0]
-    checks.append(Check("hooked", layers > 0 and rank["rows_total"] > 0,
-                        f"{shape.architecture}: {layers}/{shape.num_layers} layers × {len(shape.sites)} sites, "
-                        f"hidden {shape.hidden_size}, {rank['rows_total']} table rows"))
+
+    @contextlib.contextmanager
+    def check(name: str) -> Iterator[None]:
+        with steps.step(f"check: {name}") as step:
+            yield
+            step.result = "PASS" if checks and checks[-1].name == name and checks[-1].ok else "FAIL"
+
+    with check("hooked"):
+        layers = shape.num_layers if shape.layers is None else len(shape.layers)
+        rank = steerer.describe()[0]
+        checks.append(Check("hooked", layers > 0 and rank["rows_total"] > 0,
+                            f"{shape.architecture}: {layers}/{shape.num_layers} layers × {len(shape.sites)} sites, "
+                            f"hidden {shape.hidden_size}, {rank['rows_total']} table rows"))
     params = SamplingParams(temperature=0.0, max_tokens=16)
     layer = (shape.num_layers // 2) if shape.layers is None else shape.layers[len(shape.layers) // 2]
     direction = np.random.default_rng(0).standard_normal(shape.hidden_size).astype(np.float32)
@@ -201,37 +216,41 @@ def _checks(llm: Any, steerer: Any, max_overhead: float) -> list[Check]:
     def spec(scale: float, tier: str = "base") -> SteeringSpec:
         return SteeringSpec(vectors=[AddVector(layer=layer, vector=direction, scale=scale, tier=tier)])
 
-    base = ids(steerer.generate(PROMPTS, params, use_tqdm=False))
-    # 1. steering fires: grow the vector until the continuation changes (limits.max_abs_value bounds it)
-    scale, fired = float(np.sqrt(shape.hidden_size)), None
-    while scale * float(np.abs(direction).max()) <= shape.max_abs_value:
-        out = ids(steerer.generate(PROMPTS[:1], params, steering=spec(scale), use_tqdm=False))
-        if out[0] != base[0]:
-            fired = scale
-            break
-        scale *= 10
-    checks.append(Check("steering fires", fired is not None,
-                        f"a vector of norm {fired:.3g} at layer {layer} changes the continuation" if fired else
-                        f"no vector up to norm {scale / 10:.3g} at layer {layer} changed the output"))
-    scale = fired or scale / 10
-    # 2. batchmates untouched: the same batch shape, steered rows interleaved
-    mixed = ids(steerer.generate(PROMPTS, params, steering=[spec(scale), None, spec(scale), None], use_tqdm=False))
-    untouched = mixed[1] == base[1] and mixed[3] == base[3]
-    checks.append(Check("batchmates untouched", untouched and mixed[0] != base[0],
-                        "unsteered rows of a mixed batch equal the unsteered batch token for token" if untouched else
-                        "an unsteered request in a mixed batch differs from the unsteered batch"))
-    # 3. global steering, then clear
-    steerer.set_layer_vector(layer, direction, scale=scale)
-    steered = ids(steerer.generate(PROMPTS, params, use_tqdm=False))
-    steerer.clear_all()
-    cleared = ids(steerer.generate(PROMPTS, params, use_tqdm=False))
-    changed = sum(a != b for a, b in zip(steered, base))
-    checks.append(Check("clear restores baseline", changed > 0 and cleared == base,
-                        f"global vector changed {changed}/{len(PROMPTS)} outputs; after clear_all "
-                        + ("every token equals the baseline" if cleared == base else "outputs DIFFER from baseline")))
-    checks.append(_prefix_cache(steerer, params, [spec(scale * 10**k, "prefill") for k in range(3)],
-                                spec(scale, "decode")))
-    checks.append(_decode_cost(steerer, spec(scale, "decode"), max_overhead))
+    with check("steering fires"):  # grow the vector until the continuation changes (max_abs_value bounds it)
+        base = ids(steerer.generate(PROMPTS, params, use_tqdm=False))
+        scale, fired = float(np.sqrt(shape.hidden_size)), None
+        while scale * float(np.abs(direction).max()) <= shape.max_abs_value:
+            out = ids(steerer.generate(PROMPTS[:1], params, steering=spec(scale), use_tqdm=False))
+            if out[0] != base[0]:
+                fired = scale
+                break
+            scale *= 10
+        checks.append(Check("steering fires", fired is not None,
+                            f"a vector of norm {fired:.3g} at layer {layer} changes the continuation" if fired else
+                            f"no vector up to norm {scale / 10:.3g} at layer {layer} changed the output"))
+        scale = fired or scale / 10
+    with check("batchmates untouched"):  # the same batch shape, steered rows interleaved
+        mixed = ids(steerer.generate(PROMPTS, params, steering=[spec(scale), None, spec(scale), None],
+                                     use_tqdm=False))
+        untouched = mixed[1] == base[1] and mixed[3] == base[3]
+        checks.append(Check("batchmates untouched", untouched and mixed[0] != base[0],
+                            "unsteered rows of a mixed batch equal the unsteered batch token for token" if untouched
+                            else "an unsteered request in a mixed batch differs from the unsteered batch"))
+    with check("clear restores baseline"):  # global steering, then clear
+        steerer.set_layer_vector(layer, direction, scale=scale)
+        steered = ids(steerer.generate(PROMPTS, params, use_tqdm=False))
+        steerer.clear_all()
+        cleared = ids(steerer.generate(PROMPTS, params, use_tqdm=False))
+        changed = sum(a != b for a, b in zip(steered, base))
+        checks.append(Check("clear restores baseline", changed > 0 and cleared == base,
+                            f"global vector changed {changed}/{len(PROMPTS)} outputs; after clear_all "
+                            + ("every token equals the baseline" if cleared == base else
+                               "outputs DIFFER from baseline")))
+    with check("prefix cache"):
+        checks.append(_prefix_cache(steerer, params, [spec(scale * 10**k, "prefill") for k in range(3)],
+                                    spec(scale, "decode")))
+    with check("decode cost"):
+        checks.append(_decode_cost(steerer, spec(scale, "decode"), max_overhead))
     return checks
 
 

@@ -23,7 +23,7 @@ from dynsteer.controllers.registry import ControllerRegistry
 from dynsteer.engine.families import absent_sites
 from dynsteer.engine.keys import CONFIG_KEY
 from dynsteer.policy import gate_param_problem
-from dynsteer.spec import ModelShape
+from dynsteer.spec import ModelShape, SteeringValidationError
 from dynsteer.steering.runtime import SteeringRuntime
 from dynsteer.steering.tables import SteeringTables
 from dynsteer.vectors import load_vector
@@ -111,6 +111,24 @@ def stage_endpoint(endpoint: str, pp_rank: int) -> str:
         host, _, port = endpoint.rpartition(":")
         return f"{host}:{int(port) + pp_rank}"
     return f"{endpoint}.pp{pp_rank}"
+
+
+def hub_endpoints(vllm_config: Any) -> list[str]:
+    """Every pipeline stage's stream endpoint, for a process that asks the hubs for their stats (a frontend).
+
+    Raises:
+        SteeringValidationError: the engine has no ``MonitorConfig`` (``monitor``), or its hubs require CURVE
+            (``monitor.curve``: only allowlisted monitor keys may connect; a monitor asks with
+            :meth:`StreamSubscriber.stats`).
+    """
+    mon = DynsteerConfig.from_additional(vllm_config.additional_config).monitor
+    if mon is None:
+        raise SteeringValidationError("monitor: this engine has no stream hub (DynsteerConfig.monitor is not set)")
+    if mon.curve is not None:
+        raise SteeringValidationError("monitor.curve: the stream hub admits only allowlisted monitor keys; ask it "
+                                      "from a monitor (StreamSubscriber.stats)")
+    pp = int(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) or 1)
+    return [mon.endpoint] + [stage_endpoint(mon.endpoint, k) for k in range(1, pp)]
 
 
 def _attach_hub(rt: SteeringRuntime, cfg: DynsteerConfig, pp_rank: int) -> None:

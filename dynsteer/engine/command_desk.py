@@ -66,7 +66,7 @@ import msgspec
 import zmq
 
 from dynsteer.commands import (AbortCommand, CommandAck, CommandEnvelope, GlobalCommand, SteerCommand, check_steer,
-                               command_head, decode_message, max_message_bytes, parse_command)
+                               command_head, decode_message, max_message_bytes, parse_command, user_request_id)
 from dynsteer.config import DynsteerConfig, MonitorConfig
 from dynsteer.engine import patching
 from dynsteer.engine.frontend import build_frontend_state
@@ -121,6 +121,7 @@ class CommandDesk:
         self.max_message_bytes = max_message_bytes(self.state.limits)
         self._carried: _Message | None = None
         self._charge = 0  # what the command being handled cost beyond its bytes (see the module docstring)
+        self._request: str | None = None  # the engine id of the request the command being handled names
         # A context of its own: a CURVE binding runs its ZAP authenticator on the socket's context.
         self._ctx = zmq.Context()
         self.sock = self._ctx.socket(zmq.ROUTER)
@@ -191,7 +192,7 @@ class CommandDesk:
         if msg.raw is None:
             self.stats.dropped += 1  # not a DEALER's single-frame message: nothing to answer to reliably
             return msg.size
-        self._charge, cid = 0, ""
+        self._charge, cid, self._request = 0, "", None
         try:
             obj = decode_message(msg.raw, self.max_message_bytes)
             cid = _id_of(obj)
@@ -212,7 +213,7 @@ class CommandDesk:
             if wire is not None:
                 out.append(wire)
             self.stats.applied += 1
-            self._answer(msg.ident, CommandAck(id=env.id, status="applied", step=step))
+            self._answer(msg.ident, CommandAck(id=env.id, status="applied", step=step, request=self._request))
         return max(msg.size, self._charge)
 
     def _authorize(self, key: str | None, monitor: str, op: str | None) -> None:
@@ -235,9 +236,10 @@ class CommandDesk:
         cmd = env.command
         if isinstance(cmd, GlobalCommand):
             return self._apply_global(scheduler, env, cmd)
-        request = scheduler.requests.get(cmd.request)
-        if request is None or request.is_finished():
-            raise SteeringValidationError(f"command.request: no live request {cmd.request!r}")
+        request = _live_request(scheduler, cmd.request)
+        if request.request_id != cmd.request:  # named by its user id: the workers and the rest use the engine's
+            cmd = cmd.model_copy(update={"request": request.request_id})
+        self._request = request.request_id
         if isinstance(cmd, AbortCommand):
             reason = f"dynsteer monitor {env.monitor}: {cmd.reason or 'aborted'}"
             getattr(scheduler, SCHEDULER_ATTR).aborts[cmd.request] = reason
@@ -294,6 +296,22 @@ class CommandDesk:
         self.sock.close(0)
         self._binding.close()
         self._ctx.term()
+
+
+def _live_request(scheduler: Any, name: str) -> Any:
+    """The live request ``name`` names: its engine id, else the user id of exactly one live request (a scan, only
+    when the engine id misses)."""
+    request = scheduler.requests.get(name)
+    if request is None:
+        found = [r for rid, r in scheduler.requests.items() if user_request_id(rid) == name and not r.is_finished()]
+        if len(found) > 1:
+            raise SteeringValidationError(f"command.request: {name!r} is the user id of {len(found)} live requests "
+                                          f"({', '.join(sorted(r.request_id for r in found))}); name one by its "
+                                          f"engine id")
+        request = found[0] if found else None
+    if request is None or request.is_finished():
+        raise SteeringValidationError(f"command.request: no live request {name!r}")
+    return request
 
 
 def _id_of(obj: dict[Any, Any]) -> str:

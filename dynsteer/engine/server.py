@@ -1,5 +1,6 @@
 """Steering endpoints on vLLM's OpenAI-compatible server: named vectors, the global policy, capabilities (and, from
-:mod:`dynsteer.engine.server_json`, presets, the global spec, validate and encode).
+:mod:`dynsteer.engine.server_json`, presets, the global spec, validate and encode; from
+:mod:`dynsteer.engine.stream_routes`, the monitors' start handshake).
 
 vLLM 0.26's seam for extra routes is the endpoint plugin (``vllm/plugins/endpoint_plugins/interface.py``): an object
 with ``attach_router(app)`` (called in ``build_app`` after the core routers) and ``async init_state(engine_client,
@@ -45,6 +46,7 @@ from dynsteer.engine.frontend import FrontendState, frontend_state
 from dynsteer.engine.keys import (APP_STATE_ATTR, HTTP_PREFIX, PAYLOAD_KEY, RPC_REGISTER_VECTOR, RPC_SET_GLOBAL,
                                   RPC_UNREGISTER_VECTOR)
 from dynsteer.engine.server_json import add_json_routes, checked
+from dynsteer.engine.stream_routes import add_stream_routes
 from dynsteer.request.payload import decode_payload, encode_payload
 from dynsteer.spec import SteeringSpec, SteeringValidationError, check_name, check_vector
 from dynsteer.vectors import as_vector, pack_vector
@@ -177,6 +179,7 @@ class SteeringEndpoints:
             return await self._set_policy(self._engine(request), None)
 
         add_json_routes(router, self)  # presets, the global spec, validate, encode
+        add_stream_routes(router, self)  # the monitors' start handshake
         return router
 
     # ---- helpers ---------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 * :class:`MonitorClient` — one engine's streams and command channel together (``with MonitorClient(...) as mon``);
 * :class:`StreamFrame` — one step's activations of a stream, as numpy views, with the requests they belong to;
 * :class:`CommandClient` and :class:`CommandError` — the command channel alone, and a command the engine rejected;
+* :class:`Pending` — a command sent without waiting (:meth:`MonitorClient.send`), its ack collected later;
 * :class:`StreamSubscriber` and :class:`StreamError` — the stream channel alone (ordered frames, acks, resume);
 * :func:`run_probe_monitor` — a ready-made safety monitor: a probe file flags requests, which it steers or aborts.
 
@@ -18,12 +19,12 @@ Example:
 """
 
 from dynsteer._deprecated import renamed
-from dynsteer.monitor.client import CommandClient, CommandError, MonitorClient, StreamFrame
+from dynsteer.monitor.client import CommandClient, CommandError, MonitorClient, Pending, StreamFrame
 from dynsteer.monitor.probe_monitor import ProbeMonitorStats, run_probe_monitor
 from dynsteer.monitor.subscriber import StreamError, StreamSubscriber
 
-__all__ = ["CommandClient", "CommandError", "MonitorClient", "ProbeMonitorStats", "StreamError", "StreamFrame",
-           "StreamSubscriber", "run_probe_monitor"]
+__all__ = ["CommandClient", "CommandError", "MonitorClient", "Pending", "ProbeMonitorStats", "StreamError",
+           "StreamFrame", "StreamSubscriber", "run_probe_monitor"]
 
 # Old name kept for one release (``dynsteer.ProbeGate``, the in-graph gate, was also called ``Monitor``).
 __getattr__ = renamed(__name__, {"Monitor": ("MonitorClient", MonitorClient)})

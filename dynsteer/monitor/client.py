@@ -12,6 +12,9 @@ A safety monitor in a few lines (see ``examples/safety_monitor.py``)::
 
 Frames arrive as numpy views of the received buffers (no copy); ``frame.torch(place)`` wraps one as a tensor.
 Commands are applied by the engine at one step on every rank; :class:`~dynsteer.commands.CommandAck` names it.
+``abort``/``steer``/... wait for their ack; :meth:`MonitorClient.send` and :meth:`MonitorClient.send_all` send
+without waiting, so commands for one frame reach the engine before the same step. Frames name requests by the
+engine's ids (``frame.req_ids``) and by those vLLM's outputs show (``frame.user_ids``); commands take either.
 
 Over ``tcp://`` the engine requires CURVE: pass its server key and this monitor's key pair (``curve_server_public``,
 ``curve_client_secret``, ``curve_client_public``); the operator lists the public key in ``MonitorConfig.curve`` and
@@ -24,7 +27,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import msgspec
@@ -33,12 +36,13 @@ import zmq
 
 from dynsteer._deprecated import renamed
 from dynsteer.commands import (AbortCommand, CommandAck, CommandEnvelope, GlobalCommand, RuleCommand, SteerCommand,
-                               ThresholdCommand, encode_command, max_message_bytes)
+                               ThresholdCommand, encode_command, max_message_bytes, user_request_id)
 from dynsteer.config import Limits
 from dynsteer.spec import SteeringSpec, SteeringValidationError
 from dynsteer.transport.security import connect_curve, connect_options
 
-__all__ = ["CommandClient", "CommandError", "MonitorClient", "StreamFrame"]
+__all__ = ["CommandClient", "CommandError", "MonitorClient", "Pending", "StreamFrame"]
+_SAME: Any = object()  # frames(): the first frame's wait is timeout_s too
 
 
 @dataclass
@@ -48,7 +52,10 @@ class StreamFrame:
     Attributes:
         stream, seq: the stream and the message's sequence number (contiguous per stream).
         step: the engine step that computed the rows (acks of commands name steps too).
-        req_ids: the requests in this frame; ``request[i]`` indexes it for row ``i``.
+        req_ids: the requests in this frame, by the engine's ids (vLLM's: the user's id, ``-`` and 8 hex
+            characters); ``request[i]`` indexes it for row ``i``.
+        user_ids: the same requests by the ids vLLM's outputs show (``RequestOutput.request_id``; see
+            :func:`dynsteer.commands.user_request_id`). Commands take either.
         positions: absolute token position of each row.
         values: ``{"layer.site": [rows, hidden]}`` (float32 for bfloat16 streams).
     """
@@ -61,6 +68,11 @@ class StreamFrame:
     positions: np.ndarray
     values: dict[str, np.ndarray]
     dtype: str = "float32"
+    user_ids: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.user_ids:
+            self.user_ids = [user_request_id(r) for r in self.req_ids]
 
     @classmethod
     def from_wire(cls, frame: Any) -> "StreamFrame":
@@ -78,15 +90,43 @@ class StreamFrame:
             return np.zeros(0, np.int64)
         return np.flatnonzero(self.request == i)
 
-    def requests_where(self, mask: np.ndarray) -> list[str]:
-        """The requests with at least one row where ``mask`` (one bool per row) holds."""
-        return [self.req_ids[i] for i in np.unique(self.request[np.asarray(mask, bool)]).tolist()]
+    def requests_where(self, mask: np.ndarray, user_ids: bool = False) -> list[str]:
+        """The requests with at least one row where ``mask`` (one bool per row) holds (engine ids; ``user_ids``: the
+        ids vLLM's outputs show)."""
+        ids = self.user_ids if user_ids else self.req_ids
+        return [ids[i] for i in np.unique(self.request[np.asarray(mask, bool)]).tolist()]
+
+    def user_id(self, req_id: str) -> str:
+        """The id vLLM's outputs show for engine id ``req_id``."""
+        return user_request_id(req_id)
 
     def torch(self, place: str) -> Any:
         """``values[place]`` as a torch tensor sharing its memory."""
         import torch
 
         return torch.from_numpy(self.values[place])
+
+
+@dataclass
+class Pending:
+    """A command sent and not yet acked (:meth:`MonitorClient.send`): collect its ack later, so several commands
+    sent together reach the engine before its next step and are taken at the same step (within its per-step
+    budget, ``MonitorConfig.max_commands_per_step`` and ``max_command_bytes_per_step``)."""
+
+    id: str
+    command: Any
+    client: "CommandClient"
+
+    def ack(self, timeout_s: float = 30.0) -> CommandAck:
+        """The engine's ack, a rejection included. Raises ``TimeoutError`` without one in time."""
+        return self.client.wait(self.id, timeout_s)
+
+    def result(self, timeout_s: float = 30.0) -> CommandAck:
+        """The ack of an applied command; raises :class:`CommandError` when it was rejected."""
+        ack = self.ack(timeout_s)
+        if ack.status != "applied":
+            raise CommandError(ack)
+        return ack
 
 
 class CommandError(RuntimeError):
@@ -240,10 +280,22 @@ class MonitorClient:
         frame = self.subscriber.recv(timeout_s)
         return None if frame is None else StreamFrame.from_wire(frame)
 
-    def frames(self, timeout_s: float | None = None) -> Iterator[StreamFrame]:
-        """Frames until ``timeout_s`` passes without one (forever by default)."""
-        while (frame := self.recv(timeout_s)) is not None:
+    def frames(self, timeout_s: float | None = None, start_timeout_s: float | None = _SAME) -> Iterator[StreamFrame]:
+        """Frames until none came for ``timeout_s`` since the last one returned (None: forever).
+
+        Args:
+            timeout_s: the idle time, counted from when the last frame was returned; frames that arrived while the
+                caller handled it are returned first, however long that took. Make it longer than the engine's
+                longest step: a step prefilling a long prompt publishes its rows when it ends.
+            start_timeout_s: how long to wait for the first frame (default: ``timeout_s``; None: as long as it
+                takes, for a monitor started before any traffic).
+        """
+        frame = self.recv(timeout_s if start_timeout_s is _SAME else start_timeout_s)
+        while frame is not None:
+            last = time.monotonic()
             yield frame
+            left = None if timeout_s is None else max(0.0, last + timeout_s - time.monotonic())
+            frame = self.recv(left)
 
     @property
     def next_seq(self) -> dict[str, int]:
@@ -251,6 +303,18 @@ class MonitorClient:
         return dict(self.subscriber.next_seq) if self.subscriber is not None else {}
 
     # ---- commands ------------------------------------------------------------------------------------------------
+    def send(self, command: Any) -> Pending:
+        """Send a ``dynsteer.commands`` model without waiting for its ack (:meth:`Pending.result` collects it)."""
+        return Pending(self.commands.send(command), command, self.commands)
+
+    def send_all(self, commands: Sequence[Any], timeout_s: float = 30.0) -> list[CommandAck]:
+        """Send ``commands`` together, then collect their acks in order (rejections included, not raised): taken
+        at the same step where the engine's per-step budget allows, e.g. an abort and a steer for one frame. It
+        blocks until the engine steps: where this thread also steps the engine, use :meth:`send`."""
+        pending = [self.send(c) for c in commands]
+        deadline = time.monotonic() + timeout_s
+        return [p.ack(max(0.0, deadline - time.monotonic())) for p in pending]
+
     def abort(self, request: str, reason: str = "", timeout_s: float = 30.0) -> CommandAck:
         """Finish ``request`` (its stop reason names this monitor and ``reason``)."""
         return self.commands.call(AbortCommand(request=request, reason=reason), timeout_s)

@@ -6,12 +6,14 @@ Used by ``dynsteer monitor PROBE_FILE`` and ``examples/safety_monitor.py``.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from collections.abc import Iterator
 from typing import Any, Callable, Literal
 
 import numpy as np
 
+from dynsteer.commands import user_request_id
 from dynsteer.monitor.client import CommandError, MonitorClient, StreamFrame
 
 logger = logging.getLogger("dynsteer.monitor")
@@ -19,17 +21,30 @@ logger = logging.getLogger("dynsteer.monitor")
 
 @dataclass
 class ProbeMonitorStats:
+    """What a probe monitor saw and did (request ids are the engine's; :meth:`summary` shows the users')."""
+
     frames: int = 0
     rows: int = 0
     flagged: dict[str, int] = field(default_factory=dict)  # request id -> step of the command
     rejected: int = 0
+    commands: int = 0  # sent (applied: len(flagged); the rest rejected)
+    action: str = "abort"
+
+    def summary(self) -> str:
+        """One line: frames, rows, commands, and the requests acted on by the ids vLLM's outputs show."""
+        done = "aborted" if self.action == "abort" else "steered"
+        ids = ", ".join(user_request_id(r) for r in self.flagged) or "none"
+        return (f"{self.frames} frames, {self.rows} rows; {self.commands} commands ({len(self.flagged)} applied, "
+                f"{self.rejected} rejected); {done}: {ids}")
 
 
 def run_probe_monitor(monitor: MonitorClient, probe: Any, *, action: Literal["steer", "abort"] = "abort",
                       steer_spec: Any = None, threshold: float | None = None, place: str | None = None,
                       timeout_s: float | None = None, start_timeout_s: float | None = None,
                       target_class: int = 1, probe_name: str = "probe",
-                      on_flag: Callable[[str, StreamFrame, Any], None] | None = None) -> ProbeMonitorStats:
+                      on_flag: Callable[[str, StreamFrame, Any], None] | None = None,
+                      on_progress: Callable[[ProbeMonitorStats], None] | None = None,
+                      progress_s: float = 10.0, stats: ProbeMonitorStats | None = None) -> ProbeMonitorStats:
     """Watch ``monitor``'s streams with ``probe`` (a loaded ``dynsteer.probes`` Probe); each request whose score
     for ``target_class`` exceeds ``threshold`` gets one command: ``abort``, or ``steer`` with ``steer_spec``.
 
@@ -43,6 +58,9 @@ def run_probe_monitor(monitor: MonitorClient, probe: Any, *, action: Literal["st
         timeout_s: stop after this long without a frame, counted from the last frame (None: never).
         start_timeout_s: how long to wait for the first frame (None: as long as it takes; a long prefill or an idle
             engine sends none).
+        on_progress: called with the stats when a frame arrives, at most every ``progress_s`` seconds (at the
+            first frame too).
+        stats: filled in place and returned (pass one to keep the figures of a run stopped by ``KeyboardInterrupt``).
     """
     if target_class not in (0, 1):
         raise ValueError(f"target_class: 0 or 1, got {target_class!r}")
@@ -53,9 +71,14 @@ def run_probe_monitor(monitor: MonitorClient, probe: Any, *, action: Literal["st
     if threshold is None:
         threshold = sign * probe.meta.calibration.threshold if probe.meta.calibration is not None else 0.0
     place = place or f"{probe.layer}.{probe.site}"
-    stats = ProbeMonitorStats()
+    stats = stats if stats is not None else ProbeMonitorStats()
+    stats.action = action
+    reported = -float("inf")
     for frame in _frames(monitor, timeout_s, start_timeout_s):
         stats.frames += 1
+        if on_progress is not None and time.monotonic() - reported >= progress_s:
+            reported = time.monotonic()
+            on_progress(stats)
         values = frame.values.get(place)
         if values is None:
             continue
@@ -65,6 +88,7 @@ def run_probe_monitor(monitor: MonitorClient, probe: Any, *, action: Literal["st
             if req_id in stats.flagged:
                 continue
             top = float(score[frame.rows_of(req_id)].max())
+            stats.commands += 1
             try:
                 ack = (monitor.abort(req_id, reason=f"{probe_name} at {place} scored {top:.3f} for class "
                                                     f"{target_class} (threshold {threshold:.3f})")

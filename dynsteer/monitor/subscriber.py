@@ -171,6 +171,7 @@ class StreamSubscriber:
     def _wait(self, done: Callable[[], bool], timeout_s: float | None) -> bool:
         """Handle incoming messages (pinging when due) until ``done()`` or the timeout; raise a refusal."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        final = False
         while True:
             if self._error is not None:
                 error, self._error = self._error, None
@@ -179,7 +180,11 @@ class StreamSubscriber:
                 return True
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                return False
+                if final or not self._sock.poll(0, zmq.POLLIN):
+                    return False
+                final = True  # what reached the socket by the deadline counts (a caller may have been busy)
+                self._drain()
+                continue
             self._flush_acks(force=True)  # about to wait: the hub may be holding messages back for these acks
             if self._retry_at and now >= self._retry_at:
                 self._retry_at = 0.0
