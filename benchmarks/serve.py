@@ -173,6 +173,41 @@ async def batch(url: str, n: int, concurrency: int, n_in: int, n_out: int, vocab
     return out
 
 
+class Profiler:
+    """py-spy (``--py-spy PATH``) attached to every process of a server while one batch runs: raw collapsed stacks
+    per process (API server, engine core, workers) under ``out``, for the profile pass after the timed rounds."""
+
+    def __init__(self, exe: str, out: Path) -> None:
+        self.exe, self.out = exe, out
+        self.procs: list[Any] = []
+
+    def start(self, server: Server, tag: str) -> None:
+        import subprocess
+
+        import psutil
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        root = psutil.Process(server.proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            name = p.name().replace("::", "-").replace(" ", "_") or "proc"
+            self.procs.append(subprocess.Popen(
+                [self.exe, "record", "-p", str(p.pid), "-f", "raw", "-r", "100", "-o",
+                 str(self.out / f"{tag}-{name}-{p.pid}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(1.0)  # attached before the traffic starts
+
+    def stop(self) -> None:
+        import signal
+
+        for p in self.procs:
+            p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        for p in self.procs:
+            try:
+                p.wait(60)
+            except Exception:  # noqa: BLE001 - a profiler that hangs must not hang the benchmark
+                p.kill()
+        self.procs = []
+
+
 def http(url: str, method: str, path: str, body: dict | None) -> Any:
     import urllib.request
 
@@ -259,6 +294,9 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--label", default="")
     ap.add_argument("--plot")
+    ap.add_argument("--py-spy", help="py-spy executable: after the rounds, profile --profile entries once each")
+    ap.add_argument("--profile", nargs="+", default=["vllm", "dynsteer:none"], metavar="ENTRY",
+                    help="entries to profile (e.g. vllm dynsteer:reports), at the largest concurrency")
     ap.add_argument("--keep-logs", action="store_true", help="copy the servers' logs beside the report")
     ap.add_argument("--from-json", help="re-print (and --plot) a report")
     args = ap.parse_args()
@@ -350,6 +388,18 @@ def main() -> int:
             report["summary"] = summarise(report)
             report["rounds_done"] = r + 1
             save_json(path, report)
+        if args.py_spy:  # not timed: py-spy's sampling slows what it watches
+            profiler = Profiler(args.py_spy, Path(args.out) / f"{path.stem}-profiles")
+            conc, n = args.concurrency[-1], requests[-1]
+            for key in args.profile:
+                server, _, mix = key.partition(":")
+                profiler.start(servers[server], key.replace(":", "-"))
+                try:
+                    res = run_entry(server, mix or "none", conc, n, args.output_tokens)
+                finally:
+                    profiler.stop()
+                report.setdefault("profiled", {})[key] = res
+                print(f"[serve] profiled {key} at c={conc}: {res.get('tok_s')} tok/s", flush=True)
     finally:
         for s in servers.values():
             s.stop()
