@@ -293,5 +293,6 @@ def test_cli_errors_name_the_option_and_line(tmp_path, tiny_llama_path):
     assert res.exit_code == 2 and "--model" in res.output and "(d_model) 64" in res.output and "128" in res.output
     res = runner.invoke(app, base + ["--feature", "3", "--norm", "2"])
     assert res.exit_code == 0, res.output
+    assert "W_dec [d_sae, d_model]" in res.output
     back = SteeringVectors.load(out)
     assert back.layers == [1] and back.meta["features"] == [3] and np.isclose(back.norms[1], 2.0, rtol=1e-6)

@@ -115,7 +115,9 @@ def make(
     for k, v in made.norms.items():
         table.add_row(str(k), f"{v:.4g}")
     console.print(table)
-    console.print(f"wrote {out} ({made.hidden_size} dimensions, model {made.model_id or '?'})")
+    if "sae_layout" in made.meta:  # which of the two decoder layouts the file held
+        typer.echo(f"decoder read from {made.meta['sae']}: {made.meta['sae_layout']}")
+    typer.echo(f"wrote {out} ({made.hidden_size} dimensions, model {made.model_id or '?'})")
 
 
 def _from_pairs(method: str, pairs: Path, model: str, layers: list[int], site: str, positions: Any,
