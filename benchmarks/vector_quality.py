@@ -1,9 +1,10 @@
-"""Does a CAA vector from ≤64 contrastive pairs steer a concept better than a random direction of the same norm, at the
-same fluency? SmolLM2-135M-Instruct on CPU (float32), minutes.
+"""Does a CAA vector from ≤64 contrastive pairs steer a concept better than a random direction of the same norm, at
+the same fluency? SmolLM2-135M-Instruct on CPU (float32), minutes.
 
-Method: ``dynsteer.make.from_pairs`` on ``examples/data/sentiment_pairs.jsonl`` (64 pairs, chat template, last
-prompt token) at ``--layer``; random directions (``--random-seeds`` of them) rescaled to the same norm. Each vector is
-added at ``--norms`` (its L2 norm rescaled to each) with sign + and −, to neutral chat prompts, greedy. Per setting:
+Method: ``dynsteer.make.from_pairs`` on ``examples/data/sentiment_pairs.jsonl`` (64 pairs, chat template; one vector
+per ``--positions``: the last prompt token, the mean over all prompt tokens) at ``--layer``; random directions
+(``--random-seeds`` of them). Each direction is added at each of ``--norms`` (rescaled to that L2 norm) with sign +
+and −, to neutral chat prompts, greedy. Per setting:
 
 * concept: the sentiment word score of the replies (positive − negative sentiment words per 100 words, the word
   lists of ``dynsteer demo``); the swing is score(+) − score(−), which is about 0 for a direction that carries no
@@ -60,9 +61,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layer", type=int, default=15)
     ap.add_argument("--norms", type=float, nargs="+", default=[16.0, 32.0])
-    ap.add_argument("--random-seeds", type=int, default=3)
+    ap.add_argument("--random-seeds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--positions", default="last")
+    ap.add_argument("--positions", nargs="+", default=["last", "all"],
+                    help="where the pairs are read, one CAA vector each: last, all or K (mean over the last K)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
@@ -80,10 +82,13 @@ def main() -> None:
               **dynsteer.DynsteerConfig(capture_sites=("post_block",)).engine_kwargs())
     st = dynsteer.attach(llm)
     pairs = read_pairs(REPO / "examples" / "data" / "sentiment_pairs.jsonl")
-    positions = args.positions if args.positions in ("last", "all") else int(args.positions)
-    caa = from_pairs(st, pairs, layers=[args.layer], positions=positions).vectors[args.layer].astype(np.float64)
-    print(f"CAA from {len(pairs)} pairs at layer {args.layer}: norm {np.linalg.norm(caa):.2f} "
-          f"({time.time() - t0:.0f} s)")
+    caas: dict[str, np.ndarray] = {}
+    for text in args.positions:
+        positions = text if text in ("last", "all") else int(text)
+        caas[f"caa-{text}"] = from_pairs(st, pairs, layers=[args.layer],
+                                         positions=positions).vectors[args.layer].astype(np.float64)
+        print(f"CAA from {len(pairs)} pairs at layer {args.layer}, positions {text}: norm "
+              f"{np.linalg.norm(caas[f'caa-{text}']):.2f} ({time.time() - t0:.0f} s)", flush=True)
     tok = llm.get_tokenizer()
     prompt_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                      tokenize=False), add_special_tokens=False) for p in PROMPTS]
@@ -99,16 +104,16 @@ def main() -> None:
 
     rows = [{"direction": "none", "norm": 0.0, "sign": 0, **run(None)}]
     rng = np.random.default_rng(0)
-    directions = [("caa", caa / np.linalg.norm(caa))]
+    directions = [(name, v / np.linalg.norm(v)) for name, v in caas.items()]
     for s in range(args.random_seeds):
-        r = rng.standard_normal(caa.shape[0])
+        r = rng.standard_normal(st.hidden_size)
         directions.append((f"random{s}", r / np.linalg.norm(r)))
     for name, unit in directions:
         for norm in args.norms:
             for sign in (1, -1):
                 rows.append({"direction": name, "norm": norm, "sign": sign, **run(sign * norm * unit)})
                 r = rows[-1]
-                print(f"{name:8s} {sign * norm:+6.1f}  concept {r['concept']:+6.2f}  fluency {r['fluency']:.3f}  "
+                print(f"{name:10s} {sign * norm:+6.1f}  concept {r['concept']:+6.2f}  fluency {r['fluency']:.3f}  "
                       f"| {r['sample'][:70]!r}", flush=True)
     print("\nswing = concept(+) − concept(−); fluency = mean of the two signs (base "
           f"{rows[0]['fluency']:.3f}, concept {rows[0]['concept']:+.2f})")
@@ -119,11 +124,14 @@ def main() -> None:
                            for s in (1, -1))
             summary.append({"direction": name, "norm": norm, "swing": plus["concept"] - minus["concept"],
                             "fluency": (plus["fluency"] + minus["fluency"]) / 2})
-            print(f"{name:8s} norm {norm:5.1f}: swing {summary[-1]['swing']:+6.2f}  fluency {summary[-1]['fluency']:.3f}")
+            print(f"{name:10s} norm {norm:5.1f}: swing {summary[-1]['swing']:+6.2f}  "
+                  f"fluency {summary[-1]['fluency']:.3f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"layer": args.layer, "n_pairs": len(pairs), "positions": positions,
-                                        "caa_norm": float(np.linalg.norm(caa)), "rows": rows, "summary": summary},
+        args.out.write_text(json.dumps({"layer": args.layer, "n_pairs": len(pairs), "prompts": len(PROMPTS),
+                                        "max_tokens": args.max_tokens,
+                                        "caa_norms": {k: float(np.linalg.norm(v)) for k, v in caas.items()},
+                                        "rows": rows, "summary": summary},
                                        indent=2) + "\n")
         print(f"wrote {args.out}")
     print(f"{time.time() - t0:.0f} s")

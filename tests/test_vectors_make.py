@@ -17,7 +17,7 @@ from dynsteer.make import SteeringVectors, from_pairs, from_probe, from_sae
 from dynsteer.make.contrast import render
 from dynsteer.spec import AddVector, SteeringSpec
 from dynsteer.vectors import load_vector
-from dynsteer.vectors.directions import mean_difference, pca_direction
+from dynsteer.vectors.directions import pca_direction
 from dynsteer.vectors.pairs import pairs_sha256, parse_pairs, read_pairs
 from dynsteer.vectors.sae import load_sae_decoder
 from tests.conftest import make_llm, token_ids
