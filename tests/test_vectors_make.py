@@ -72,6 +72,14 @@ def test_pairs_files_name_the_line_and_key(tmp_path):
     assert pairs_sha256(same) != pairs_sha256(parse_pairs([{"positive": "a", "negative": "c"}]))
 
 
+def test_the_example_pairs_file_reads():
+    from pathlib import Path
+
+    pairs = read_pairs(Path(__file__).resolve().parents[1] / "examples" / "data" / "sentiment_pairs.jsonl")
+    assert len(pairs) == 64 and len({p.positive for p in pairs}) == len({p.negative for p in pairs}) == 64
+    assert all(p.positive != p.negative for p in pairs)
+
+
 def write_sae(folder, W, key="W_dec", cfg=None):
     from safetensors.numpy import save_file
 
