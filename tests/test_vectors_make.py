@@ -304,3 +304,21 @@ def test_cli_errors_name_the_option_and_line(tmp_path, tiny_llama_path):
     assert "W_dec [d_sae, d_model]" in res.output
     back = SteeringVectors.load(out)
     assert back.layers == [1] and back.meta["features"] == [3] and np.isclose(back.norms[1], 2.0, rtol=1e-6)
+
+
+def test_cli_makes_a_probe_file_vector(tmp_path, tiny_llama_path):
+    from dynsteer.probes import save_probe
+
+    w = np.random.default_rng(4).standard_normal(128)
+    probe = save_probe(tmp_path / "p.safetensors", w, -0.5, model_id="tiny", layer=3, method="LogisticProbe")
+    out = tmp_path / "v.safetensors"
+    res = runner.invoke(app, ["vector", "make", "--method", "probe", "--probe", str(probe), "--norm", "5",
+                              "--model", str(tiny_llama_path), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    back = SteeringVectors.load(out)
+    assert (back.layers, back.site, back.method, back.model_id) == ([3], "post_block", "probe", "tiny")
+    np.testing.assert_allclose(back.vectors[3], 5 * w / np.linalg.norm(w), rtol=1e-5, atol=1e-6)
+    assert back.meta == {"probe": "p.safetensors", "probe_method": "LogisticProbe", "rescaled_to": 5.0}
+    res = runner.invoke(app, ["vector", "make", "--method", "probe", "--probe", str(tmp_path / "none"), "--out",
+                              str(out)])
+    assert res.exit_code == 2 and "--probe" in res.output

@@ -21,9 +21,11 @@ def from_probe(path: str | Path, *, norm: float | None = None) -> SteeringVector
     """
     probe = load_probe(path)
     direction = probe.gate_params().probe
+    meta = {"probe": Path(path).name, "probe_method": probe.meta.method}
+    if norm is not None:
+        meta["rescaled_to"] = float(norm)
     return SteeringVectors(vectors={probe.layer: rescale(direction, norm if norm is not None else 1.0)},
-                           site=probe.site, model_id=probe.meta.model_id, method="probe",
-                           meta={"probe": Path(path).name, "probe_method": probe.meta.method})
+                           site=probe.site, model_id=probe.meta.model_id, method="probe", meta=meta)
 
 
 def from_sae(path: str | Path, features: Sequence[int], *, coefficients: Sequence[float] | None = None,
