@@ -128,6 +128,10 @@ from dynsteer.cli.probe import probe_app  # noqa: E402 - `dynsteer probe train|e
 
 app.add_typer(probe_app, name="probe")
 
+from dynsteer.cli.vector import vector_app  # noqa: E402 - `dynsteer vector make`
+
+app.add_typer(vector_app, name="vector")
+
 
 @app.command()
 def version() -> None:

@@ -111,14 +111,16 @@ def chat_prompts(llm: Any, prompts: Sequence[str]) -> list[dict[str, list[int]]]
     return out
 
 
-def collect(steerer: Any, prompts: Sequence[str], labels: Sequence[Any] | np.ndarray | None = None, *,
+def collect(steerer: Any, prompts: Sequence[Any], labels: Sequence[Any] | np.ndarray | None = None, *,
             layers: Iterable[int], site: Site = "post_block", positions: Positions = "last_prompt",
-            batch_size: int = 32, progress: bool = True, chat: bool = False) -> Activations:
+            batch_size: int = 32, progress: bool = True, chat: bool = False, last_k: int | None = None
+            ) -> Activations:
     """Run ``prompts`` through the engine and return their residuals at ``layers`` × ``site``.
 
     Args:
         steerer: ``dynsteer.attach(llm)`` of an engine with capture buffers at ``(layers, site)``.
-        prompts: input texts.
+        prompts: input texts (or engine prompts such as ``{"prompt_token_ids": [...]}``, sent as they are without
+            ``chat``).
         labels: one label per prompt (kept as ``Activations.y``), or ``None``.
         layers: decoder layers to read.
         site: residual site (``pre_attn``, ``post_attn``, ``post_block``).
@@ -129,6 +131,8 @@ def collect(steerer: Any, prompts: Sequence[str], labels: Sequence[Any] | np.nda
         progress: show a tqdm progress bar over batches.
         chat: wrap each prompt as a user message with the model's chat template (generation prompt appended), so the
             residual is read where the assistant would start answering.
+        last_k: with a multi-position selector (``all_prompt``), average only the last ``last_k`` selected positions
+            of each prompt (all of them when the prompt is shorter).
 
     Raises:
         ValueError: label count differs from prompt count, the places have no capture buffers, or a prompt captured
@@ -144,9 +148,12 @@ def collect(steerer: Any, prompts: Sequence[str], labels: Sequence[Any] | np.nda
         raise ValueError(f"got {len(y)} labels for {len(prompts)} prompts")
     if positions in ("all_generated",):
         raise ValueError("positions='all_generated' captures nothing with max_tokens=1; use a prompt selector")
+    if last_k is not None and (positions == "last_prompt" or last_k < 1):
+        raise ValueError(f"last_k: {last_k}; give a count >= 1 with a multi-position selector such as 'all_prompt'")
     spec = CaptureSpec(layers=layers, sites=(site,), positions=positions)
     spec.check(steerer.shape, steerer.capture_places)  # fail before the first batch, naming the config fix
     inputs: list[Any] = chat_prompts(steerer.llm, prompts) if chat else prompts
+    keep = slice(-last_k if last_k is not None else None, None)  # positions are ascending: the last k rows
     params = SamplingParams(temperature=0.0, max_tokens=1)
     rows: dict[int, list[np.ndarray]] = {layer: [] for layer in layers}
     counts: list[int] = []
@@ -158,10 +165,10 @@ def collect(steerer: Any, prompts: Sequence[str], labels: Sequence[Any] | np.nda
             if cap is None or cap.status == "error" or len(cap.positions) == 0:
                 why = "no capture" if cap is None else (cap.errors or "no positions selected")
                 raise ValueError(f"prompt {start + i}: nothing captured ({why})")
-            counts.append(len(cap.positions))
+            counts.append(len(cap.positions[keep]))
             for layer in layers:
                 # float64 accumulation for the mean; stored as float32 like the capture itself
-                rows[layer].append(cap[(layer, site)].astype(np.float64).mean(0).astype(np.float32))
+                rows[layer].append(cap[(layer, site)][keep].astype(np.float64).mean(0).astype(np.float32))
     X = {layer: np.stack(r) if r else np.zeros((0, steerer.hidden_size), np.float32) for layer, r in rows.items()}
     return Activations(X=X, y=y, site=site, model_id=steerer.shape.model_id, hidden_size=steerer.hidden_size,
                        positions=positions, n_positions=np.asarray(counts, dtype=np.int64))

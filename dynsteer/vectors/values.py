@@ -1,21 +1,16 @@
-"""Vectors as values: conversion, a compact binary wire form, and the steering-vector file format.
+"""Vectors as values: conversion and a compact binary wire form.
 
 Inline vectors never travel as JSON float lists: on the wire and in JSON they are ``{"b64": <little-endian float32>}``.
-Steering-vector files are safetensors with JSON metadata (architecture §7).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import json
-from pathlib import Path
 from typing import Annotated, Any, Mapping
 
 import numpy as np
 from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
-
-VECTOR_FILE_FORMAT = "dynsteer.vector/1"
 
 
 def as_vector(value: Any) -> np.ndarray:
@@ -75,36 +70,3 @@ Vector = Annotated[
     WithJsonSchema({"type": "object", "properties": {"b64": {"type": "string"}}, "required": ["b64"]}),
 ]
 """A pydantic field type for vectors: accepts lists/arrays/tensors/packed dicts; serialises to the packed form."""
-
-
-def save_vector(path: str | Path, vectors: Mapping[int, Any], *, site: str = "post_block", model_id: str = "",
-                method: str = "", **extra: Any) -> None:
-    """Write per-layer steering vectors to a safetensors file with metadata.
-
-    Args:
-        path: output file.
-        vectors: ``{layer: vector}``.
-        site: the site the vectors were made for.
-        model_id: the model they belong to.
-        method: how they were made (e.g. ``"mean difference, 60 sentences"``).
-    """
-    from safetensors.numpy import save_file
-
-    tensors = {f"layer.{int(k)}": as_vector(v) for k, v in vectors.items()}
-    meta = {"format": VECTOR_FILE_FORMAT, "site": site, "model_id": model_id, "method": method,
-            "layers": json.dumps(sorted(int(k) for k in vectors)), **{k: str(v) for k, v in extra.items()}}
-    tmp = Path(str(path) + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
-
-
-def load_vector(path: str | Path) -> tuple[dict[int, np.ndarray], dict[str, str]]:
-    """Read a file written by :func:`save_vector`: ``({layer: vector}, metadata)``."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="numpy") as f:
-        meta = dict(f.metadata() or {})
-        if meta.get("format") != VECTOR_FILE_FORMAT:
-            raise ValueError(f"{path}: not a dynsteer vector file (format={meta.get('format')!r})")
-        out = {int(k.split(".", 1)[1]): f.get_tensor(k).astype(np.float32) for k in f.keys()}
-    return out, meta
