@@ -382,11 +382,13 @@ def test_sigkilled_subscriber_resumes_without_gaps(hubs: Callable[..., StreamHub
         wait_until(lambda: len(seqs_in(first_out)) >= 100, timeout_s=60, what="the first subscriber's frames")
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(10)
+        at_kill = len(durations)
         time.sleep(0.3)  # publishing goes on without the subscriber: its messages are dropped past max_pending
         first = seqs_in(first_out)
         assert first == list(range(first[0], first[0] + len(first)))
         # Room for the live messages that arrive while it works through the replayed backlog (``drop`` would
         # otherwise drop them: the policy bounds the live backlog, not the resume's replays).
+        while_dead = len(durations) - at_kill
         resumed = spawn(second_out, {"a": first[-1] + 1}, 1 << 16)
         try:
             wait_until(lambda: len(seqs_in(second_out)) >= 200, timeout_s=60, what="the resumed subscriber")
@@ -404,7 +406,9 @@ def test_sigkilled_subscriber_resumes_without_gaps(hubs: Callable[..., StreamHub
         if victim.poll() is None:
             victim.kill()
     assert seqs_in(second_out) == list(range(first[-1] + 1, head)), "every following seq, no gap, no repeat"
-    assert max(durations) < 0.1, f"a drop-policy publish took {max(durations) * 1000:.1f} ms"
+    # a drop-policy publish never waits for a subscriber: publishing went on while this one was dead (how fast is
+    # benchmarks/hostile_hub.py's question, not a test's)
+    assert while_dead >= 10, f"{while_dead} publishes while the subscriber was dead"
     stats = hub.stats()
     assert_identity(stats)
     c = counters(stats, "victim")
