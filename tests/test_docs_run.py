@@ -127,7 +127,9 @@ def placeholders(model: Path) -> dict[str, Any]:
     h = transformers_hidden(model)
     rows = list(csv.DictReader((ROOT / "examples" / "data" / "sentiment.csv").open()))
     return {"model": str(model), "prompts": ["The weather today is", "My order arrived", "Once upon a time"],
-            "params": SamplingParams(max_tokens=8, temperature=0), "vec": unit(h, 1) * 4, "positive": unit(h, 2) * 4,
+            "params": SamplingParams(max_tokens=8, temperature=0),
+            # norm 32: a residual of this random model is large; smaller vectors leave its greedy tokens unchanged
+            "vec": unit(h, 1) * 32, "positive": unit(h, 2) * 32,
             "direction": unit(h, 3), "refusal_dir": unit(h, 4), "w": unit(h, 5),
             # no row crosses: the monitor's loop reads every frame and sends nothing (a command sent after the
             # engine's last step would wait for an ack until its timeout; the command path has its own tests)
