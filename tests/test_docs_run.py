@@ -25,12 +25,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import mktestdocs
 import numpy as np
 import pytest
 
 from tests.conftest import ENGINE_DEFAULTS, served
 
-mktestdocs = pytest.importorskip("mktestdocs")
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -266,6 +266,16 @@ def _steered_differs(ns: dict[str, Any]) -> None:
     assert steered != unsteered  # the same prompt, steered and not, in one batch
 
 
+def _report_as_shown(ns: dict[str, Any]) -> None:
+    """The dynamic guide's report example has the keys of a real report (its values are illustrative)."""
+    shown = eval(blocks(ROOT / "docs" / "guides" / "dynamic.md")[1][1], {})  # noqa: S307 - the page's own literal
+    out = ns["steerer"].generate(ns["prompts"][:1], ns["params"], policy=ns["policy"], report="tokens")[0]
+    real = out.outputs[0].dynsteer
+    assert set(shown) == set(real), (shown, real)
+    assert set(shown["summary"]) == set(real["summary"]), real["summary"]
+    assert set(shown["summary"]["rules"][0]) == set(real["summary"]["rules"][0]), real["summary"]
+
+
 def _reported(ns: dict[str, Any]) -> None:
     report = ns["outs"][0].outputs[0].dynsteer
     assert report["monitors"] == ["neg"] and len(report["gate"]) == len(ns["outs"][0].outputs[0].token_ids), report
@@ -274,6 +284,7 @@ def _reported(ns: dict[str, Any]) -> None:
 # what a page's last results must show beyond running (the namespace after its blocks)
 CHECKS = {"docs/quickstart.md": _steered_differs,
           "README.md": _reported,
+          "docs/guides/dynamic.md": _report_as_shown,
           "docs/guides/probes.md": lambda ns: ns["best"] in range(4, 30, 2) or pytest.fail(f"best layer {ns['best']}"),
           "docs/guides/capture.md": lambda ns: ns["outs"][0].capture[(15, "post_block")].shape[1] == 128
           or pytest.fail("capture shape")}
