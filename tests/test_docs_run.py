@@ -42,6 +42,10 @@ SKIP = {
     ("docs/development.md", "bash scripts/test.sh"): "this very test suite (.ci/run runs it)",
     ("docs/quickstart.md", "bash scripts/setup.sh"): "the set-up (.ci/run runs it) and the SmolLM2 demo "
                                                      "(tests/test_smollm2.py, tests/test_doctor.py)",
+    ("docs/guides/sweeps.md",
+     "dynsteer sweep examples/sweeps/policy-gated.yaml --prompts examples/sweeps/prompts.jsonl"):
+        "the example's own command on SmolLM2, which tests/test_sweep.py runs (this block is that command: "
+        "test_the_sweep_block_is_the_example_command)",
 }
 
 
@@ -57,14 +61,34 @@ def rel(page: Path) -> str:
 
 
 def skipped(page: Path, src: str) -> str | None:
-    return SKIP.get((rel(page), src.strip().splitlines()[0].split("#")[0].strip()))
+    return SKIP.get((rel(page), first_line(src)))
+
+
+def first_line(src: str) -> str:
+    """A block's first line without its comment or line continuation (how :data:`SKIP` names blocks)."""
+    return src.strip().splitlines()[0].split("#")[0].strip().rstrip("\\").strip()
 
 
 def test_the_skip_list_stays_small_and_names_existing_blocks():
-    assert len(SKIP) <= 3, "every docs block runs; a skip needs a reason no server or tiny model can meet"
-    firsts = {(rel(p), src.strip().splitlines()[0].split("#")[0].strip()) for p in PAGES for _, src in blocks(p)}
+    assert len(SKIP) <= 4, "every docs block runs; a skip needs a reason no server or tiny model can meet"
+    firsts = {(rel(p), first_line(src)) for p in PAGES for _, src in blocks(p)}
     assert set(SKIP) <= firsts, set(SKIP) - firsts
     assert sum(len(blocks(p)) for p in PAGES) >= 20  # the collection finds the pages' blocks
+
+
+def test_the_sweep_block_is_the_example_command():
+    """The sweeps guide's command is the one in examples/sweeps/policy-gated.yaml's header (tests/test_sweep.py runs
+    that), up to where it writes."""
+    def words(text: str) -> list[str]:
+        w = shlex.split(text.replace("\\\n", " "))
+        return [x for i, x in enumerate(w) if x != "--out" and (i == 0 or w[i - 1] != "--out")]
+
+    block = next(src for lang, src in blocks(ROOT / "docs" / "guides" / "sweeps.md") if lang == "bash")
+    header = "\n".join(ln.lstrip("#").strip() for ln in
+                       (ROOT / "examples" / "sweeps" / "policy-gated.yaml").read_text().splitlines()
+                       if ln.startswith("#"))
+    command = re.search(r"dynsteer sweep (?:.*\\\n)*.*", header).group(0)
+    assert words(block) == words(command), (block, command)
 
 
 # ---- what the pages assume a reader has ------------------------------------------------------------------------------
@@ -89,24 +113,12 @@ def deep_model(tiny_llama_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, deep_model):
-    """The reader's directory: a vector body, a policy and a prompt file for the shell blocks, ``examples/``."""
+    """The reader's directory: a vector body for the shell blocks, ``examples/``."""
     d = tmp_path_factory.mktemp("docs-run")
     h = transformers_hidden(deep_model)
     (d / "joy.json").write_text(json.dumps({"name": "joy", "vector": unit(h, 1).tolist()}))
     (d / "examples").symlink_to(ROOT / "examples")
-    (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "label": lab}) + "\n" for p, lab in (
-        ("My order arrived broken and nobody answers.", "negative"), ("What a lovely walk in the park.", "positive"))))
     return d
-
-
-def write_policy(workdir: Path, model: Path) -> None:
-    """policy.yaml for the sweep: the dynamic guide's policy, its gate the probe the probes guide trained."""
-    from dynsteer import Action, DynamicSteeringPolicy, ProbeGate, Rule
-
-    gate = ProbeGate.from_probe_file(workdir / "sentiment.safetensors", name="neg", target_class=0)
-    policy = DynamicSteeringPolicy(monitors=[gate], rules=[Rule(monitor="neg", gate_floor=0.5, actions=[
-        Action(kind="add", layer=20, vector=unit(transformers_hidden(model), 2) * 4, scale=4.0)])])
-    (workdir / "policy.yaml").write_text(policy.to_yaml())
 
 
 def transformers_hidden(model: Path) -> int:
@@ -242,7 +254,6 @@ def run_bash(src: str, page: Path, url: str, workdir: Path, deep_model: Path) ->
         rest.append(line)
     host = url.removeprefix("http://")
     script = "\n".join(rest).replace("http://127.0.0.1:8000", url).replace("localhost:8000", host)
-    script = re.sub(r"--model MODEL\b", f"--model {deep_model}", script)
     env = {**os.environ, "KEY": KEY, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(["bash", "-eu", "-o", "pipefail", "-c", script], cwd=workdir, env=env, capture_output=True,
@@ -256,8 +267,7 @@ def run_bash(src: str, page: Path, url: str, workdir: Path, deep_model: Path) ->
 PYTHON_PAGES = [p for p in PAGES if any(lang == "python" and not skipped(p, s) for lang, s in blocks(p))]
 BASH_BLOCKS = [(p, i, s) for p in PAGES for i, (lang, s) in enumerate(blocks(p)) if lang == "bash"]
 # pages whose blocks read a file another page's blocks write (the probes guide trains sentiment.safetensors)
-NEEDS = {"README.md": "docs/guides/probes.md", "docs/guides/dynamic.md": "docs/guides/probes.md",
-         "docs/guides/sweeps.md": "docs/guides/probes.md"}
+NEEDS = {"README.md": "docs/guides/probes.md", "docs/guides/dynamic.md": "docs/guides/probes.md"}
 
 
 
@@ -306,8 +316,6 @@ def test_bash_blocks_run(request, page, index, src, workdir, deep_model):
         pytest.skip(reason)
     if rel(page) in NEEDS:
         request.getfixturevalue("session")(ROOT / NEEDS[rel(page)])
-    if "policy.yaml" in src:
-        write_policy(workdir, deep_model)
     url = request.getfixturevalue("server") if "dynsteer serve" in src or "localhost:8000" in src else ""
     out = run_bash(src, page, url, workdir, deep_model)
     if "/v1/completions" in src:  # curl prints the replies back to back
