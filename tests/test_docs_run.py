@@ -184,8 +184,9 @@ def session(deep_model, workdir):
     frames = MonitorClient.frames
     mp = pytest.MonkeyPatch()
     mp.setattr(vllm, "LLM", engines)
-    mp.setattr(MonitorClient, "frames", lambda self, timeout_s=None: frames(self, 5.0 if timeout_s is None else
-                                                                             timeout_s))
+    # a monitor's loop waits forever by default; here it ends 5 s after the engine's last frame (60 s for the first)
+    mp.setattr(MonitorClient, "frames", lambda self, timeout_s=None, start_timeout_s=None: frames(
+        self, 5.0 if timeout_s is None else timeout_s, 60.0 if start_timeout_s is None else start_timeout_s))
     mp.chdir(workdir)
 
     def run(page: Path) -> dict[str, Any]:
