@@ -35,7 +35,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Stric
 from dynsteer._deprecated import renamed
 from dynsteer.config import DEFAULT_LIMITS, CommandOp, Limits, check_shape
 from dynsteer.policy import DynamicSteeringPolicy, gate_param_problem
-from dynsteer.spec import Real, SteeringSpec, SteeringValidationError
+from dynsteer.spec import Real, SteeringSpec, SteeringValidationError, error_text, field_path
 
 COMMAND_VERSION = 1
 MAX_COMMAND_BYTES = 8 << 20  # a command may carry inline vectors; bounded further by Limits.max_payload_bytes
@@ -230,13 +230,10 @@ def parse_command(obj: Any, limits: Limits | None = DEFAULT_LIMITS) -> CommandEn
         return _ENVELOPE.validate_python(obj)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = [p for p in err["loc"] if isinstance(p, int) or (isinstance(p, str) and p.isidentifier())]
+        loc = list(err["loc"])
         if len(loc) > 1 and loc[0] == "command" and loc[1] in COMMAND_OPS:
             del loc[1]  # pydantic names the union branch (the op) in the location: not a field
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "message"
-        msg = str(err["msg"])
-        msg = msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
-        raise SteeringValidationError(f"{where}: {msg}") from None
+        raise SteeringValidationError(f"{field_path(loc) or 'message'}: {error_text(err)}") from None
     except (RecursionError, TypeError, ValueError) as exc:
         raise SteeringValidationError(f"message: cannot be validated ({exc!r})") from None
 

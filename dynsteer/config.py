@@ -302,12 +302,12 @@ class Preset(BaseModel):
     def _placeholders(self) -> "Preset":
         for name in self.params:
             if not PARAM_PATTERN.fullmatch(name):
-                raise ValueError(f"params[{name!r}]: parameter names are letters, digits and '_' (at most 64)")
+                raise ValueError(f"params: parameter name {name!r} is not letters, digits and '_' (at most 64)")
         used = placeholders({"spec": self.spec, "policy": self.policy})
         if undeclared := sorted(used - set(self.params)):
             raise ValueError(f"'${undeclared[0]}' is not a declared parameter (declare it in params)")
         if unused := sorted(set(self.params) - used):
-            raise ValueError(f"params[{unused[0]!r}]: no '${unused[0]}' placeholder uses it")
+            raise ValueError(f"params.{unused[0]}: no '${unused[0]}' placeholder uses it")
         return self
 
 

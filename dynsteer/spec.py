@@ -83,6 +83,30 @@ class SteeringValidationError(ValueError):
     """A steering spec or payload does not fit the model; the message names the offending field."""
 
 
+def field_path(parts: Any) -> str:
+    """A field's path as every dynsteer error names it: ``spec.vectors[0].layer`` (list indices in brackets).
+
+    ``parts`` is a pydantic error location; the names pydantic gives union branches and wrappers
+    (``float``, ``literal['a','b']``, ``function-after[...]``) are not fields and are left out."""
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif isinstance(p, str) and p.isidentifier() and p not in _UNION_BRANCHES:
+            out += f".{p}"
+    return out.lstrip(".")
+
+
+# the names pydantic gives a union's plain-type branches in a location ("default.float"); no dynsteer field has them
+_UNION_BRANCHES = frozenset({"int", "float", "str", "bool", "bytes", "none", "list", "dict", "tuple", "set"})
+
+
+def error_text(err: Any) -> str:
+    """A pydantic error's message without the ``Value error, `` prefix (the field is named before the colon)."""
+    msg = str(err["msg"])
+    return msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 

@@ -57,3 +57,18 @@ def test_every_docs_page_is_in_the_nav_and_the_site_builds_strictly(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "guides" / "dynamic" / "index.html").exists()
+    # the reference pages are generated from the code: every steering route, the schemas, the API's public names
+    from dynsteer.engine.server import SteeringEndpoints
+
+    http = (tmp_path / "site" / "reference" / "http" / "index.html").read_text()
+    for route in SteeringEndpoints().router().routes:
+        for method in route.methods:
+            assert re.search(rf"<code>{method}</code>\s*</td>\s*<td><code>{re.escape(route.path)}</code>", http), (
+                method, route.path)
+    schema = (tmp_path / "site" / "reference" / "schema" / "index.html").read_text()
+    assert "ProjectionClamp" in schema and "target_class" in schema and "\"$defs\"" in schema
+    python = (tmp_path / "site" / "reference" / "python" / "index.html").read_text()
+    import dynsteer
+
+    missing = [n for n in dynsteer.__all__ if n not in ("SITES", "TIERS") and f'id="dynsteer.{n}"' not in python]
+    assert not missing, f"public names without a reference entry: {missing}"

@@ -8,6 +8,7 @@ One server per module (tiny Llama on CPU, ``--api-key`` set, a preset in the eng
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -204,20 +205,22 @@ def test_encode_and_validate(server, baseline):
     assert status == 200, reply
     assert reply["request"]["spec"]["vectors"][0]["scale"] == 3.0 and reply["request"]["tag"] == "enc-1"
     assert [s["source"] for s in reply["effective"]["specs"]] == ["request"] and reply["packed"] == reference
-    for body, field in (({"spec": {"vectors": [{"layer": "x", "vector": v}]}}, "steering.spec.vectors.0.layer"),
-                        ({"spec": {"vectors": [{"layer": 9, "vector": v}]}}, "steering.spec.vectors[0].layer"),
-                        ({"preset": "joy", "params": {"scale": 99}}, "steering.params.scale"),
-                        ({"spec": {"bogus": 1}}, "steering.spec.bogus")):
+    for body, field, fit in (({"spec": {"vectors": [{"layer": "x", "vector": v}]}}, "steering.spec.vectors[0].layer",
+                              False),
+                             ({"spec": {"vectors": [{"layer": 9, "vector": v}]}}, "steering.spec.vectors[0].layer",
+                              True),
+                             ({"preset": "joy", "params": {"scale": 99}}, "steering.params.scale", False),
+                             ({"spec": {"bogus": 1}}, "steering.spec.bogus", False)):
         for route in ("validate", "encode"):
             status, reply = call(server, "POST", f"/v1/steering/{route}", body)
-            if route == "encode" and "[0]" in field:  # encode checks the schema, not the fit to the model
+            if route == "encode" and fit:  # encode checks the schema, not the fit to the model
                 assert status == 200, reply
                 continue
             assert status == 400 and field in message(reply), (route, reply)
 
 
 @pytest.mark.parametrize("extra, field", [
-    ({"steering": {"spec": {"vectors": [{"layer": "x", "vector": [1.0] * HIDDEN}]}}}, "steering.spec.vectors.0.layer"),
+    ({"steering": {"spec": {"vectors": [{"layer": "x", "vector": [1.0] * HIDDEN}]}}}, "steering.spec.vectors[0].layer"),
     ({"steering": {"spec": {"vectors": [{"layer": 9, "vector": [1.0] * HIDDEN}]}}}, "steering.spec.vectors[0].layer"),
     ({"steering": {"spec": {"vectors": [{"layer": 1, "vector": [1.0] * 3}]}}}, "steering.spec.vectors[0].vector"),
     ({"steering": "nonsense"}, "steering: not a packed payload"),
@@ -228,7 +231,7 @@ def test_encode_and_validate(server, baseline):
     ({"steering": {"preset": "joy", "spec": {}}}, "steering.spec"),
     ({"steering": {"params": {"scale": 1}}}, "steering.params"),
     ({"vllm_xargs": {"dynsteer": "{\"spec\": {\"vectors\": [{\"layer\": \"x\", \"vector\": \"v\"}]}}"}},
-     "extra_args.dynsteer.spec.vectors.0.layer"),
+     "extra_args.dynsteer.spec.vectors[0].layer"),
     ({"vllm_xargs": {"dynsteer": "{not json"}}, "extra_args.dynsteer: malformed JSON"),
     ({"vllm_xargs": {"dynsteer": "hello"}}, "extra_args.dynsteer: not a packed payload"),
     ({"steering": {"spec": {}}, "vllm_xargs": {"dynsteer": "{}"}}, "steering, vllm_xargs.dynsteer"),
@@ -245,12 +248,91 @@ def test_bad_presets_are_400s_naming_the_field(server):
     for body, field in (({"spec": {"vectors": [{"layer": 1, "vector": JOY, "scale": "$x"}]}}, "$x"),
                         ({"spec": {"vectors": [{"layer": 9, "vector": JOY}]}}, "presets.bad.spec.vectors[0].layer"),
                         ({"spec": {"vectors": [{"layer": 1, "vector": JOY}]}, "params": {"p": {"default": 1}}},
-                         "params['p']"),
+                         "body.params.p: no '$p' placeholder"),
                         ({"spec": {"vectors": [{"layer": 1, "vector": JOY, "scale": "$p"}]},
                           "params": {"p": {"default": 20, "max": 16}}}, "default 20 is outside")):
         status, reply = call(server, "PUT", "/v1/steering/presets/bad", body)
         assert status == 400 and field in json.dumps(reply), reply
     assert "bad" not in call(server, "GET", "/v1/steering/presets")[1]["presets"]
+
+
+# Every 400 of the steering routes and of a request's steering: "field: message", list indices in brackets.
+# (method, route, body: a JSON value, or bytes sent as they are, field the message starts with)
+_BAD = [
+    ("POST", "/v1/steering/vectors", {}, "body.name: field required"),
+    ("POST", "/v1/steering/vectors", {"name": "v1"}, "body.vector: field required"),
+    ("POST", "/v1/steering/vectors", {"name": "v1", "vector": [1.0, "x"]}, "body.vector[1]:"),
+    ("POST", "/v1/steering/vectors", {"name": "bad name!", "vector": JOY}, "body.name:"),
+    ("POST", "/v1/steering/vectors", {"name": "v1", "vector": [1.0] * 3}, "vector:"),
+    ("POST", "/v1/steering/vectors", {"name": "v1", "vector": JOY, "norm": 1}, "body.norm: unknown field"),
+    ("POST", "/v1/steering/vectors", b"{not json", "body: malformed JSON"),
+    ("POST", "/v1/steering/vectors", [1, 2], "body:"),
+    ("PUT", "/v1/steering/policy", {"policy": 5}, "body.policy:"),
+    ("PUT", "/v1/steering/policy", {"polcy": {}}, "body.polcy: unknown field"),
+    ("PUT", "/v1/steering/policy", {"policy": {"monitors": [{"name": "m", "layer": "x"}]}},
+     "body.policy.monitors[0]"),
+    ("PUT", "/v1/steering/spec", {"spec": {"vectors": [{"layer": "x", "vector": JOY}]}},
+     "body.spec.vectors[0].layer:"),
+    ("PUT", "/v1/steering/spec", {"spec": {"vectors": [{"layer": 1, "vector": JOY, "scale": "big"}]}},
+     "body.spec.vectors[0].scale:"),
+    ("PUT", "/v1/steering/spec", {"spec": {"clamps": [{"layer": 1, "direction": JOY, "min": "a"}]}},
+     "body.spec.clamps[0].min:"),
+    ("PUT", "/v1/steering/spec", b"", "body:"),
+    ("PUT", "/v1/steering/presets/p1", {"spec": {}, "params": {"s": {"default": "x"}}}, "body.params.s.default:"),
+    ("PUT", "/v1/steering/presets/p1", {"spec": {}, "parms": {}}, "body.parms: unknown field"),
+    ("PUT", "/v1/steering/presets/p1", {"spec": {"vectors": [{"layer": 9, "vector": JOY}]}},
+     "presets.p1.spec.vectors[0].layer:"),
+    ("POST", "/v1/steering/validate", {"spec": {"vectors": [{"layer": "x", "vector": JOY}]}},
+     "steering.spec.vectors[0].layer:"),
+    ("POST", "/v1/steering/validate", {"preset": "joy", "params": {"scale": 99}}, "steering.params.scale:"),
+    ("POST", "/v1/steering/validate", "just a string", "steering:"),
+    ("POST", "/v1/steering/encode", {"policy": {"rules": [{"monitor": "m", "actions": [
+        {"kind": "add", "layer": 1, "vector": JOY, "scale": "x"}]}]}}, "steering.policy.rules[0].actions[0].scale:"),
+    ("POST", "/v1/steering/encode", b"{bad", "steering: malformed JSON"),
+    ("POST", "/v1/completions", {"steering": {"spec": {"vectors": [{"layer": 1, "vector": {"b64": "AAA"}}]}}},
+     "steering.spec.vectors[0].vector:"),
+    ("POST", "/v1/completions", {"steering": {"policy": {"monitors": [{"name": "m", "layer": -1}]}}},
+     "steering.policy.monitors[0]"),
+    ("POST", "/v1/completions", {"steering": {"spec": {"ablations": [{"layer": 1, "direction": JOY, "x": 1}]}}},
+     "steering.spec.ablations[0].x:"),
+    ("POST", "/v1/chat/completions", {"vllm_xargs": {"dynsteer": "ds1:@@@"}}, "extra_args.dynsteer:"),
+    ("POST", "/v1/chat/completions", {"steering": {"spec": {"vectors": [{"layer": 1, "vector": "nobody"}]}}},
+     "steering.spec.vectors[0].vector:"),
+]
+_PATH = re.compile(r"^[a-z_]+(\.[A-Za-z_][\w-]*|\[\d+\])*(, [a-z_.]+)?: \S")
+
+
+def _raw(server, method: str, path: str, data: bytes) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    url, _ = server
+    req = urllib.request.Request(f"{url}{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.mark.parametrize("method, path, body, field", _BAD, ids=[f"{m} {p} {i}" for i, (m, p, _, _) in
+                                                                   enumerate(_BAD)])
+def test_every_400_names_its_field_in_one_path_syntax(server, method, path, body, field):
+    _, model = server
+    if path == "/v1/completions":
+        body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 2, **body}
+    elif path == "/v1/chat/completions":
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body}
+    status, reply = _raw(server, method, path, body) if isinstance(body, bytes) else call(server, method, path, body)
+    msg = message(reply)
+    assert status == 400, (status, reply)
+    assert msg.startswith(field), msg
+    assert _PATH.match(msg), f"not 'field: message' in the one path syntax: {msg!r}"
+    assert not re.search(r"\.\d+[.:\s]|\[\d+\]\[|'type':|'loc':", msg), msg  # no dotted indices, no raw dumps
+    assert "p1" not in call(server, "GET", "/v1/steering/presets")[1]["presets"]
+    assert call(server, "GET", "/v1/steering/vectors")[1]["vectors"] == [] or "v1" not in json.dumps(
+        call(server, "GET", "/v1/steering/vectors")[1])
 
 
 def test_openapi_documents_the_routes_and_the_steering_schema(server):

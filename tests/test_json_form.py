@@ -36,7 +36,7 @@ def test_json_forms_pack_to_the_python_api_payload():
 
 
 @pytest.mark.parametrize("payload, field", [
-    ({"spec": {"vectors": [{"layer": "x", "vector": V}]}}, "steering.spec.vectors.0.layer"),
+    ({"spec": {"vectors": [{"layer": "x", "vector": V}]}}, "steering.spec.vectors[0].layer"),
     ("not json", "steering: not a packed payload"),
     ("{oops", "steering: malformed JSON"),
     (3, "steering: expected an object"),

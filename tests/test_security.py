@@ -260,10 +260,10 @@ def test_strict_types_never_coerce(engine):
     good = AddVector(layer=1, vector=vec(0)).model_dump(mode="json")
     for field, value in (("layer", "1"), ("layer", 1.0), ("layer", True), ("scale", "2"), ("scale", True)):
         rejected, _ = run_batch(llm, [pack_raw({"spec": {"vectors": [{**good, field: value}]}})])
-        assert rejected[0].startswith(f"extra_args.dynsteer.spec.vectors.0.{field}:"), rejected
+        assert rejected[0].startswith(f"extra_args.dynsteer.spec.vectors[0].{field}:"), rejected
     bad_vec = {**good, "vector": {"b64": "not base64!"}}
     rejected, _ = run_batch(llm, [pack_raw({"spec": {"vectors": [bad_vec]}})])
-    assert rejected[0].startswith("extra_args.dynsteer.spec.vectors.0.vector: expected a registered vector name or an "
+    assert rejected[0].startswith("extra_args.dynsteer.spec.vectors[0].vector: expected a registered vector name or an "
                                   "inline vector"), rejected
     assert_serving(llm, baseline)
 
@@ -427,7 +427,7 @@ def test_http_attacks_get_400s_naming_the_field_and_the_server_keeps_serving(ser
          "extra_args.dynsteer.policy.controller.scale"),
         (pack_raw(spec_big), "extra_args.dynsteer.spec.vectors[0].scale"),
         ("ds1:" + "A" * (LIMITS.max_payload_bytes + 1), "max_payload_bytes"),
-        (pack_raw({"spec": {"vectors": [{"layer": "1", "vector": "v"}]}}), "extra_args.dynsteer.spec.vectors.0.layer"),
+        (pack_raw({"spec": {"vectors": [{"layer": "1", "vector": "v"}]}}), "extra_args.dynsteer.spec.vectors[0].layer"),
     ]
     cases.append((deep_msgpack(), "extra_args.dynsteer"))
     for payload, message in cases:

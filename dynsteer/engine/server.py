@@ -45,7 +45,7 @@ from dynsteer.engine.dev_routes import DevRouteGuard, dev_routes
 from dynsteer.engine.frontend import FrontendState, frontend_state
 from dynsteer.engine.keys import (APP_STATE_ATTR, HTTP_PREFIX, PAYLOAD_KEY, RPC_REGISTER_VECTOR, RPC_SET_GLOBAL,
                                   RPC_UNREGISTER_VECTOR)
-from dynsteer.engine.server_json import add_json_routes, checked
+from dynsteer.engine.server_json import FieldErrorRoute, add_json_routes, checked
 from dynsteer.engine.stream_routes import add_stream_routes
 from dynsteer.request.payload import decode_payload, encode_payload
 from dynsteer.spec import SteeringSpec, SteeringValidationError, check_name, check_vector
@@ -112,19 +112,22 @@ class SteeringEndpoints:
 
     # ---- routes ----------------------------------------------------------------------------------------------------
     def router(self) -> APIRouter:
-        router = APIRouter(prefix=HTTP_PREFIX, dependencies=[Depends(self.authorize)])
+        router = APIRouter(prefix=HTTP_PREFIX, dependencies=[Depends(self.authorize)], route_class=FieldErrorRoute)
 
         @router.get("/capabilities")
         async def capabilities(request: Request) -> dict[str, Any]:
+            """The model's shape, dynsteer's version and limits, the registered names: what a client may ask for."""
             return self.capabilities(self._engine(request))
 
         @router.get("/vectors")
         async def list_vectors(request: Request) -> dict[str, Any]:
+            """The registered vectors: name, size and norm of each."""
             front = self.front(self._engine(request))
             return {"vectors": [_vector_info(n, v) for n, v in sorted(front.named.items())]}
 
         @router.post("/vectors")
         async def register_vector(body: VectorBody, request: Request) -> dict[str, Any]:
+            """Register (or replace) a named vector; a replaced vector the global steering uses is a 409."""
             engine = self._engine(request)
             front = self.front(engine)
             arr = checked(lambda: check_vector(as_vector(body.vector), front.shape.hidden_size, "vector"), "vector")
@@ -148,6 +151,7 @@ class SteeringEndpoints:
 
         @router.delete("/vectors/{name}")
         async def delete_vector(name: str, request: Request) -> dict[str, Any]:
+            """Delete a registered vector (404 if unknown; 409 while the global steering uses it)."""
             engine = self._engine(request)
             front = self.front(engine)
             async with self._lock:
@@ -167,15 +171,18 @@ class SteeringEndpoints:
 
         @router.get("/policy")
         async def get_policy(request: Request) -> dict[str, Any]:
+            """The global dynamic policy (null: none)."""
             policy = self.front(self._engine(request)).global_policy
             return {"policy": None if policy is None else policy.model_dump(mode="json", exclude_none=True)}
 
         @router.put("/policy")
         async def set_policy(body: PolicyBody, request: Request) -> dict[str, Any]:
+            """Set the global dynamic policy, applied to every request without its own (null clears it)."""
             return await self._set_policy(self._engine(request), body.policy)
 
         @router.delete("/policy")
         async def clear_policy(request: Request) -> dict[str, Any]:
+            """Clear the global dynamic policy."""
             return await self._set_policy(self._engine(request), None)
 
         add_json_routes(router, self)  # presets, the global spec, validate, encode

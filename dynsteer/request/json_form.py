@@ -41,7 +41,7 @@ class SteeringObject(BaseModel):
     ``/v1/chat/completions``, the body of ``/v1/steering/validate`` and ``/v1/steering/encode``.
 
     The fields are documented here (and in the server's OpenAPI document) but validated by the payload decoder,
-    whose errors name the field (``steering.spec.vectors.0.layer``); other keys the payload schema accepts pass
+    whose errors name the field (``steering.spec.vectors[0].layer``); other keys the payload schema accepts pass
     through.
     """
 

@@ -25,7 +25,7 @@ from dynsteer.capture.spec import CaptureSpec
 from dynsteer.config import DEFAULT_LIMITS, Limits, check_shape
 from dynsteer.memo import BoundedMemo, body_digest
 from dynsteer.policy import DynamicSteeringPolicy
-from dynsteer.spec import SteeringSpec, SteeringValidationError
+from dynsteer.spec import SteeringSpec, SteeringValidationError, error_text, field_path
 
 PAYLOAD_KEY = "dynsteer"
 _PREFIX = "ds1:"
@@ -182,14 +182,11 @@ def _decode_body(body: Any, field: str, limits: Limits = DEFAULT_LIMITS) -> Requ
             parsed[key] = model.model_validate(body[key])
         except ValidationError as exc:
             err = exc.errors()[0]
-            parts = list(err["loc"])
-            if err["type"] == "extra_forbidden" and parts:  # the client's own key: shown, made harmless
-                parts[-1] = re.sub(r"[^A-Za-z0-9_-]", "?", str(parts[-1]))[:40] or "?"
-                loc = ".".join(str(p) for p in parts[:-1] if _is_field(p)) + f".{parts[-1]}"
-                loc = loc.lstrip(".")
-            else:
-                loc = ".".join(str(p) for p in parts if _is_field(p))
-            raise SteeringValidationError(f"{field}.{key}{'.' if loc else ''}{loc}: {_message(err)}") from None
+            parts = [key, *err["loc"]]
+            loc = field_path(parts)
+            if err["type"] == "extra_forbidden":  # the client's own key: shown, made harmless
+                loc = field_path(parts[:-1]) + "." + (re.sub(r"[^A-Za-z0-9_-]", "?", str(parts[-1]))[:40] or "?")
+            raise SteeringValidationError(f"{field}.{loc}: {error_text(err)}") from None
         except RecursionError:
             raise SteeringValidationError(f"{field}.{key}: nested too deeply") from None
     tag, trace = body.get("tag"), body.get("trace", False)
@@ -207,14 +204,3 @@ def _check_report(report: Any, field: str) -> ReportKind:
         raise SteeringValidationError(f"{field}: must be one of {', '.join(map(repr, get_args(ReportKind)))} or "
                                       f"null")
     return report
-
-
-def _is_field(part: Any) -> bool:
-    # pydantic names union branches in an error's location ("literal['a','b']", "tuple[int, ...]"): not fields.
-    return isinstance(part, int) or (isinstance(part, str) and part.isidentifier())
-
-
-def _message(err: Any) -> str:
-    # pydantic prefixes validator errors with "Value error, "; the field is already named before the colon.
-    msg = str(err["msg"])
-    return msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
