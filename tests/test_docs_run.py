@@ -118,7 +118,18 @@ def workdir(tmp_path_factory, deep_model):
     h = transformers_hidden(deep_model)
     (d / "joy.json").write_text(json.dumps({"name": "joy", "vector": unit(h, 1).tolist()}))
     (d / "examples").symlink_to(ROOT / "examples")
+    sae_directory(d / "sae-layer6", h)
     return d
+
+
+def sae_directory(d: Path, h: int, d_sae: int = 64) -> None:
+    """A SAELens-layout SAE (``sae_weights.safetensors`` with ``W_dec`` [d_sae, d_model], ``cfg.json``) at layer 6."""
+    from safetensors.numpy import save_file
+
+    d.mkdir()
+    w_dec = np.random.default_rng(6).standard_normal((d_sae, h)).astype(np.float32)
+    save_file({"W_dec": w_dec / np.linalg.norm(w_dec, axis=1, keepdims=True)}, str(d / "sae_weights.safetensors"))
+    (d / "cfg.json").write_text(json.dumps({"d_in": h, "d_sae": d_sae, "hook_name": "blocks.6.hook_resid_post"}))
 
 
 def transformers_hidden(model: Path) -> int:
@@ -253,6 +264,8 @@ def run_bash(src: str, page: Path, url: str, workdir: Path, deep_model: Path) ->
             parser.parse_args(["serve", *[str(deep_model) if w == "MODEL" else w for w in words[2:]]])
             continue
         rest.append(line)
+    # ``--model MODEL`` names the reader's model directory (a served request's "MODEL" is the served name)
+    rest = [re.sub(r"--model MODEL\b", f"--model {deep_model}", line) for line in rest]
     host = url.removeprefix("http://")
     script = "\n".join(rest).replace("http://127.0.0.1:8000", url).replace("localhost:8000", host)
     env = {**os.environ, "KEY": KEY, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -268,7 +281,8 @@ def run_bash(src: str, page: Path, url: str, workdir: Path, deep_model: Path) ->
 PYTHON_PAGES = [p for p in PAGES if any(lang == "python" and not skipped(p, s) for lang, s in blocks(p))]
 BASH_BLOCKS = [(p, i, s) for p in PAGES for i, (lang, s) in enumerate(blocks(p)) if lang == "bash"]
 # pages whose blocks read a file another page's blocks write (the probes guide trains sentiment.safetensors)
-NEEDS = {"README.md": "docs/guides/probes.md", "docs/guides/dynamic.md": "docs/guides/probes.md"}
+NEEDS = {"README.md": "docs/guides/probes.md", "docs/guides/dynamic.md": "docs/guides/probes.md",
+         "docs/guides/vectors.md": "docs/guides/probes.md"}
 
 
 
