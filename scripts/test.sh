@@ -2,7 +2,7 @@
 # Set up .venv (first run only) and run the CPU test suite (real vLLM engines on tiny local models and SmolLM2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --with-chromium
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
 rc=$?

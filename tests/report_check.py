@@ -17,7 +17,7 @@ from dynsteer.sweep.report_tables import VARIANT_TABLE, short
 
 CHROMIUM = next((b for b in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
                  if shutil.which(b)), None)
-"""A Chromium on PATH (scripts/setup.sh installs it: apt-get install chromium), or ``None``."""
+"""A Chromium on PATH (the test command, scripts/test.sh, installs it: apt-get install chromium), or ``None``."""
 
 
 class Tables(HTMLParser):

@@ -173,7 +173,7 @@ def test_sweep_resumes_after_interrupt(rig, first_run):
         run_sweep(sweep_config(rig, seed=1), rig["steerer"], out, progress=False)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on PATH (scripts/setup.sh installs it: apt-get install "
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on PATH (the test command installs it: apt-get install "
                                                "chromium)")
 def test_report_at_1280px_in_headless_chromium(first_run, tmp_path):
     """At a 1,280 px window the selectivity column is on screen and nothing overflows sideways; the page renders

@@ -356,7 +356,7 @@ def test_cli_engine_options_and_log_level(tmp_path, monkeypatch):
         assert re.search(match, " ".join(res.output.split())), res.output
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on PATH (scripts/setup.sh installs it: apt-get install "
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on PATH (the test command installs it: apt-get install "
                                                "chromium)")
 def test_report_layout_at_1280px(tmp_path):
     """A 12-variant, 3-class policy sweep's report in headless Chromium at 1,280 px: the selectivity column is on
