@@ -6,11 +6,12 @@ combination and how it is tested.
 
 Speculative decoding: the target model verifies ``1 + k`` tokens per request in one forward, some of them drafts
 that it then rejects. Static steering is a function of a token's position and phase only, so each verified token is
-steered as it would be without drafts: allowed, with a drafter that runs no model of its own (n-gram, suffix).
-Refused:
+steered as it would be without drafts, and rejection keeps only tokens the steered target would have produced:
+allowed, with a drafter that runs no model (n-gram, suffix) or a separate draft model (``draft_model``; it drafts
+unsteered or with the target's rows, which can only lower how many drafts are accepted). Refused:
 
-- a drafter model (EAGLE, MTP, draft models, ...): its own forwards, and the target hidden states it reads, are not
-  what dynsteer's per-step row index describes;
+- other drafters (EAGLE, MTP, Medusa, ...): they read the target's hidden states or run heads inside its forward,
+  which dynsteer has not been verified with;
 - the dynamic tier (``max_gates > 0``): rejected drafts would enter gates' traces and reports, latched scopes and
   sync controllers' state;
 - capture (``capture_sites``) and the stream hub (``monitor``): rejected drafts' residuals would be recorded and
@@ -24,8 +25,9 @@ from typing import Any
 from dynsteer.config import DynsteerConfig
 from dynsteer.engine.keys import CONFIG_KEY
 
-#: speculative methods whose drafter runs no model (proposals from the request's own tokens)
-MODEL_FREE_DRAFTERS = ("ngram", "ngram_gpu", "suffix")
+#: speculative methods allowed with static steering: drafters that run no model (proposals from the request's own
+#: tokens) and a separate draft model
+ALLOWED_DRAFTERS = ("ngram", "ngram_gpu", "suffix", "draft_model")
 
 
 class UnsupportedCombinationError(ValueError):
@@ -40,10 +42,10 @@ def check_combinations(vllm_config: Any, cfg: DynsteerConfig | None = None) -> N
     cfg = cfg if cfg is not None else DynsteerConfig.from_additional(vllm_config.additional_config)
     method = getattr(spec, "method", None)
     where = f"speculative_config (method {method!r})"
-    if method not in MODEL_FREE_DRAFTERS:
+    if method not in ALLOWED_DRAFTERS:
         raise UnsupportedCombinationError(
-            f"dynsteer: {where}: a drafter model runs forwards that dynsteer's per-step steering rows do not "
-            f"describe; speculative decoding works with the model-free drafters {', '.join(MODEL_FREE_DRAFTERS)}")
+            f"dynsteer: {where}: a drafter that reads the target's hidden states or runs inside its forward is not "
+            f"verified with steering; speculative decoding works with the drafters {', '.join(ALLOWED_DRAFTERS)}")
     conflicts = []
     if cfg.max_gates > 0:
         conflicts.append(f"{CONFIG_KEY}.max_gates={cfg.max_gates} (the dynamic tier: draft tokens the target "
