@@ -176,12 +176,15 @@ def test_eagle_type_drafter_is_refused_at_start():
     """EAGLE-type drafters are refused whatever the dynsteer config (checked on the config alone)."""
     from types import SimpleNamespace
 
+    from dynsteer.engine import frontend
     from dynsteer.engine.combinations import check_combinations
 
     vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(method="eagle3"),
                                   additional_config=DynsteerConfig(max_gates=0).engine_kwargs()["additional_config"])
     with pytest.raises(UnsupportedCombinationError, match=r"speculative_config \(method 'eagle3'\)"):
         check_combinations(vllm_config)
+    with pytest.raises(UnsupportedCombinationError):  # in the user's process, before the engine core starts
+        frontend.check_engine_config(vllm_config)
     for method in ("ngram", "draft_model"):  # with static steering only: allowed
         vllm_config.speculative_config.method = method
         check_combinations(vllm_config)
@@ -229,6 +232,13 @@ def test_lora_and_steering_in_one_batch(tiny_llama_path, tmp_path):
         steer_only = token_ids(st.generate(prompts, greedy(), steering=spec))
         mixed = token_ids(st.generate(prompts, greedy(), steering=[spec, None, spec, None],
                                       lora_request=[lora, lora, None, None]))
+        pol = token_policy(st.hidden_size)
+        dynamic = token_ids(st.generate(prompts, greedy(), policy=[pol, None, pol, None],
+                                        lora_request=[lora, lora, None, None]))
+        dynamic_only = token_ids(st.generate(prompts, greedy(), policy=pol))
     assert lora_only != base  # the adapter is live
     assert mixed[1] == lora_only[1] and mixed[3] == base[3]
     assert mixed[0] != lora_only[0] and mixed[2] == steer_only[2] != base[2]
+    # a dynamic policy on a LoRA row acts on the adapted model; the other rows as before
+    assert dynamic[1] == lora_only[1] and dynamic[3] == base[3]
+    assert dynamic[0] != lora_only[0] and dynamic[2] == dynamic_only[2] != base[2]
