@@ -20,6 +20,7 @@ from dynsteer.capture.consumers import FilesystemConsumer, build_consumer, consu
 from dynsteer.capture.store import CaptureCollector
 from dynsteer.config import DynsteerConfig
 from dynsteer.controllers.registry import ControllerRegistry
+from dynsteer.engine.combinations import check_combinations
 from dynsteer.engine.families import absent_sites
 from dynsteer.engine.keys import CONFIG_KEY
 from dynsteer.policy import gate_param_problem
@@ -64,6 +65,7 @@ def runtime_for_current_model() -> SteeringRuntime:
     if rt is None:
         _building.clear()  # a new model: runtimes of earlier models stay reachable from their own hooks
         cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
+        check_combinations(vllm_config, cfg)
         shape = shape_from_vllm_config(vllm_config)
         if not shape.sites:  # e.g. sites=("post_attn",) on a parallel attention + MLP block
             raise UnsupportedArchitectureError(

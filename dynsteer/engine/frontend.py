@@ -26,6 +26,7 @@ from dynsteer.config import DynsteerConfig, Limits
 from dynsteer.controllers.registry import ControllerRegistry
 from dynsteer.engine import patching
 from dynsteer.engine.build import load_named_vector, load_probes, shape_from_vllm_config
+from dynsteer.engine.combinations import check_combinations
 from dynsteer.engine.keys import CONFIG_KEY, DECODE_KEY, DYNAMIC_KEY, FRONTEND_ATTR, PAYLOAD_KEY, ROWS_KEY, SOURCE_KEY
 from dynsteer.engine.prefix_cache import salted
 from dynsteer.memo import BoundedMemo, body_digest
@@ -324,6 +325,7 @@ def check_engine_config(vllm_config: Any) -> None:
     log; the user's process would merely see that the engine failed to start.
     """
     cfg = DynsteerConfig.from_additional(vllm_config.additional_config)
+    check_combinations(vllm_config, cfg)  # vLLM options dynsteer cannot steer correctly with this config
     for name, options in cfg.capture_consumers.items():
         try:
             consumer_class(options.get("kind", name))
