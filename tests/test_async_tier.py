@@ -24,7 +24,7 @@ from dynsteer.config import DynsteerConfig, MonitorConfig, StreamSpec
 from tests.conftest import make_llm, token_ids
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning"]
-MAX_TOKENS = 40
+MAX_TOKENS = 160  # long after the probe first crosses (tokens 6-20): room for a monitor process on a loaded machine
 SCRIPT = Path(__file__).with_name("monitor_script.py")
 
 
