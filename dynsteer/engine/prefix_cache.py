@@ -154,11 +154,19 @@ def patch_request(cls: type) -> None:
     orig_init, orig_update = cls.__init__, cls.update_block_hashes
 
     def update_block_hashes(self: Any) -> None:
-        if self._block_hasher is None:
+        # called at every token appended (once per request and step): hash_limit inlined, so that a step that
+        # completes no block (most of them) costs a few attribute reads
+        hasher = self._block_hasher
+        if hasher is None:
             return orig_update(self)
-        limit = hash_limit(self, self.__dict__[ACTED_ATTR])  # made with the switch in __init__
-        if limit is not None:  # else no new full block below the limit (most decode steps): no proxy, no hasher call
-            self.block_hashes.extend(self._block_hasher(_Upto(self, limit)))
+        reported = self.__dict__[ACTED_ATTR].reported  # made with the switch in __init__
+        limit = self.num_tokens
+        if reported < limit:
+            limit = max(self.num_prompt_tokens, reported)
+        size = _block_size(hasher)
+        if size and (len(self.block_hashes) + 1) * size > limit:
+            return  # no new full block below the limit: no proxy, no hasher call
+        self.block_hashes.extend(hasher(_Upto(self, limit)))
 
     # a module-level name, so that pickle and copy find the class
     held = type("HeldBackRequest", (cls,), {"update_block_hashes": update_block_hashes, "__module__": __name__,
