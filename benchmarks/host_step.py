@@ -85,7 +85,8 @@ def payloads(mode: str, batch: int, layers: int, hidden: int, rng: np.random.Gen
 
 
 def run(rt: SteeringRuntime, mode: str, batch: int, steps: int, churn: int, layers: int, hidden: int,
-        prompt_len: int = 32) -> dict[str, float]:
+        prompt_len: int = 32, clock: str = "wall") -> dict[str, float]:
+    now = time.perf_counter if clock == "wall" else time.thread_time  # cpu: this thread's CPU time
     rng = np.random.default_rng(0)
     pool = payloads(mode, batch, layers, hidden, rng)
     serial = iter(range(10**9))
@@ -109,12 +110,12 @@ def run(rt: SteeringRuntime, mode: str, batch: int, steps: int, churn: int, laye
             computed.pop(done)
         view = BatchView(list(live), qsl, np.array([computed[r] for r in live], np.int64),
                          np.full(batch, prompt_len), batch, batch)
-        t0 = time.perf_counter()
+        t0 = now()
         rt.plan(view, payload.__getitem__)
-        t1 = time.perf_counter()
+        t1 = now()
         rt.after_forward()
         rt.take_acts()
-        t2 = time.perf_counter()
+        t2 = now()
         times.append(t1 - t0)
         fwd.append(t2 - t1)
         for r in live:
@@ -139,6 +140,8 @@ def main() -> None:
     ap.add_argument("--kernels", choices=["skip", "run"], default="skip",
                     help="on CPU, skip the sync tier's controller kernels (their torch references loop in Python; "
                          "on CUDA they are single launches, always run)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time by the wall clock, or by this thread's CPU time (steadier on a busy box)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -150,7 +153,8 @@ def main() -> None:
         for batch in args.batches:
             rt = build(args.layers, args.hidden, max(512, batch * 32), args.device, args.kernels,
                        report_acts=mode.endswith("cached"))
-            results[mode][str(batch)] = run(rt, mode, batch, args.steps, args.churn, args.layers, args.hidden)
+            results[mode][str(batch)] = run(rt, mode, batch, args.steps, args.churn, args.layers, args.hidden,
+                                            clock=args.clock)
         cells = [f"{r['plan_us']:.0f} / {r['after_forward_us']:.0f} / {r['mean_total_us']:.0f}"
                  for r in results[mode].values()]
         print(f"| {mode} | " + " | ".join(cells) + " |", flush=True)

@@ -154,18 +154,21 @@ def patch_request(cls: type) -> None:
     orig_init, orig_update = cls.__init__, cls.update_block_hashes
 
     def update_block_hashes(self: Any) -> None:
-        # called at every token appended (once per request and step): hash_limit inlined, so that a step that
-        # completes no block (most of them) costs a few attribute reads
+        # called at every token appended (once per request and step): hash_limit inlined, cheapest test first, so
+        # that a step that completes no block (most of them) costs a few attribute reads
         hasher = self._block_hasher
         if hasher is None:
             return orig_update(self)
         reported = self.__dict__[ACTED_ATTR].reported  # made with the switch in __init__
-        limit = self.num_tokens
-        if reported < limit:
-            limit = max(self.num_prompt_tokens, reported)
-        size = _block_size(hasher)
-        if size and (len(self.block_hashes) + 1) * size > limit:
-            return  # no new full block below the limit: no proxy, no hasher call
+        size = getattr(hasher, BLOCK_SIZE_ATTR, False)
+        if size is False:
+            size = _block_size(hasher)
+        end = (len(self.block_hashes) + 1) * size if size else 0
+        if end > reported and end > self.num_prompt_tokens:
+            return  # beyond max(prompt, reported) >= the limit: no new full block, no proxy, no hasher call
+        limit = min(self.num_tokens, max(self.num_prompt_tokens, reported))
+        if end > limit:
+            return
         self.block_hashes.extend(hasher(_Upto(self, limit)))
 
     # a module-level name, so that pickle and copy find the class

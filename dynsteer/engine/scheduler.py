@@ -376,11 +376,14 @@ def _apply_acts(scheduler: Any, acts: Any) -> None:
     this step's new tokens are appended, which hashes again up to what is reported)."""
     if not acts:
         return
-    get, touched = scheduler.requests.get, {}
+    from vllm.v1.request import RequestStatus
+
+    get, todo, preempted = scheduler.requests.get, {}, RequestStatus.PREEMPTED  # statuses above it are finished
+    last_hasher = size = None
     for ids, upto, acted_at, signature in acts:  # per request and step: kept to dict lookups and compares
         for req_id, u, a, sig in zip(ids, upto, acted_at, signature):
             request = get(req_id)
-            if request is None or request.is_finished():
+            if request is None or request.status > preempted:  # (vLLM's Request.is_finished, inlined)
                 continue
             acted = request.__dict__.get(ACTED_ATTR)
             if acted is None:
@@ -391,15 +394,19 @@ def _apply_acts(scheduler: Any, acts: Any) -> None:
                     acted.reported = u
             else:
                 acted.report(int(u), int(a), str(sig))
-            touched[req_id] = request
-    for request in touched.values():
-        # hash only where the report completes a block (hash_limit inlined: most reports complete none)
-        hasher = request._block_hasher
-        if hasher is None:
-            continue
-        size = _block_size(hasher)
-        if size and (len(request.block_hashes) + 1) * size > request.__dict__[ACTED_ATTR].reported:
-            continue  # the limit is at most what is reported (or the prompt, whose blocks are hashed already)
+            hasher = request._block_hasher
+            if hasher is None:
+                continue
+            if hasher is not last_hasher:  # (one hasher per engine)
+                last_hasher, size = hasher, _block_size(hasher)
+            # hash_limit is at most max(prompt, reported), which only grows: a request whose report completes no
+            # block (most reports) is not hashed again
+            if size:
+                end = (len(request.block_hashes) + 1) * size
+                if end > acted.reported and end > request.num_prompt_tokens:
+                    continue
+            todo[req_id] = request
+    for request in todo.values():  # once every report is folded in
         if hash_limit(request, request.__dict__[ACTED_ATTR]) is not None:
             request.update_block_hashes()
 
