@@ -7,9 +7,10 @@ forward is vLLM's own and its timings differ from ``absent`` only by the engine-
 dynsteer's sites (on CPU the reference ops, which slow everything around them through the caches: compare it with
 care); ``dynamic`` gives every request its own dynamic policy (a probe gate acting on some tokens, prefix caching
 on: the workers report where it acted and the engine core holds back and folds block hashing; what it adds over
-``idle`` is the per-request host work of dynamic steering). Each (mode, batch) runs in a fresh process, the modes alternating, ``--rounds`` times; a process times
-``--calls`` generate calls after one warm-up call and reports the median over its decode steps (the first 4 and the
-last step of a call left out).
+``idle`` is the per-request host work of dynamic steering). Each (mode, batch) runs in a fresh process, the modes
+alternating, ``--rounds`` times; a process times ``--calls`` generate calls after one warm-up call and reports the
+median over its decode steps (the first 4 and the last step of a call left out). ``--clock cpu`` times by the
+engine thread's CPU time instead of the wall clock (steadier on a shared box).
 
     .venv/bin/python benchmarks/engine_core_step.py --batch 1 16 64 --rounds 3
     .venv/bin/python benchmarks/engine_core_step.py --pythonpath /tmp/old   # another checkout's dynsteer (A/B)

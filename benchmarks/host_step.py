@@ -42,8 +42,8 @@ from dynsteer.spec import ModelShape, SteeringSpec  # noqa: E402
 from dynsteer.steering.runtime import BatchView, SteeringRuntime  # noqa: E402
 from dynsteer.steering.tables import SteeringTables  # noqa: E402
 
-MODES = ["idle", "per-request static", "per-request dynamic", "per-request dynamic cached", "per-request dynamic traced",
-         "sync", "capture"]
+MODES = ["idle", "per-request static", "per-request dynamic", "per-request dynamic cached",
+         "per-request dynamic traced", "sync", "capture"]
 
 
 def build(layers: int, hidden: int, max_tokens: int, device: str, kernels: str, report_acts: bool = False

@@ -390,7 +390,8 @@ class SteeringRuntime:
 
         Per-request arrays are gathered only when the batch's composition or a request's state changed (admission
         happens then), each request's values from a cache kept while its state is unchanged (a new composition
-        costs a lookup per request); per-token work is vectorised. An unsteered batch after an unsteered step writes nothing.
+        costs a lookup per request); per-token work is vectorised. An unsteered batch after an unsteered step writes
+        nothing.
         The index reaches the device through a pinned staging ring with a non-blocking copy, so the host never
         waits for the GPU here (a blocking copy would serialise vLLM's asynchronous scheduling with the forward).
         """
