@@ -5,12 +5,16 @@ The scheduler's host work per step is what an idle dynsteer engine adds to vLLM'
 forward runs on the device, and this work is the host's share of every step). ``bare`` hooks no layer, so its model
 forward is vLLM's own and its timings differ from ``absent`` only by the engine-core code; ``idle`` also runs
 dynsteer's sites (on CPU the reference ops, which slow everything around them through the caches: compare it with
-care). Each (mode, batch) runs in a fresh process, the modes alternating, ``--rounds`` times; a process times
-``--calls`` generate calls after one warm-up call and reports the median over its decode steps (the first 4 and the
-last step of a call left out).
+care); ``dynamic`` gives every request its own dynamic policy (a probe gate acting on some tokens, prefix caching
+on: the workers report where it acted and the engine core holds back and folds block hashing; what it adds over
+``idle`` is the per-request host work of dynamic steering). Each (mode, batch) runs in a fresh process, the modes
+alternating, ``--rounds`` times; a process times ``--calls`` generate calls after one warm-up call and reports the
+median over its decode steps (the first 4 and the last step of a call left out). ``--clock cpu`` times by the
+engine thread's CPU time instead of the wall clock (steadier on a shared box).
 
     .venv/bin/python benchmarks/engine_core_step.py --batch 1 16 64 --rounds 3
     .venv/bin/python benchmarks/engine_core_step.py --pythonpath /tmp/old   # another checkout's dynsteer (A/B)
+    .venv/bin/python benchmarks/engine_core_step.py --modes idle dynamic --batch 128 256
 """
 
 from __future__ import annotations
@@ -27,50 +31,71 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("absent", "bare", "idle")
+MODES = ("absent", "bare", "idle", "dynamic")
 
 
-def worker(mode: str, batch: int, calls: int, tokens: int) -> dict:
+def worker(mode: str, batch: int, calls: int, tokens: int, clock: str = "wall") -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     from dynsteer.testing.tiny_models import tiny_model
 
     extra = {}
-    if mode == "bare":
+    if mode != "absent":
         import dynsteer
 
-        extra = dynsteer.DynsteerConfig(layers=[], require=False).engine_kwargs()
+        cfg = dynsteer.DynsteerConfig(layers=[], require=False) if mode == "bare" else dynsteer.DynsteerConfig()
+        extra = cfg.engine_kwargs()
     llm = LLM(model=str(tiny_model("llama")), dtype="float32", enforce_eager=True, max_model_len=256,
               max_num_seqs=max(batch, 1), seed=0, kv_cache_memory_bytes=256 << 20, **extra)
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     times: dict[str, list[float]] = {"schedule": [], "update": []}
+    now = time.perf_counter if clock == "wall" else time.thread_time  # cpu: this thread's CPU time (a shared box)
     orig_schedule, orig_update = sched.schedule, sched.update_from_output
 
     def schedule(*a, **k):
-        t = time.perf_counter()
+        t = now()
         out = orig_schedule(*a, **k)
-        times["schedule"].append(time.perf_counter() - t)
+        times["schedule"].append(now() - t)
         return out
 
     def update(*a, **k):
-        t = time.perf_counter()
+        t = now()
         out = orig_update(*a, **k)
-        times["update"].append(time.perf_counter() - t)
+        times["update"].append(now() - t)
         return out
 
     sched.schedule, sched.update_from_output = schedule, update
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    generate, kwargs = llm.generate, {}
+    if mode == "dynamic":
+        generate, kwargs = dynsteer.attach(llm).generate, {"policy": _policy(llm)}
     per_call = []
     for c in range(calls + 1):
         for v in times.values():
             v.clear()
         # fresh prompts every call: no prefix-cache hit changes the work between modes
         prompts = [{"prompt_token_ids": [5 + (i * 7 + j + c * 13) % 700 for j in range(32)]} for i in range(batch)]
-        llm.generate(prompts, params, use_tqdm=False)
+        generate(prompts, params, use_tqdm=False, **kwargs)
         if c:
             per_call.append({k: statistics.median(v[4:-1]) * 1e6 for k, v in times.items()})
     return {k: round(statistics.median(x[k] for x in per_call), 1) for k in ("schedule", "update")}
+
+
+def _policy(llm):
+    """A dynamic policy on the tiny model: a probe gate at layer 1 whose threshold lets it act on some tokens only,
+    adding a vector at layer 2."""
+    import numpy as np
+
+    from dynsteer import Action, DynamicSteeringPolicy, ProbeGate, Rule
+
+    hidden = llm.llm_engine.model_config.get_hidden_size()
+    rng = np.random.default_rng(0)
+    unit = rng.standard_normal(hidden)
+    unit /= np.linalg.norm(unit)
+    gate = ProbeGate(name="m", layer=1, direction=unit.astype(np.float32), sharpness=4.0, threshold=0.0)
+    return DynamicSteeringPolicy(monitors=[gate], rules=[Rule(monitor="m", actions=[
+        Action(kind="add", layer=2, vector=(0.01 * unit).astype(np.float32))])])
 
 
 def main() -> None:
@@ -80,13 +105,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time calls by the wall clock, or by the engine thread's CPU time (steadier on a busy box)")
     ap.add_argument("--pythonpath", help="import dynsteer from this checkout instead (an A/B against other code)")
     ap.add_argument("--out", help="JSON report (default: print only)")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         mode, batch = args.worker[0], int(args.worker[1])
-        print(json.dumps(worker(mode, batch, args.calls, args.tokens)))
+        print(json.dumps(worker(mode, batch, args.calls, args.tokens, args.clock)))
         return
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if args.pythonpath:
@@ -97,8 +124,8 @@ def main() -> None:
             for mode in args.modes:
                 e = dict(env, DYNSTEER_DISABLE="1") if mode == "absent" else env
                 proc = subprocess.run([sys.executable, __file__, "--worker", mode, str(b), "--calls", str(args.calls),
-                                       "--tokens", str(args.tokens)], env=e, capture_output=True, text=True,
-                                      cwd="/tmp")
+                                       "--tokens", str(args.tokens), "--clock", args.clock], env=e,
+                                      capture_output=True, text=True, cwd="/tmp")
                 if proc.returncode:
                     sys.exit(f"{mode} batch {b} failed:\n{proc.stderr[-3000:]}")
                 runs[mode][str(b)].append(json.loads(proc.stdout.strip().splitlines()[-1]))

@@ -11,9 +11,13 @@ unless ``--kernels run``; on CUDA they are launches, always run.
     .venv/bin/python benchmarks/host_step.py --batches 1 16 64 --steps 400
 
 Modes: ``idle`` (nothing set), ``per-request static`` (every request its own vector), ``per-request dynamic`` (four
-policies spread over the batch; HTTP-like: nobody keeps the trace), ``per-request dynamic traced`` (the same, each
-request's trace kept, as the offline API does), ``sync`` (per-request + EMA-latch controller, device tier),
-``capture`` (every generated token at one place).
+policies spread over the batch; HTTP-like: nobody keeps the trace), ``per-request dynamic cached`` (the same in an
+engine with prefix caching, vLLM's default: every dynamic token is read back and where steering acted is reported
+to the engine core), ``per-request dynamic traced`` (the same, each request's trace kept, as the offline API does),
+``sync`` (per-request + EMA-latch controller, device tier), ``capture`` (every generated token at one place).
+``after`` is ``after_forward`` plus the runner glue's ``take_acts`` of the step's output.
+
+    .venv/bin/python benchmarks/host_step.py --batches 128 256 --churn 1 --modes idle "per-request dynamic cached"
 """
 
 from __future__ import annotations
@@ -38,16 +42,19 @@ from dynsteer.spec import ModelShape, SteeringSpec  # noqa: E402
 from dynsteer.steering.runtime import BatchView, SteeringRuntime  # noqa: E402
 from dynsteer.steering.tables import SteeringTables  # noqa: E402
 
-MODES = ["idle", "per-request static", "per-request dynamic", "per-request dynamic traced", "sync", "capture"]
+MODES = ["idle", "per-request static", "per-request dynamic", "per-request dynamic cached",
+         "per-request dynamic traced", "sync", "capture"]
 
 
-def build(layers: int, hidden: int, max_tokens: int, device: str, kernels: str) -> SteeringRuntime:
+def build(layers: int, hidden: int, max_tokens: int, device: str, kernels: str, report_acts: bool = False
+          ) -> SteeringRuntime:
     shape = ModelShape(num_layers=layers, hidden_size=hidden, sites=("post_block",), max_gates=2)
     tables = SteeringTables([(l, "post_block") for l in range(layers)], hidden, num_rows=80, max_clamps=1,
                             max_tokens=max_tokens, device=device, max_gates=2)
     rt = SteeringRuntime(shape, tables, sync_slots=256)
     if device == "cpu" and kernels == "skip":  # the CPU references are per-token Python; on CUDA they are launches
         rt.dynamic.control = rt.dynamic.update = lambda *a: None
+    rt.dynamic.report_acts = report_acts  # as engine.build sets it from vLLM's prefix caching
     place = (layers // 2, "post_block")
     buf = torch.zeros(max_tokens, hidden, device=device)
     rt.attach_capture(CaptureCollector({place: buf}, engine_places={place}), {"memory": MemoryConsumer()})
@@ -78,7 +85,8 @@ def payloads(mode: str, batch: int, layers: int, hidden: int, rng: np.random.Gen
 
 
 def run(rt: SteeringRuntime, mode: str, batch: int, steps: int, churn: int, layers: int, hidden: int,
-        prompt_len: int = 32) -> dict[str, float]:
+        prompt_len: int = 32, clock: str = "wall") -> dict[str, float]:
+    now = time.perf_counter if clock == "wall" else time.thread_time  # cpu: this thread's CPU time
     rng = np.random.default_rng(0)
     pool = payloads(mode, batch, layers, hidden, rng)
     serial = iter(range(10**9))
@@ -102,11 +110,12 @@ def run(rt: SteeringRuntime, mode: str, batch: int, steps: int, churn: int, laye
             computed.pop(done)
         view = BatchView(list(live), qsl, np.array([computed[r] for r in live], np.int64),
                          np.full(batch, prompt_len), batch, batch)
-        t0 = time.perf_counter()
+        t0 = now()
         rt.plan(view, payload.__getitem__)
-        t1 = time.perf_counter()
+        t1 = now()
         rt.after_forward()
-        t2 = time.perf_counter()
+        rt.take_acts()
+        t2 = now()
         times.append(t1 - t0)
         fwd.append(t2 - t1)
         for r in live:
@@ -131,6 +140,8 @@ def main() -> None:
     ap.add_argument("--kernels", choices=["skip", "run"], default="skip",
                     help="on CPU, skip the sync tier's controller kernels (their torch references loop in Python; "
                          "on CUDA they are single launches, always run)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time by the wall clock, or by this thread's CPU time (steadier on a busy box)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -140,8 +151,10 @@ def main() -> None:
     for mode in args.modes:
         results[mode] = {}
         for batch in args.batches:
-            rt = build(args.layers, args.hidden, max(512, batch * 32), args.device, args.kernels)
-            results[mode][str(batch)] = run(rt, mode, batch, args.steps, args.churn, args.layers, args.hidden)
+            rt = build(args.layers, args.hidden, max(512, batch * 32), args.device, args.kernels,
+                       report_acts=mode.endswith("cached"))
+            results[mode][str(batch)] = run(rt, mode, batch, args.steps, args.churn, args.layers, args.hidden,
+                                            clock=args.clock)
         cells = [f"{r['plan_us']:.0f} / {r['after_forward_us']:.0f} / {r['mean_total_us']:.0f}"
                  for r in results[mode].values()]
         print(f"| {mode} | " + " | ".join(cells) + " |", flush=True)

@@ -3,6 +3,8 @@ a time. Both must give exactly what the per-request, per-token version gave."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -12,6 +14,7 @@ from dynsteer import (Action, AddVector, DynamicSteeringPolicy, ModelShape, Prob
                       SyncControllerSpec)
 from dynsteer.request.payload import encode_payload
 from dynsteer.device.readback import ReadbackStore
+from dynsteer.steering.batch import BatchArrays, Columns
 from dynsteer.steering.runtime import BatchView, SteeringRuntime
 from dynsteer.steering.tables import SteeringTables
 
@@ -147,11 +150,19 @@ def test_cached_batch_arrays_plan_exactly_like_a_fresh_gather(case):
         qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         view = BatchView(ids, qsl, np.array([live[r][1] for r in ids], np.int64),
                          np.array([live[r][0] for r in ids], np.int64), int(qsl[-1]), int(qsl[-1]) + 2)
-        fresh._batch = None
+        fresh._batch, fresh._columns = None, Columns()  # no batch arrays, nor request values, kept
         for rt in (cached, fresh):
             rt.release(())  # as the runner glue does at every step (vLLM's usually empty finished set)
             rt.plan(view, payload.__getitem__)
             rt.after_forward()
+        for f in dataclasses.fields(BatchArrays):  # the arrays themselves, values and dtypes
+            a, b = getattr(cached._batch, f.name), getattr(fresh._batch, f.name)
+            if isinstance(a, np.ndarray):
+                assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), f.name
+            elif isinstance(a, dict):
+                assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), f.name
+            elif f.name != "version":
+                assert a == b, f.name
         n = int(qsl[-1]) + 2
         assert torch.equal(cached.tables.row_index[:n], fresh.tables.row_index[:n])
         read = np.array([r for r in np.unique(cached.tables.row_index[:n].numpy()) if r != 0], np.int64)

@@ -154,11 +154,22 @@ def patch_request(cls: type) -> None:
     orig_init, orig_update = cls.__init__, cls.update_block_hashes
 
     def update_block_hashes(self: Any) -> None:
-        if self._block_hasher is None:
+        # called at every token appended (once per request and step): hash_limit inlined, cheapest test first, so
+        # that a step that completes no block (most of them) costs a few attribute reads
+        hasher = self._block_hasher
+        if hasher is None:
             return orig_update(self)
-        limit = hash_limit(self, self.__dict__[ACTED_ATTR])  # made with the switch in __init__
-        if limit is not None:  # else no new full block below the limit (most decode steps): no proxy, no hasher call
-            self.block_hashes.extend(self._block_hasher(_Upto(self, limit)))
+        reported = self.__dict__[ACTED_ATTR].reported  # made with the switch in __init__
+        size = getattr(hasher, BLOCK_SIZE_ATTR, False)
+        if size is False:
+            size = _block_size(hasher)
+        end = (len(self.block_hashes) + 1) * size if size else 0
+        if end > reported and end > self.num_prompt_tokens:
+            return  # beyond max(prompt, reported) >= the limit: no new full block, no proxy, no hasher call
+        limit = min(self.num_tokens, max(self.num_prompt_tokens, reported))
+        if end > limit:
+            return
+        self.block_hashes.extend(hasher(_Upto(self, limit)))
 
     # a module-level name, so that pickle and copy find the class
     held = type("HeldBackRequest", (cls,), {"update_block_hashes": update_block_hashes, "__module__": __name__,

@@ -37,7 +37,7 @@ from dynsteer.engine.command_desk import CommandDesk
 from dynsteer.engine.keys import (ABORTS_ATTR, ACTED_ATTR, ACTS_ATTR, COMMANDS_ATTR, DYNAMIC_KEY, REPORTS_ATTR,
                                   ROWS_KEY, SCHEDULER_ATTR, STEP_ATTR, STOPS_ATTR)
 from dynsteer.engine.patching import Switch
-from dynsteer.engine.prefix_cache import ActedState, hash_limit, hashed_tokens, resalt
+from dynsteer.engine.prefix_cache import ActedState, _block_size, hash_limit, resalt
 from dynsteer.engine.reports import ReportRelay
 from dynsteer.spec import SteeringValidationError
 
@@ -193,9 +193,11 @@ def patch_scheduler(cls: type) -> None:
 
         @functools.wraps(orig_cache)
         def cache_blocks(request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
-            # A request with a dynamic policy has hashes only for blocks the workers reported on: cache no further.
-            hashed = hashed_tokens(request, hash_block_size)
-            return orig_cache(request, num_tokens if hashed is None else min(num_tokens, hashed), *args, **kwargs)
+            # A request with a dynamic policy has hashes only for blocks the workers reported on: cache no further
+            # (prefix_cache.hashed_tokens, inlined: this runs per request and step while any request is held).
+            if ACTED_ATTR in request.__dict__:
+                num_tokens = min(num_tokens, len(request.block_hashes) * hash_block_size)
+            return orig_cache(request, num_tokens, *args, **kwargs)
 
         state.cache_hook = Switch(coordinator, "cache_blocks", cache_blocks,
                                   why="blocks of a request with a dynamic policy are cached no further than hashed")
@@ -374,22 +376,38 @@ def _apply_acts(scheduler: Any, acts: Any) -> None:
     this step's new tokens are appended, which hashes again up to what is reported)."""
     if not acts:
         return
-    get, touched = scheduler.requests.get, {}
+    from vllm.v1.request import RequestStatus
+
+    get, todo, preempted = scheduler.requests.get, {}, RequestStatus.PREEMPTED  # statuses above it are finished
+    last_hasher = size = None
     for ids, upto, acted_at, signature in acts:  # per request and step: kept to dict lookups and compares
         for req_id, u, a, sig in zip(ids, upto, acted_at, signature):
             request = get(req_id)
-            if request is None or request.is_finished():
+            if request is None or request.status > preempted:  # (vLLM's Request.is_finished, inlined)
                 continue
             acted = request.__dict__.get(ACTED_ATTR)
             if acted is None:
                 acted = request.__dict__[ACTED_ATTR] = ActedState()
             if a < 0:  # nothing acted in this report: only how far it reaches
-                acted.reported = max(acted.reported, int(u))
+                u = int(u)
+                if u > acted.reported:
+                    acted.reported = u
             else:
                 acted.report(int(u), int(a), str(sig))
-            touched[req_id] = request
-    for request in touched.values():
-        if request._block_hasher is not None and hash_limit(request, request.__dict__[ACTED_ATTR]) is not None:
+            hasher = request._block_hasher
+            if hasher is None:
+                continue
+            if hasher is not last_hasher:  # (one hasher per engine)
+                last_hasher, size = hasher, _block_size(hasher)
+            # hash_limit is at most max(prompt, reported), which only grows: a request whose report completes no
+            # block (most reports) is not hashed again
+            if size:
+                end = (len(request.block_hashes) + 1) * size
+                if end > acted.reported and end > request.num_prompt_tokens:
+                    continue
+            todo[req_id] = request
+    for request in todo.values():  # once every report is folded in
+        if hash_limit(request, request.__dict__[ACTED_ATTR]) is not None:
             request.update_block_hashes()
 
 

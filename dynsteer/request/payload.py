@@ -108,12 +108,13 @@ def payload_body(payload: Any) -> Any:
 
 
 def decode_payload(obj: Any, field: str = f"extra_args.{PAYLOAD_KEY}",
-                   limits: Limits = DEFAULT_LIMITS) -> RequestPayload:
+                   limits: Limits = DEFAULT_LIMITS, digest: bytes | None = None) -> RequestPayload:
     """Decode and schema-validate a payload within ``limits``; raises :class:`SteeringValidationError` naming the
-    bad field (the payload itself when it is oversize, too deep or has too many entries)."""
+    bad field (the payload itself when it is oversize, too deep or has too many entries). ``digest``: the
+    caller's ``body_digest(payload_body(obj))`` of a packed payload, if it has it (not computed twice)."""
     if isinstance(obj, str):
         packed, tag = check_envelope(obj, field, limits)
-        decoded = _decode_packed(packed, field, limits)
+        decoded = _decode_packed(packed, field, limits, digest)
         if tag is None:
             return decoded
         return RequestPayload(decoded.spec, tag, decoded.capture, decoded.policy, decoded.trace, decoded.report)
@@ -145,8 +146,8 @@ def check_envelope(payload: str, field: str = f"extra_args.{PAYLOAD_KEY}",
 _memo: BoundedMemo[RequestPayload] = BoundedMemo(DEFAULT_LIMITS.cache_bytes)
 
 
-def _decode_packed(packed: str, field: str, limits: Limits) -> RequestPayload:
-    key = (body_digest(packed), field, limits)
+def _decode_packed(packed: str, field: str, limits: Limits, digest: bytes | None = None) -> RequestPayload:
+    key = (body_digest(packed) if digest is None else digest, field, limits)
     hit = _memo.get(key)
     if hit is not None:
         return hit

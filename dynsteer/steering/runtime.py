@@ -30,7 +30,7 @@ from dynsteer.request.payload import PAYLOAD_KEY, decode_payload, payload_body
 from dynsteer.request.programs import EMPTY, SiteKey
 from dynsteer.request.resolve import GLOBAL_POLICY, REQUEST_POLICY, CommandPatch, Configuration, apply_command
 from dynsteer.spec import ModelShape, SteeringSpec, SteeringValidationError
-from dynsteer.steering.batch import BatchArrays
+from dynsteer.steering.batch import BatchArrays, Columns
 from dynsteer.steering.delivery import CaptureDelivery, NullCaptureDelivery
 from dynsteer.steering.dynamic.driver import DynamicDriver
 from dynsteer.steering.dynamic.tier import Acts, ControllerOptionsError, DynamicTier, NullDynamicTier
@@ -89,6 +89,8 @@ class SteeringRuntime:
         self.stops: dict[str, str] = {}
         self.stats = RuntimeStats()
         self._version = 0  # bumped whenever a request's rows or dynamic state change (invalidates _batch)
+        self._state = 0  # likewise, but not on release: what each request's cached batch values are valid for
+        self._columns = Columns()
         self.registry = RequestRegistry(shape, tables, self.limits, self._touch)
         # the registry's own containers (never rebound): what the engine glue and callers read
         self.requests, self.named, self.pool = self.registry.entries, self.registry.named, self.registry.pool
@@ -135,6 +137,7 @@ class SteeringRuntime:
 
     def _touch(self) -> None:
         self._version += 1
+        self._state += 1
 
     # ---- control plane (collective_rpc, between steps) ---------------------------------------------------------------
     def register_vector(self, name: str, vector: np.ndarray) -> None:
@@ -192,10 +195,12 @@ class SteeringRuntime:
         """
         # sorted: vLLM hands a set, whose order varies per process (string hashing); every TP rank must free slots
         # and rows in the same order to keep identical buffers
+        state = self._state
         for req_id in sorted(req_ids):
             # the batch arrays are gathered again only when something was released (the runner calls this every
             # step, usually with no ids: bumping regardless re-gathered every request at every step)
             self._version += 1
+            self._columns.forget(req_id)
             entry = self.requests.pop(req_id, None)
             if entry is not None:
                 self.registry.release(entry)
@@ -205,6 +210,7 @@ class SteeringRuntime:
                 self._cmd_policies.pop(req_id, None)
                 self._deferred.pop(req_id, None)
                 self.delivery.finish(req_id)
+        self._state = state  # what a release changes concerns the released requests alone: their values are forgotten
 
     def admit(self, req_id: str, payload: Any, prompt_len: int) -> RequestEntry:
         """Register a request on first sight. Any error stops the request alone (reported to the scheduler, which
@@ -214,9 +220,10 @@ class SteeringRuntime:
         error = None
         trace = False
         report = None
+        payload_key = body_digest(payload_body(payload)) if isinstance(payload, str) else None
         if payload is not None:
             try:
-                decoded = decode_payload(payload, limits=self.limits)
+                decoded = decode_payload(payload, limits=self.limits, digest=payload_key)
                 spec, tag, capture, trace, report = (decoded.spec, decoded.tag, decoded.capture, decoded.trace,
                                                      decoded.report)
                 if decoded.policy is not None:
@@ -228,7 +235,7 @@ class SteeringRuntime:
                 error = self._stop(req_id, exc)
         entry = RequestEntry(prompt_len=prompt_len, spec=spec, tag=tag, error=error, policy=policy, trace=trace,
                              report=report,
-                             payload_key=body_digest(payload_body(payload)) if isinstance(payload, str) else None,
+                             payload_key=payload_key,
                              cmd_spec=self._cmd_specs.get(req_id), cmd_policy=self._cmd_policies.get(req_id))
         for cmd in self._deferred.pop(req_id, ()):
             try:
@@ -246,7 +253,7 @@ class SteeringRuntime:
 
     def _set_dyn(self, req_id: str, entry: RequestEntry, fresh: bool) -> None:
         """Give the request its dynamic state (a resumed request keeps the one it had before preemption)."""
-        self._version += 1
+        self._touch()
         try:
             # a report reads the trace's record, so a request asking for one keeps it too
             entry.dyn = self.dynamic_tier.attach(req_id, self.registry.effective_policy(entry),
@@ -321,6 +328,7 @@ class SteeringRuntime:
         update kernel and the host all use them from this step on. Every retune goes through here: a live
         request's command, and one deferred to its (re-)admission, where a preempted request's state is retuned and
         its rows are assigned next."""
+        self._state += 1  # its gate slots' actions may change (the batch values' act mask)
         self.dynamic_tier.retune(req_id, entry.cmd_policy)
         if entry.error is None and self.requests.get(req_id) is entry:
             self.registry.release(entry)
@@ -381,7 +389,9 @@ class SteeringRuntime:
         """Fill ``row_index`` for this step (padding and unsteered tokens read row 0).
 
         Per-request arrays are gathered only when the batch's composition or a request's state changed (admission
-        happens then); per-token work is vectorised. An unsteered batch after an unsteered step writes nothing.
+        happens then), each request's values from a cache kept while its state is unchanged (a new composition
+        costs a lookup per request); per-token work is vectorised. An unsteered batch after an unsteered step writes
+        nothing.
         The index reaches the device through a pinned staging ring with a non-blocking copy, so the host never
         waits for the GPU here (a blocking copy would serialise vLLM's asynchronous scheduling with the forward).
         """
@@ -428,17 +438,15 @@ class SteeringRuntime:
 
     def _gather(self, ids: tuple[str, ...], view: BatchView, payload_of: PayloadLookup) -> BatchArrays:
         """Admit the batch's new requests and gather every request's arrays (once per batch composition)."""
-        n = len(ids)
-        entries = []
-        for i, req_id in enumerate(ids):
-            entry = self.requests.get(req_id)
-            if entry is None:
-                entry = self.admit(req_id, payload_of(req_id), int(view.prompt_lens[i]))
-            entries.append(entry)
-        rows = np.array([e.rows for e in entries], np.int32).reshape(n, 2)
+        self._columns.begin(self._state)
+        get = self.requests.get
+        entries = [get(r) for r in ids]
+        for i in [i for i, e in enumerate(entries) if e is None]:  # (not `None in`: entries compare by value)
+            entries[i] = self.admit(ids[i], payload_of(ids[i]), int(view.prompt_lens[i]))
+        b = self._columns.gather(ids, entries, self._state, self._version, self.streams.specs)
         # each site's summary: what the batch's rows hold there (the kernels skip a site whose summary is 0)
-        self.tables.summarize(np.unique(rows))
-        return BatchArrays.gather(ids, entries, self._version, rows, self.streams.specs)
+        self.tables.summarize(np.unique(b.rows))
+        return b
 
     def _stop_faulted(self, faults: dict[str, str]) -> None:
         """Requests whose custom controller failed: stop them, and steer them no further meanwhile (their decode
