@@ -30,7 +30,7 @@ def _commanded_blocks(tiny_llama_path) -> None:
     cfg = DynsteerConfig(monitor=MonitorConfig.private())
     with make_llm(tiny_llama_path, enable_prefix_caching=True, block_size=16, **cfg.engine_kwargs()) as llm:
         sched = llm.llm_engine.engine_core.engine_core.scheduler
-        long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)  # room to act at 40 on a loaded machine
         vec = np.random.default_rng(1).standard_normal(128).astype(np.float32) * 8
         acks = []
 
