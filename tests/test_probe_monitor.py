@@ -4,6 +4,7 @@ threshold, once each, with the chosen command; rejected commands are counted, no
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from dynsteer.commands import CommandAck
 from dynsteer.monitor.client import CommandError, StreamFrame
@@ -115,3 +116,33 @@ def _probe_stub(rng):
             return rng.standard_normal(16), 0.0
 
     return _P()
+
+
+def test_steer_then_abort_above_a_higher_score(tmp_path):
+    """--action steer --abort-above: a crossing request is steered once; if it later scores above the higher mark
+    it is aborted once, with a reason naming the probe and the score; one that stays below is only steered."""
+    w = np.zeros(4)
+    w[0] = 1.0
+    save_probe(tmp_path / "p.safetensors", w, bias=0.0, model_id="tiny", layer=2, site="post_block")
+    probe = load_probe(tmp_path / "p.safetensors")
+    wl, b = probe.linear_form()
+
+    def frame(step, x_a, x_b):  # rows of requests a and b, one each; the score is monotone in x
+        values = np.zeros((2, 4), np.float32)
+        values[:, 0] = [x_a, x_b]
+        return StreamFrame("resid", step, step, ["a", "b"], np.array([0, 1], np.int32), np.arange(2),
+                           {"2.post_block": values})
+
+    def x_for(score):  # the feature value at which the probe's decision equals score
+        return (score - b) / wl[0]
+
+    frames = [frame(0, x_for(-1), x_for(-1)), frame(1, x_for(1), x_for(1)), frame(2, x_for(2), x_for(5)),
+              frame(3, x_for(6), x_for(6)), frame(4, x_for(7), x_for(7))]
+    mon = _FakeMonitor(frames)
+    stats = run_probe_monitor(mon, probe, action="steer", steer_spec=object(), threshold=0.0, abort_above=4.0)
+    assert mon.calls == [("steer", "a"), ("steer", "b"), ("abort", "b"), ("abort", "a")]
+    assert set(stats.flagged) == {"a", "b"} and list(stats.aborted) == ["b", "a"]
+    assert "after steering" in mon.reasons[0] and "scored 5.000" in mon.reasons[0] and "/" not in mon.reasons[0]
+    assert "then aborted: b, a" in stats.summary()
+    with pytest.raises(ValueError, match="abort_above"):
+        run_probe_monitor(_FakeMonitor([]), probe, action="abort", abort_above=1.0)

@@ -62,6 +62,8 @@ def monitor(
                                                              "seconds (default: wait for it)"),
     progress_every: float = typer.Option(10.0, help="print frame and command counts to stderr at most this often "
                                                     "(seconds, while frames come)"),
+    abort_above: Optional[float] = typer.Option(None, help="with --action steer: abort a steered request whose "
+                                                           "score later exceeds this (escalation)"),
 ) -> None:
     """Watch a stream with a probe file and steer or abort the requests it flags."""
     from dynsteer.monitor.client import MonitorClient
@@ -73,6 +75,8 @@ def monitor(
         raise typer.BadParameter("--action: steer or abort")
     if target_class not in (0, 1):
         raise typer.BadParameter("--target-class: 0 or 1")
+    if abort_above is not None and action != "steer":
+        raise typer.BadParameter("--abort-above: escalates a steered request; use it with --action steer")
     probe = load_probe(probe_file)
     spec = None
     if action == "steer":
@@ -92,7 +96,8 @@ def monitor(
                        err=True)
             run_probe_monitor(mon, probe, action=action, steer_spec=spec, threshold=threshold, timeout_s=timeout,
                               start_timeout_s=start_timeout, target_class=target_class, probe_name=probe_file.stem,
-                              on_progress=progress, progress_s=progress_every, stats=stats)
+                              on_progress=progress, progress_s=progress_every, stats=stats,
+                              abort_above=abort_above)
     except KeyboardInterrupt:
         pass
     typer.echo(stats.summary())

@@ -26,6 +26,7 @@ class ProbeMonitorStats:
     frames: int = 0
     rows: int = 0
     flagged: dict[str, int] = field(default_factory=dict)  # request id -> step of the command
+    aborted: dict[str, int] = field(default_factory=dict)  # escalated (steered, then aborted): id -> step
     rejected: int = 0
     commands: int = 0  # sent (applied: len(flagged); the rest rejected)
     action: str = "abort"
@@ -34,8 +35,11 @@ class ProbeMonitorStats:
         """One line: frames, rows, commands, and the requests acted on by the ids vLLM's outputs show."""
         done = "aborted" if self.action == "abort" else "steered"
         ids = ", ".join(user_request_id(r) for r in self.flagged) or "none"
-        return (f"{self.frames} frames, {self.rows} rows; {self.commands} commands ({len(self.flagged)} applied, "
-                f"{self.rejected} rejected); {done}: {ids}")
+        line = (f"{self.frames} frames, {self.rows} rows; {self.commands} commands "
+                f"({len(self.flagged) + len(self.aborted)} applied, {self.rejected} rejected); {done}: {ids}")
+        if self.aborted:
+            line += "; then aborted: " + ", ".join(user_request_id(r) for r in self.aborted)
+        return line
 
 
 def run_probe_monitor(monitor: MonitorClient, probe: Any, *, action: Literal["steer", "abort"] = "abort",
@@ -44,7 +48,8 @@ def run_probe_monitor(monitor: MonitorClient, probe: Any, *, action: Literal["st
                       target_class: int = 1, probe_name: str = "probe",
                       on_flag: Callable[[str, StreamFrame, Any], None] | None = None,
                       on_progress: Callable[[ProbeMonitorStats], None] | None = None,
-                      progress_s: float = 10.0, stats: ProbeMonitorStats | None = None) -> ProbeMonitorStats:
+                      progress_s: float = 10.0, stats: ProbeMonitorStats | None = None,
+                      abort_above: float | None = None) -> ProbeMonitorStats:
     """Watch ``monitor``'s streams with ``probe`` (a loaded ``dynsteer.probes`` Probe); each request whose score
     for ``target_class`` exceeds ``threshold`` gets one command: ``abort``, or ``steer`` with ``steer_spec``.
 
@@ -61,11 +66,15 @@ def run_probe_monitor(monitor: MonitorClient, probe: Any, *, action: Literal["st
         on_progress: called with the stats when a frame arrives, at most every ``progress_s`` seconds (at the
             first frame too).
         stats: filled in place and returned (pass one to keep the figures of a run stopped by ``KeyboardInterrupt``).
+        abort_above: with ``action="steer"``, escalate: a request already steered whose score later exceeds this
+            (above ``threshold``) is aborted, once (``stats.aborted``).
     """
     if target_class not in (0, 1):
         raise ValueError(f"target_class: 0 or 1, got {target_class!r}")
     if action == "steer" and steer_spec is None:
         raise ValueError("steer_spec: required for action='steer'")
+    if abort_above is not None and action != "steer":
+        raise ValueError("abort_above: escalates a steered request; it needs action='steer'")
     w, b = probe.linear_form()
     sign = 1.0 if target_class == 1 else -1.0
     if threshold is None:
@@ -84,24 +93,41 @@ def run_probe_monitor(monitor: MonitorClient, probe: Any, *, action: Literal["st
             continue
         stats.rows += len(values)
         score = sign * (values.astype(np.float64) @ w + b)
+        if abort_above is not None:  # escalation first: a request steered at an earlier frame
+            for req_id in frame.requests_where(score > abort_above):
+                if req_id in stats.flagged and req_id not in stats.aborted:
+                    top = float(score[frame.rows_of(req_id)].max())
+                    reason = (f"{probe_name} at {place} scored {top:.3f} for class {target_class} after steering "
+                              f"(abort above {abort_above:.3f})")
+                    ack = _command(stats, lambda: monitor.abort(req_id, reason=reason), req_id)
+                    if ack is not None:
+                        stats.aborted[req_id] = int(ack.step or -1)
         for req_id in frame.requests_where(score > threshold):
             if req_id in stats.flagged:
                 continue
             top = float(score[frame.rows_of(req_id)].max())
-            stats.commands += 1
-            try:
-                ack = (monitor.abort(req_id, reason=f"{probe_name} at {place} scored {top:.3f} for class "
-                                                    f"{target_class} (threshold {threshold:.3f})")
-                       if action == "abort" else monitor.steer(req_id, steer_spec))
-            except CommandError as exc:  # e.g. it finished meanwhile
-                stats.rejected += 1
-                logger.info("command for %s rejected: %s", req_id, exc)
+            ack = _command(stats, lambda: monitor.abort(req_id, reason=f"{probe_name} at {place} scored {top:.3f} "
+                                                                       f"for class {target_class} (threshold "
+                                                                       f"{threshold:.3f})")
+                           if action == "abort" else monitor.steer(req_id, steer_spec), req_id)
+            if ack is None:
                 continue
             stats.flagged[req_id] = int(ack.step or -1)
             logger.info("%s %s at step %s", action, req_id, ack.step)
             if on_flag is not None:
                 on_flag(req_id, frame, ack)
     return stats
+
+
+def _command(stats: ProbeMonitorStats, send: Callable[[], Any], req_id: str) -> Any:
+    """Send one command; its ack, or ``None`` counted as rejected (e.g. the request finished meanwhile)."""
+    stats.commands += 1
+    try:
+        return send()
+    except CommandError as exc:
+        stats.rejected += 1
+        logger.info("command for %s rejected: %s", req_id, exc)
+        return None
 
 
 def _frames(monitor: Any, timeout_s: float | None, start_timeout_s: float | None) -> Iterator[StreamFrame]:
