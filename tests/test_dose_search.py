@@ -103,3 +103,29 @@ def test_bad_splits_and_doses_name_the_argument():
         recommend_dose(None, np.ones(4), layer=0, tune_prompts=["a"], held_prompts=["b"], concept=word_concept([]),
                        doses=(0.2, 0.1))
     assert combined_score(0.2, 0.5, 0.0) == pytest.approx(0.2)  # more fluent than unsteered: no bonus
+
+
+def test_cli_recommends_on_a_split_and_writes_json(rig, tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    import dynsteer.cli.vector as cli_vector
+    from dynsteer.cli.app import app
+    from dynsteer.cli.dose import split_prompts
+
+    monkeypatch.setattr(cli_vector, "make_engine", lambda *a, **k: rig["st"].llm)
+    np.save(tmp_path / "v.npy", rig["vector"].astype(np.float32))
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in TUNE + HELD))
+    args = ["dose", "recommend", "tiny", "--vector", str(tmp_path / "v.npy"), "--layer", str(LAYER),
+            "--prompts", str(tmp_path / "p.jsonl"), "--words", "the", "--doses", "0.05,16", "--max-tokens", "8",
+            "--max-repeat-4gram", "1", "--out", str(tmp_path / "r.json")]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "r.json").read_text())
+    tune, held = split_prompts(TUNE + HELD, 0.5, 0)
+    assert data["tune_unsteered"]["prompts"] == tune and data["held_steered"]["prompts"] == held
+    assert not set(tune) & set(held) and sorted(tune + held) == sorted(TUNE + HELD)
+    assert data["dose"] == 0.05 and "recommended: dose 0.05" in res.output
+    bad = CliRunner().invoke(app, args[:-2] + ["--held-out", "1.5"])
+    assert bad.exit_code != 0 and "--held-out" in bad.output

@@ -132,6 +132,10 @@ from dynsteer.cli.vector import vector_app  # noqa: E402 - `dynsteer vector make
 
 app.add_typer(vector_app, name="vector")
 
+from dynsteer.cli.dose import dose_app  # noqa: E402 - `dynsteer dose recommend`
+
+app.add_typer(dose_app, name="dose")
+
 
 @app.command()
 def version() -> None:
