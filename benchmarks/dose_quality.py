@@ -37,6 +37,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--vectors", nargs="+", default=["example2", "demo", "example1", "caa"])
+    ap.add_argument("--prompts", choices=["neutral", "negative"], default="neutral",
+                    help="neutral: 16 neutral prompts, even/odd split; negative: 8 negative sentences of the "
+                         "training split to tune, 8 of the held-out split to report")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "dose_quality-cpu.json")
     args = ap.parse_args()
     from vllm import LLM
@@ -57,7 +60,12 @@ def main() -> None:
     llm = LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=16, seed=0,
               **cfg.engine_kwargs())
     st = dynsteer.attach(llm)
-    train_x, train_y, _, _ = ds.held_out_split()
+    train_x, train_y, test_x, test_y = ds.held_out_split()
+    if args.prompts == "neutral":
+        tune, held = PROMPTS[0::2], PROMPTS[1::2]
+    else:  # the prompts dynamic_sentiment.py's part two steers: negative sentences, never the probe's test data
+        tune = [t for t, y in zip(train_x, train_y) if y == 0][:8]
+        held = [t for t, y in zip(test_x, test_y) if y == 0][:8]
     acts = collect(st, train_x, train_y, layers=[PROBE_LAYER], site="post_block", positions="last_prompt", chat=True,
                    progress=False)
     X = acts.X[PROBE_LAYER]
@@ -90,10 +98,10 @@ def main() -> None:
     results = json.loads(args.out.read_text()) if args.out.is_file() else {}
     for name in args.vectors:
         vec, layer, unit = vector(name)
-        rec = recommend_dose(st, vec, layer=layer, tune_prompts=PROMPTS[0::2], held_prompts=PROMPTS[1::2],
+        rec = recommend_dose(st, vec, layer=layer, tune_prompts=tune, held_prompts=held,
                              concept=concept, max_tokens=args.max_tokens)
         print(f"\n== {name} ({unit}) ==\n{rec.summary()}\n({time.time() - t0:.0f} s)", flush=True)
-        results[name] = {"unit": unit, "max_tokens": args.max_tokens, "probe_layer": PROBE_LAYER,
+        results[f"{name}@{args.prompts}"] = {"prompts": args.prompts, "unit": unit, "max_tokens": args.max_tokens, "probe_layer": PROBE_LAYER,
                          "probe_train_sentences": len(train_x), **json.loads(rec.model_dump_json())}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
