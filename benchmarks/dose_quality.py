@@ -1,10 +1,11 @@
 """The recommended dose of SmolLM2-135M-Instruct's sentiment vectors (the demo's, the examples', a CAA vector from
 pairs): concept gain, perplexity ratio, repeated 4-grams and a random control of equal norm. CPU (float32), minutes.
 
-Method (:func:`dynsteer.sweep.dose_search.recommend_dose`): 16 neutral chat prompts (``benchmarks/vector_quality.py``'s),
-the even-numbered 8 the tuning split and the odd-numbered 8 held out; greedy replies of ``--max-tokens`` tokens. The
-concept score is a sentiment probe's P(positive) on the reply (a logistic probe on the last prompt token at layer 22,
-trained on the 308-sentence training split of ``examples/data/sentiment.csv`` under the chat template, as
+Method (:func:`dynsteer.sweep.dose_search.recommend_dose`): 16 neutral chat prompts
+(``benchmarks/vector_quality.py``'s), the even-numbered 8 the tuning split and the odd-numbered 8 held out (or,
+``--prompts negative``, negative sentences of the data set's two splits); greedy replies of ``--max-tokens`` tokens.
+The concept score is a sentiment probe's P(positive) on the reply (a logistic probe on the last prompt token at layer
+22, trained on the 308-sentence training split of ``examples/data/sentiment.csv`` under the chat template, as
 ``examples/dynamic_sentiment.py``'s part two trains it; the reply is read back as a user message). Bounds: mean
 perplexity ≤ 1.5× unsteered, repeated 4-grams ≤ 5 %.
 
@@ -75,7 +76,8 @@ def main() -> None:
 
     def vector(name: str) -> tuple[np.ndarray, int, str]:
         if name == "example2":  # dynamic_sentiment.py part two: class-mean difference at layer 22
-            return X[train_y == 1].mean(0) - X[train_y == 0].mean(0), PROBE_LAYER, "multiples of the class-mean difference"
+            diff = X[train_y == 1].mean(0) - X[train_y == 0].mean(0)
+            return diff, PROBE_LAYER, "multiples of the class-mean difference"
         if name == "demo":  # dynsteer demo: contrastive vector of 16 sentences at layer 15
             return contrastive_vector(model, 15).astype(np.float64), 15, "multiples of the contrastive vector"
         if name == "example1":  # dynamic_sentiment.py part one: minus the negative-class probe direction at layer 20
@@ -101,8 +103,9 @@ def main() -> None:
         rec = recommend_dose(st, vec, layer=layer, tune_prompts=tune, held_prompts=held,
                              concept=concept, max_tokens=args.max_tokens)
         print(f"\n== {name} ({unit}) ==\n{rec.summary()}\n({time.time() - t0:.0f} s)", flush=True)
-        results[f"{name}@{args.prompts}"] = {"prompts": args.prompts, "unit": unit, "max_tokens": args.max_tokens, "probe_layer": PROBE_LAYER,
-                         "probe_train_sentences": len(train_x), **json.loads(rec.model_dump_json())}
+        results[f"{name}@{args.prompts}"] = {"prompts": args.prompts, "unit": unit, "max_tokens": args.max_tokens,
+                                             "probe_layer": PROBE_LAYER, "probe_train_sentences": len(train_x),
+                                             **json.loads(rec.model_dump_json())}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
     llm.llm_engine.engine_core.shutdown()

@@ -4,13 +4,13 @@ control and a held-out check.
 :func:`recommend_dose` takes a vector, a place ``(layer, site)``, a concept scorer (:mod:`dynsteer.sweep.quality`)
 and two disjoint prompt lists:
 
-1. **Tuning split.** The unsteered replies give the baseline perplexity. The dose then steps up through ``doses``
-   (relative doses, :mod:`dynsteer.dose`: ``scale = dose · mean‖h‖ / ‖v‖``); at each step the steered replies are
-   measured, and so are those of a **random direction of the vector's norm** at the same scale (so the same dose):
-   the control says how much of the concept gain, and of the fluency loss, any push of that size gives. A step is
-   **admissible** when its mean perplexity is at most ``max_perplexity_ratio`` × the unsteered one and its mean
-   repeated-4-gram rate at most ``max_repeat_4gram``. The search stops at the first step that is not; the
-   recommendation is the last admissible step (``None`` when even the first is not).
+1. **Tuning split.** The unsteered replies give the baseline perplexity. The dose then steps up through
+   ``doses`` (relative doses, :mod:`dynsteer.dose`: ``scale = dose · mean‖h‖ / ‖v‖``); at each step the steered
+   replies are measured, and so are those of a **random direction of the vector's norm** at the same scale (so the
+   same dose): the control says how much of the concept gain, and of the fluency loss, any push of that size
+   gives. A step is **admissible** when its mean perplexity is at most ``max_perplexity_ratio`` × the unsteered one
+   and its mean repeated-4-gram rate at most ``max_repeat_4gram``. The search stops at the first step that is not;
+   the recommendation is the last admissible step (``None`` when even the first is not).
 2. **Held-out split.** Unsteered, steered at the recommended dose and the random control at that dose are measured
    on the held-out prompts only: the figures to report, never used to choose.
 
@@ -78,16 +78,16 @@ class DoseRecommendation(BaseModel):
     def summary(self) -> str:
         """A few lines for a terminal."""
         base = self.tune_unsteered
-        lines = [f"layer {self.layer} {self.site}: ‖v‖ {self.vector_norm:.3g}, mean‖h‖ {self.mean_norm:.4g}; bounds: "
-                 f"perplexity ≤ {self.max_perplexity_ratio:g}× unsteered ({base.perplexity:.3g}), repeated 4-grams "
-                 f"≤ {self.max_repeat_4gram:.0%}",
+        lines = [f"layer {self.layer} {self.site}: ‖v‖ {self.vector_norm:.3g}, mean‖h‖ {self.mean_norm:.4g}; "
+                 f"bounds: perplexity ≤ {self.max_perplexity_ratio:g}× unsteered ({base.perplexity:.3g}), "
+                 f"repeated 4-grams ≤ {self.max_repeat_4gram:.0%}",
                  f"tuning split ({len(base.prompts)} prompts), unsteered concept {base.concept:.3f}:"]
         for s in self.steps:
             st, rd = s.steered.relative_to(base), s.random.relative_to(base)
-            lines.append(f"  dose {s.steered.dose:5.3f} (scale {s.steered.scale:7.3g}): concept {s.steered.concept:.3f} "
-                         f"(random {s.random.concept:.3f}), perplexity ×{st['perplexity_ratio']:.2f} (random "
-                         f"×{rd['perplexity_ratio']:.2f}), repeated 4-grams {s.steered.repeat_4gram:.0%} (random "
-                         f"{s.random.repeat_4gram:.0%}) {'ok' if s.admissible else '✗ ' + ', '.join(s.reasons)}")
+            lines.append(f"  dose {s.steered.dose:5.3f} (scale {s.steered.scale:7.3g}): concept "
+                         f"{s.steered.concept:.3f} (random {s.random.concept:.3f}), perplexity "
+                         f"×{st['perplexity_ratio']:.2f} (random ×{rd['perplexity_ratio']:.2f}), repeated 4-grams "
+                         f"{s.steered.repeat_4gram:.0%} (random {s.random.repeat_4gram:.0%}) {'ok' if s.admissible else '✗ ' + ', '.join(s.reasons)}")
         if self.dose is None:
             lines.append("no dose tried keeps within the bounds")
             return "\n".join(lines)
