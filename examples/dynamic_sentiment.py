@@ -57,7 +57,9 @@ PRAISE = [f"Write two sentences praising {t} enthusiastically." for t in ["the n
 STEER_SCALE = 40.0
 # Part two reads the layer probe_training.py's cross-validation on the same training split chooses.
 PROMPT_LAYER = 22
-PROMPT_STEER_SCALE = 8.0  # multiples of the class-mean difference
+# multiples of the class-mean difference: a relative dose of 0.15, the strongest that `dynsteer dose recommend` keeps
+# within 1.5x unsteered perplexity and 5 % repeated 4-grams on negative prompts (docs/guides/quality.md)
+PROMPT_STEER_SCALE = 1.35
 PROMPT_READS = "prompt_last"
 OPERATING_POINT: str | float = 0.05  # positive sentences let through, on the training split's CV scores
 
