@@ -54,10 +54,14 @@ LAYER = 20
 TOPICS = ["the hotel room", "the restaurant", "the train service", "the weather"]
 COMPLAINTS = [f"Write two sentences complaining angrily about {t}." for t in ["the airline", *TOPICS]]
 PRAISE = [f"Write two sentences praising {t} enthusiastically." for t in ["the new phone", *TOPICS]]
-STEER_SCALE = 40.0
+# multiples of the probe's weight vector: a relative dose of 0.1, the strongest that `dynsteer dose recommend` keeps
+# within 1.5x unsteered perplexity and 5 % repeated 4-grams on negative prompts (docs/guides/quality.md)
+STEER_SCALE = 30.0
 # Part two reads the layer probe_training.py's cross-validation on the same training split chooses.
 PROMPT_LAYER = 22
-PROMPT_STEER_SCALE = 8.0  # multiples of the class-mean difference
+# multiples of the class-mean difference: a relative dose of 0.15, the strongest that `dynsteer dose recommend` keeps
+# within 1.5x unsteered perplexity and 5 % repeated 4-grams on negative prompts (docs/guides/quality.md)
+PROMPT_STEER_SCALE = 1.35
 PROMPT_READS = "prompt_last"
 OPERATING_POINT: str | float = 0.05  # positive sentences let through, on the training split's CV scores
 

@@ -31,7 +31,9 @@ app.command(name="sweep")(_sweep)
 def demo(
     model: Optional[Path] = typer.Option(None, help="model directory (default: SmolLM2-135M-Instruct, converted once)"),
     layer: int = typer.Option(15, help="decoder layer to steer"),
-    scale: float = typer.Option(1.0, help="multiple of the contrastive vector to add (negative flips it)"),
+    scale: float = typer.Option(0.25, help="multiple of the contrastive vector to add (negative flips it); 0.25 is "
+                                           "a relative dose of about 0.14 at layer 15, within the dose `dynsteer dose "
+                                           "recommend` finds for it on SmolLM2 (docs/guides/quality.md)"),
     max_tokens: int = typer.Option(40, help="tokens to generate per prompt"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show vLLM's logs (default: written to a file)"),
 ) -> None:
@@ -136,6 +138,10 @@ app.add_typer(probe_app, name="probe")
 from dynsteer.cli.vector import vector_app  # noqa: E402 - `dynsteer vector make`
 
 app.add_typer(vector_app, name="vector")
+
+from dynsteer.cli.dose import dose_app  # noqa: E402 - `dynsteer dose recommend`
+
+app.add_typer(dose_app, name="dose")
 
 
 @app.command()
