@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 from lib.engines import LLAMA3_8B, gpu_memory
 from lib.report import git_sha, host_facts, save_json, utc_now
-from lib.serve import CPU_ARGS, CPU_ENV, Server, VanillaServer
+from lib.serve import CPU_ARGS, CPU_ENV, Server, VanillaServer, http_json
 from lib.stats import paired, quantile
 
 MIXES = ("none", "registered", "inline", "dynamic", "global", "preset", "reports")
@@ -78,6 +78,13 @@ class Mixes:
                                      "sharpness": 4.0, "threshold": 0.0}],
                        "rules": [{"monitor": "m", "actions": [{"kind": "add", "layer": self.layer,
                                                                "vector": self.vector}]}]}
+        # the steered half's object per mix, built once (the client sends the same one with every request)
+        self.objects = {
+            "registered": {"spec": {"vectors": [{"layer": self.layer, "vector": NAME, "scale": 1.0}]}},
+            "inline": {"spec": {"vectors": [{"layer": self.layer, "vector": self.vector, "scale": 1.0}]}},
+            "dynamic": {"policy": self.policy},
+            "preset": {"preset": NAME, "params": {"scale": 2.0}},
+            "reports": {"policy": self.policy, "report": "tokens"}}
 
     def setup(self, mix: str, call: Callable[[str, str, dict | None], Any]) -> None:
         if mix in ("registered", "preset"):
@@ -99,13 +106,7 @@ class Mixes:
 
     def steering(self, mix: str, i: int) -> dict | None:
         """Request ``i``'s steering object (every other request is steered in the half mixes)."""
-        if mix in ("none", "global") or i % 2:
-            return None
-        return {"registered": {"spec": {"vectors": [{"layer": self.layer, "vector": NAME, "scale": 1.0}]}},
-                "inline": {"spec": {"vectors": [{"layer": self.layer, "vector": self.vector, "scale": 1.0}]}},
-                "dynamic": {"policy": self.policy},
-                "preset": {"preset": NAME, "params": {"scale": 2.0}},
-                "reports": {"policy": self.policy, "report": "tokens"}}[mix]
+        return None if i % 2 else self.objects.get(mix)  # none, global: no object
 
 
 # ---- the client ------------------------------------------------------------------------------------------------------
@@ -206,15 +207,6 @@ class Profiler:
             except Exception:  # noqa: BLE001 - a profiler that hangs must not hang the benchmark
                 p.kill()
         self.procs = []
-
-
-def http(url: str, method: str, path: str, body: dict | None) -> Any:
-    import urllib.request
-
-    req = urllib.request.Request(url + path, None if body is None else json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"}, method=method)
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read() or b"null")
 
 
 # ---- the report ------------------------------------------------------------------------------------------------------
@@ -352,7 +344,11 @@ def main() -> int:
             servers[s].wait(900)
         report["startup_s"] = round(time.monotonic() - t_start, 1)
         print(f"[serve] servers up in {report['startup_s']} s", flush=True)
-        call = lambda m, p, b: http(servers["dynsteer"].url, m, p, b)  # noqa: E731
+        def call(method: str, path: str, body: dict | None) -> Any:
+            status, out = http_json(servers["dynsteer"].url, method, path, body)
+            if status >= 400:
+                raise RuntimeError(f"{method} {path}: HTTP {status}: {out}")
+            return out
 
         def run_entry(server: str, mix: str, conc: int, n: int, n_out: int) -> dict:
             if server == "dynsteer":

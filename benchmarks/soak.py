@@ -32,8 +32,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -41,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from lib.serve import Server
+from lib.serve import Server, http_json
 
 KEY = "soak-key"
 MON_LAYER, ACT_LAYER = 1, 2
@@ -109,14 +107,7 @@ class Soak:
 
     # ---- HTTP ------------------------------------------------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any] | None, method: str = "POST") -> tuple[int, dict[str, Any]]:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-        try:
-            with urllib.request.urlopen(req, timeout=300) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, {"error": e.read().decode(errors="replace")}
+        return http_json(self.url, method, path, body, key=KEY)
 
     def complete(self, prompt: str, payload: str | None) -> tuple[int, dict[str, Any]]:
         body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": self.args.tokens,

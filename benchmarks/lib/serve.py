@@ -3,6 +3,7 @@ memory and latency, the soaks, the serving benchmark)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -12,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 # CPU engines as the tests build them: the engine core in a process of its own, one thread, a small KV cache
 CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -33,6 +35,19 @@ args = parser.parse_args(["serve", *sys.argv[1:]])
 command.validate(args)
 args.dispatch_function(args)
 """
+
+
+def http_json(url: str, method: str, path: str, body: dict | None = None, key: str | None = None,
+              timeout: float = 300) -> tuple[int, Any]:
+    """One JSON call: (status, decoded body); an HTTP error's body as ``{"error": text}``."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url + path, None if body is None else json.dumps(body).encode(), headers,
+                                 method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, {"error": e.read().decode(errors="replace")}
 
 
 def free_port() -> int:
