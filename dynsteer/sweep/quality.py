@@ -138,6 +138,24 @@ def prompt_ids(steerer: Any, prompts: Sequence[str], *, chat: bool = True) -> li
     return [tok.encode(p) for p in prompts]
 
 
+def perplexities(steerer: Any, pairs: list[tuple[list[int], list[int]]], SamplingParams: Any) -> list[float | None]:
+    """Unsteered perplexity of each output given its prompt: one batch of prompt-logprob requests (each distinct
+    prompt + output scored once)."""
+    todo = sorted({(tuple(p), tuple(o)) for p, o in pairs if o})
+    if not todo:
+        return [None] * len(pairs)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outs = steerer.llm.generate([{"prompt_token_ids": list(p + o)} for p, o in todo], params, use_tqdm=False)
+    found: dict[tuple[tuple[int, ...], tuple[int, ...]], float | None] = {}
+    for (p, o), out in zip(todo, outs):
+        lps = []
+        for pos, tok in enumerate(o, start=len(p)):
+            entry = out.prompt_logprobs[pos]
+            lps.append(float(entry[tok].logprob))
+        found[(p, o)] = M.perplexity(lps)
+    return [found.get((tuple(p), tuple(o))) if o else None for p, o in pairs]
+
+
 def measure(steerer: Any, prompts: Sequence[str], concept: Concept, *, label: str = "unsteered",
             vector: Optional[np.ndarray] = None, layer: int = 0, site: str = "post_block", scale: float = 0.0,
             dose: float = 0.0, max_tokens: int = 32, chat: bool = True) -> QualityPoint:
@@ -146,7 +164,6 @@ def measure(steerer: Any, prompts: Sequence[str], concept: Concept, *, label: st
     from vllm import SamplingParams
 
     from dynsteer.spec import AddVector, SteeringSpec
-    from dynsteer.sweep.runner import _perplexities
 
     ids = prompt_ids(steerer, prompts, chat=chat)
     spec = None
@@ -157,7 +174,7 @@ def measure(steerer: Any, prompts: Sequence[str], concept: Concept, *, label: st
     outs = steerer.generate([{"prompt_token_ids": p} for p in ids], params, steering=spec, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     texts = [o.outputs[0].text for o in outs]
-    ppl = [p for p in _perplexities(steerer, list(zip(ids, tokens)), SamplingParams) if p is not None]
+    ppl = [p for p in perplexities(steerer, list(zip(ids, tokens)), SamplingParams) if p is not None]
     scores = concept(texts)
     return QualityPoint(label=label, dose=float(dose), scale=float(scale),
                         concept=float(np.mean(scores)) if len(scores) else 0.0,

@@ -30,6 +30,7 @@ from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.sweep import metrics as M
 from dynsteer.sweep.config import BASELINE, SweepConfig
 from dynsteer.sweep.grid import GridPathError, apply_point, grid_points, point_label
+from dynsteer.sweep.quality import perplexities
 from dynsteer.sweep.report import write_report
 from dynsteer.sweep.summary import summarize, summary_csv_text
 from dynsteer.sweep.types import SweepResult, Variant
@@ -291,7 +292,7 @@ def _run_chunk(cfg: SweepConfig, steerer: Any, chunk: list[tuple[str, Variant, i
     else:
         texts = [cfg.prompts[p].prompt or cfg.prompts[p].text() for _, _, p, _ in chunk]
         outs = steerer.generate(texts, params, **kwargs)
-    ppl = _perplexities(steerer, [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs],
+    ppl = perplexities(steerer, [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs],
                         SamplingParams)
     records = []
     for (key, v, p, s), out, perp in zip(chunk, outs, ppl):
@@ -316,23 +317,3 @@ def _run_chunk(cfg: SweepConfig, steerer: Any, chunk: list[tuple[str, Variant, i
             **_trace_fields(getattr(out, "trace", None), v)}
         records.append(rec)
     return records
-
-
-def _perplexities(steerer: Any, pairs: list[tuple[list[int], list[int]]], SamplingParams: Any) -> list[float | None]:
-    """Unsteered perplexity of each output given its prompt: one batch of prompt-logprob requests (each distinct
-    prompt + output scored once)."""
-    todo = sorted({(tuple(p), tuple(o)) for p, o in pairs if o})
-    if not todo:
-        return [None] * len(pairs)
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    outs = steerer.llm.generate([{"prompt_token_ids": list(p + o)} for p, o in todo], params, use_tqdm=False)
-    found: dict[tuple[tuple[int, ...], tuple[int, ...]], float | None] = {}
-    for (p, o), out in zip(todo, outs):
-        lps = []
-        for pos, tok in enumerate(o, start=len(p)):
-            entry = out.prompt_logprobs[pos]
-            lps.append(float(entry[tok].logprob))
-        found[(p, o)] = M.perplexity(lps)
-    return [found.get((tuple(p), tuple(o))) if o else None for p, o in pairs]
-
-
