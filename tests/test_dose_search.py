@@ -115,6 +115,7 @@ def test_cli_recommends_on_a_split_and_writes_json(rig, tmp_path, monkeypatch):
     from dynsteer.cli.dose import split_prompts
 
     monkeypatch.setattr(cli_vector, "make_engine", lambda *a, **k: rig["st"].llm)
+    monkeypatch.setattr("dynsteer.cli.engine.shutdown_engine", lambda llm: None)  # the shared engine lives on
     np.save(tmp_path / "v.npy", rig["vector"].astype(np.float32))
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in TUNE + HELD))
     args = ["dose", "recommend", "tiny", "--vector", str(tmp_path / "v.npy"), "--layer", str(LAYER),

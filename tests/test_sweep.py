@@ -255,6 +255,7 @@ def test_cli_sweep(rig, monkeypatch):
     from dynsteer.cli.app import app
 
     monkeypatch.setattr(cli_sweep, "make_engine", lambda *a, **k: rig["llm"])
+    monkeypatch.setattr("dynsteer.cli.engine.shutdown_engine", lambda llm: None)  # the shared engine lives on
     out = rig["work"] / "cli"
     args = ["sweep", str(rig["work"] / "policy.yaml"), "--prompts", str(rig["prompts"]), "--out", str(out),
             "--grid", "rules[0].actions[0].scale=1.0", "--max-tokens", "12", "--target-class", "complaint",

@@ -267,6 +267,7 @@ def test_cli_makes_a_caa_file(steerer, tmp_path, monkeypatch):
         return steerer.llm
 
     monkeypatch.setattr(cli, "make_engine", engine)
+    monkeypatch.setattr("dynsteer.cli.engine.shutdown_engine", lambda llm: None)  # the shared engine lives on
     out = tmp_path / "v.safetensors"
     res = runner.invoke(app, ["vector", "make", "--method", "caa", "--pairs", str(pairs), "--model", "tiny",
                               "--layer", "1", "--layer", "3", "--positions", "2", "--out", str(out)])

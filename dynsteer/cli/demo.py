@@ -148,3 +148,6 @@ def _demo(console: Any, model: Path | None, layer: int, scale: float, max_tokens
     same = [a.outputs[0].text == b.outputs[0].text
             for a, b in zip(unsteered_again, outputs[::len(columns)])]
     console.print(f"unsteered rows identical to an unsteered-only batch: {all(same)}")
+    from dynsteer.cli.engine import shutdown_engine
+
+    shutdown_engine(llm)

@@ -20,7 +20,6 @@ where vLLM runs the worker in it, as on one GPU).
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import statistics
 import time
@@ -107,12 +106,10 @@ def _run(console: Any, model: str | None, max_overhead: float,
         checks = _checks(llm, dynsteer.attach(llm), max_overhead, steps)
         patched = patches(llm)
     finally:
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
+        from dynsteer.cli.engine import shutdown_engine
+
+        shutdown_engine(llm)  # vLLM's shutdown messages land in the log, not under the report
         del llm
-        gc.collect()  # vLLM's shutdown messages land in the log, not under the report
     device = torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)"
     return checks, patched, device, path
 

@@ -79,14 +79,18 @@ def recommend(
     places = [layer] + ([loaded.meta.layer] if loaded is not None else [])
     if loaded is not None and loaded.meta.site != site:
         raise typer.BadParameter(f"--probe reads site {loaded.meta.site!r}; this command captures --site {site!r}")
-    llm = make_engine(model, site, places, dtype=dtype, max_model_len=max_model_len)
-    st = attach(llm)
-    concept = (probe_concept(st, loaded, layer=loaded.meta.layer, site=site, target_class=target_class)
-               if loaded is not None else
-               word_concept(words.split(","), [w for w in opposite_words.split(",") if w]))  # type: ignore[union-attr]
-    rec = recommend_dose(st, vec, layer=layer, site=site, tune_prompts=tune, held_prompts=held, concept=concept,
-                         doses=grid, max_perplexity_ratio=max_perplexity_ratio, max_repeat_4gram=max_repeat_4gram,
-                         max_tokens=max_tokens, seed=seed)
+    from dynsteer.cli.engine import closing_engine
+
+    with closing_engine(make_engine(model, site, places, dtype=dtype, max_model_len=max_model_len)) as llm:
+        st = attach(llm)
+        if loaded is not None:
+            concept = probe_concept(st, loaded, layer=loaded.meta.layer, site=site, target_class=target_class)
+        else:
+            concept = word_concept(words.split(","),  # type: ignore[union-attr]
+                                   [w for w in opposite_words.split(",") if w])
+        rec = recommend_dose(st, vec, layer=layer, site=site, tune_prompts=tune, held_prompts=held, concept=concept,
+                             doses=grid, max_perplexity_ratio=max_perplexity_ratio,
+                             max_repeat_4gram=max_repeat_4gram, max_tokens=max_tokens, seed=seed)
     typer.echo(rec.summary())
     if out is not None:
         out.write_text(json.dumps(json.loads(rec.model_dump_json()), indent=1) + "\n")

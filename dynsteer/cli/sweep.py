@@ -153,17 +153,20 @@ def sweep(
     with console.status("starting vLLM"):
         llm = make_engine(model, cfg, dtype=dtype, max_model_len=max_model_len, eager=enforce_eager,
                           engine_args=extra)
-    steerer = dynsteer.attach(llm)
-    try:
-        for name, arr in named.items():
-            steerer.register_vector(name, arr)
-    except ValueError as exc:
-        raise typer.BadParameter(f"--vector {exc}") from None
-    try:
-        result = run_sweep(cfg, steerer, out, overwrite=overwrite)
-    except SweepMismatchError as exc:
-        console.print(f"[red]{exc}[/red] (use --overwrite)")
-        raise typer.Exit(2) from None
+    from dynsteer.cli.engine import closing_engine
+
+    with closing_engine(llm):
+        steerer = dynsteer.attach(llm)
+        try:
+            for name, arr in named.items():
+                steerer.register_vector(name, arr)
+        except ValueError as exc:
+            raise typer.BadParameter(f"--vector {exc}") from None
+        try:
+            result = run_sweep(cfg, steerer, out, overwrite=overwrite)
+        except SweepMismatchError as exc:
+            console.print(f"[red]{exc}[/red] (use --overwrite)")
+            raise typer.Exit(2) from None
     console.print(f"{result.generated} samples generated, {result.skipped} already done; "
                   f"{result.samples_jsonl}, {result.summary_csv}, {result.report_html}")
 

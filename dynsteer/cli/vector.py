@@ -135,15 +135,18 @@ def _from_pairs(method: str, pairs: Path, model: str, layers: list[int], site: s
         raise typer.BadParameter(f"{pairs}: PCA needs at least 2 pairs, the file has {len(data)}",
                                  param_hint="--pairs")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    llm = make_engine(model, site, layers, dtype=dtype, max_model_len=max_model_len)
-    steerer = dynsteer.attach(llm)
-    if any(not 0 <= k < steerer.num_layers for k in layers):
-        raise typer.BadParameter(f"{layers}: the model has layers 0..{steerer.num_layers - 1}", param_hint="--layer")
-    try:
-        return from_pairs(steerer, data, layers=layers, method=method, site=site, positions=positions,
-                          chat_template=chat_template, norm=norm, batch_size=batch_size, progress=True)
-    except (ValueError, SteeringValidationError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="--pairs") from None
+    from dynsteer.cli.engine import closing_engine
+
+    with closing_engine(make_engine(model, site, layers, dtype=dtype, max_model_len=max_model_len)) as llm:
+        steerer = dynsteer.attach(llm)
+        if any(not 0 <= k < steerer.num_layers for k in layers):
+            raise typer.BadParameter(f"{layers}: the model has layers 0..{steerer.num_layers - 1}",
+                                     param_hint="--layer")
+        try:
+            return from_pairs(steerer, data, layers=layers, method=method, site=site, positions=positions,
+                              chat_template=chat_template, norm=norm, batch_size=batch_size, progress=True)
+        except (ValueError, SteeringValidationError) as exc:
+            raise typer.BadParameter(str(exc), param_hint="--pairs") from None
 
 
 def _from_file(method: str, probe: Optional[Path], sae: Optional[Path], feature: Optional[list[int]],
