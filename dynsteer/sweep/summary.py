@@ -15,7 +15,8 @@ from dynsteer.sweep.config import BASELINE, SweepConfig
 from dynsteer.sweep.quality import combined_score
 from dynsteer.sweep.types import Variant
 
-__all__ = ["QUALITY_COLUMNS", "SUMMARY_METRICS", "VARIANT_COLUMNS", "format_value", "summarize", "summary_columns", "summary_csv_text"]
+__all__ = ["QUALITY_COLUMNS", "SUMMARY_METRICS", "VARIANT_COLUMNS", "format_value", "summarize",
+           "summary_columns", "summary_csv_text"]
 
 
 def format_value(v: Any) -> str:
