@@ -237,10 +237,12 @@ def _pareto_plot(cfg: SweepConfig, result: SweepResult) -> list[tuple[str, str, 
             ax.scatter([p[0] for p in chosen], [p[1] for p in chosen], marker=marker, color=color, s=46, zorder=3,
                        label=name)
     if sum(v.id != BASELINE and v.control_of is None for v, _, _ in pts) <= 12:
+        names: dict[tuple[float, float], list[str]] = {}  # variants on the same spot share one label
         for v, x, y in pts:
             if v.id != BASELINE and v.control_of is None:
-                ax.annotate(v.label if len(v.label) <= 24 else v.label[:23] + "…", (x, y), fontsize=6,
-                            xytext=(4, 3), textcoords="offset points")
+                names.setdefault((x, y), []).append(v.label if len(v.label) <= 24 else v.label[:23] + "…")
+        for (x, y), labels in names.items():
+            ax.annotate("; ".join(labels), (x, y), fontsize=6, xytext=(4, 3), textcoords="offset points")
     front = pareto_front([x for _, x, _ in pts], [y for _, _, y in pts])
     ax.plot([pts[i][1] for i in front], [pts[i][2] for i in front], color="C2", linewidth=1.2, zorder=2,
             drawstyle="steps-post", label="Pareto front")
