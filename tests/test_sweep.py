@@ -201,6 +201,14 @@ def test_sweep_resumes_after_interrupt(rig, first_run):
     for other in ({"random_control": False}, {"control_seed": 1}):  # the control is part of the sweep
         with pytest.raises(SweepMismatchError):
             run_sweep(sweep_config(rig, **other), rig["steerer"], out, progress=False)
+    # a sweep run without controls says how to resume it
+    plain = rig["work"] / "run-plain"
+    plain.mkdir()
+    without = sweep_config(rig, random_control=False)
+    (plain / "sweep.json").write_text(json.dumps({"fingerprint": without.fingerprint(),
+                                                  "config": without.model_dump(mode="json")}))
+    with pytest.raises(SweepMismatchError, match="no random controls: --no-random-control"):
+        run_sweep(sweep_config(rig), rig["steerer"], plain, progress=False)
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on PATH (the test command installs it: apt-get install "

@@ -141,11 +141,15 @@ def _check_out_dir(out: Path, cfg: SweepConfig, overwrite: bool) -> None:
     meta = out / "sweep.json"
     fp = cfg.fingerprint()
     if meta.is_file():
-        old = json.loads(meta.read_text()).get("fingerprint")
+        held = json.loads(meta.read_text())
+        old = held.get("fingerprint")
         if old != fp:
             if not overwrite:
+                was = held.get("config", {})
+                hint = (" (it has no random controls: --no-random-control, random_control=False, resumes it)"
+                        if cfg.random_control and not was.get("random_control", False) else "")
                 raise SweepMismatchError(f"{out} holds a different sweep (fingerprint {str(old)[:12]}…, this one "
-                                         f"{fp[:12]}…); choose another directory or overwrite it")
+                                         f"{fp[:12]}…){hint}; choose another directory or overwrite it")
             for name in ("samples.jsonl", "summary.csv", "report.html"):
                 (out / name).unlink(missing_ok=True)
     _atomic_write(meta, json.dumps({"fingerprint": fp, "config": cfg.model_dump(mode="json")}, indent=1,
