@@ -81,13 +81,13 @@ def first_run(rig):
 
 def test_sweep_outputs_and_report_numbers(rig, first_run):
     res, out = first_run, first_run.out_dir
-    print(f"sweep of 20 samples took {res.seconds:.1f} s")
+    print(f"sweep of 36 samples took {res.seconds:.1f} s")
     assert all((out / f).is_file() for f in OUTPUTS)
-    assert res.generated == 4 * 5 and res.skipped == 0  # 4 prompts × (baseline + 2×2 grid)
+    assert res.generated == 4 * 9 and res.skipped == 0  # 4 prompts × (baseline + 2×2 grid + 4 random controls)
     records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert len({r["id"] for r in records}) == 20 and all(r["variant"] == "v000" for r in records[:4])
+    assert len({r["id"] for r in records}) == 36 and all(r["variant"] == "v000" for r in records[:4])
     rows = list(csv.DictReader(io.StringIO((out / "summary.csv").read_text())))
-    assert len(rows) == 5 * 3  # variants × (complaint, praise, all)
+    assert len(rows) == 9 * 3  # variants × (complaint, praise, all)
 
     # the CSV's figures are the samples' means (metrics recomputed from the tokens)
     for r in records:
@@ -96,10 +96,11 @@ def test_sweep_outputs_and_report_numbers(rig, first_run):
         assert r["perplexity"] is not None and 1.0 <= r["perplexity"] < 1e3
         assert len(r["probe_trace"]) == len(r["token_ids"]) - 1  # every generated token but the last
         assert r["concept_probe"] == pytest.approx(np.mean(r["probe_trace"]))
+        assert r["relevance"] == M.prompt_overlap(PROMPTS[r["prompt_index"]]["prompt"], r["text"])
     for row in rows:
         sel = [r for r in records if r["variant"] == row["variant"] and row["class"] in (r["label"], "all")]
         assert int(row["n"]) == len(sel)
-        for m in ("concept_probe", "perplexity", "distinct_1", "repeat_4gram"):
+        for m in ("concept_probe", "perplexity", "distinct_1", "repeat_4gram", "relevance"):
             assert float(row[m]) == pytest.approx(np.mean([r[m] for r in sel]), rel=1e-5), (row["variant"], m)
         assert float(row["changed_rate"]) == pytest.approx(np.mean([r["changed"] for r in sel]))
     base = {r["class"]: r for r in rows if r["variant"] == "v000"}
@@ -121,6 +122,31 @@ def test_sweep_outputs_and_report_numbers(rig, first_run):
         row = next(r for r in rows if r["variant"] == variant)
         assert float(row["max_relative_dose"]) == pytest.approx(scale * vnorm / mean_h, rel=1e-5)
 
+    # quality against the baseline of the same class
+    for row in rows:
+        b = base[row["class"]]
+        assert float(row["concept_gain"]) == pytest.approx(float(row["concept_probe"]) - float(b["concept_probe"]),
+                                                           abs=2e-6)
+        assert float(row["perplexity_ratio"]) == pytest.approx(float(row["perplexity"]) / float(b["perplexity"]),
+                                                               rel=2e-5)
+        assert row["combined"] != "" and row["relevance_ratio"] != ""
+
+    # each steered variant's random control: the same gates and dose, a random direction of the same norm
+    by_id = {v.id: v for v in res.variants}
+    assert [v.id for v in res.variants[5:]] == ["r001", "r002", "r003", "r004"]
+    for c in res.variants[5:]:
+        v = by_id[c.control_of]
+        assert c.label == f"random: {v.label}" and c.policy.monitors == v.policy.monitors
+        got, want = (np.asarray(x.policy.rules[0].actions[0].vector, np.float64) for x in (c, v))
+        assert np.linalg.norm(got) == pytest.approx(np.linalg.norm(want), rel=1e-6)
+        assert abs(got @ want) / np.linalg.norm(got) ** 2 < 0.2  # another direction (576 dimensions)
+        assert c.policy.rules[0].actions[0].scale == v.policy.rules[0].actions[0].scale
+        assert c.doses[0].dose == pytest.approx(v.doses[0].dose, rel=1e-6)
+    # ... does less: the sentiment direction raises P(positive) on complaints more than a random push of its size
+    ctl = {r["class"]: r for r in rows if r["variant"] == "r003"}
+    assert float(strong["complaint"]["concept_gain"]) > float(ctl["complaint"]["concept_gain"]) + 0.05
+    assert float(strong["all"]["combined"]) > float(ctl["all"]["combined"])
+
     for r in records:  # the dose actually applied: the variant's dose wherever the gate (× dyn_scale) was 1
         if r["variant"] == "v003":
             assert max(r["dose_trace"]) <= float(strong["all"]["max_relative_dose"]) * (1 + 1e-5)
@@ -130,7 +156,8 @@ def test_sweep_outputs_and_report_numbers(rig, first_run):
     page = check_report_shows_csv((out / "report.html").read_text(), (out / "summary.csv").read_text())
     assert page.tables["variants"][3]["label"] == f"scale=1, threshold={float(rows[3 * 3]['monitors[0].threshold']):g}"
     names = [name for name, _ in page.images]
-    assert {"metric-concept_probe", "metric-perplexity", "metric-repeat_4gram", "metric-distinct_2",
+    assert page.tables["controls"][2]["concept_gain:random"] == page.tables["variants"][7]["concept_gain"]
+    assert {"pareto", "metric-concept_probe", "metric-perplexity", "metric-repeat_4gram", "metric-distinct_2",
             "gate-fire-rate", "probe-traces"} <= set(names), names
     from PIL import Image
 
@@ -145,7 +172,7 @@ def test_sweep_outputs_and_report_numbers(rig, first_run):
 
 def test_sweep_is_reproducible_byte_for_byte(rig, first_run):
     again = run_sweep(sweep_config(rig), rig["steerer"], rig["work"] / "run-b", progress=True)
-    assert again.generated == 20
+    assert again.generated == 36
     for name in OUTPUTS:
         assert (again.out_dir / name).read_bytes() == (first_run.out_dir / name).read_bytes(), name
 
@@ -162,15 +189,26 @@ def test_sweep_resumes_after_interrupt(rig, first_run):
     with open(out / "samples.jsonl", "a") as f:
         f.write('{"id": "v001/p0003/s000", "torn')  # a write torn by the interruption is dropped
     resumed = run_sweep(sweep_config(rig), rig["steerer"], out, progress=False)
-    assert (resumed.skipped, resumed.generated) == (6, 14)
+    assert (resumed.skipped, resumed.generated) == (6, 30)
     for name in OUTPUTS:
         assert (out / name).read_bytes() == (first_run.out_dir / name).read_bytes(), name
     done = run_sweep(sweep_config(rig), rig["steerer"], out, progress=False)
-    assert (done.skipped, done.generated) == (20, 0)
+    assert (done.skipped, done.generated) == (36, 0)
     from dynsteer.sweep import SweepMismatchError
 
     with pytest.raises(SweepMismatchError):
         run_sweep(sweep_config(rig, seed=1), rig["steerer"], out, progress=False)
+    for other in ({"random_control": False}, {"control_seed": 1}):  # the control is part of the sweep
+        with pytest.raises(SweepMismatchError):
+            run_sweep(sweep_config(rig, **other), rig["steerer"], out, progress=False)
+    # a sweep run without controls says how to resume it
+    plain = rig["work"] / "run-plain"
+    plain.mkdir()
+    without = sweep_config(rig, random_control=False)
+    (plain / "sweep.json").write_text(json.dumps({"fingerprint": without.fingerprint(),
+                                                  "config": without.model_dump(mode="json")}))
+    with pytest.raises(SweepMismatchError, match="no random controls: --no-random-control"):
+        run_sweep(sweep_config(rig), rig["steerer"], plain, progress=False)
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on PATH (the test command installs it: apt-get install "
@@ -234,7 +272,9 @@ def test_spec_sweep_with_seeded_sampling(rig, monkeypatch):
     cfg = SweepConfig.build(spec, grid=["vectors[0].scale=0.0,1.5"], prompts=rig["prompts"], samples=2, seed=7,
                             temperature=0.8, max_tokens=12, target_class="complaint", words=("the", "and"))
     res = run_sweep(cfg, rig["steerer"], rig["work"] / "spec", progress=False)
-    assert res.generated == 4 * 2 * 3 and calls == [24]  # baseline and both variants: one generate call
+    # baseline, both variants and the scale-1.5 variant's random control (scale 0 has none): one generate call
+    assert res.generated == 4 * 2 * 4 and calls == [32]
+    assert [v.id for v in res.variants] == ["v000", "v001", "v002", "r002"]
     recs = {r["id"]: r for r in res.records}
     assert {r["seed"] for r in res.records} == {7, 8}
     base = [recs[f"v000/p{p:04d}/s{s:03d}"]["token_ids"] for p in range(4) for s in range(2)]
@@ -262,10 +302,12 @@ def test_cli_sweep(rig, monkeypatch):
             "--probe", str(rig["probe"]), "--model", str(rig["model"])]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert "8 samples generated, 0 already done" in result.output
-    assert len((out / "samples.jsonl").read_text().splitlines()) == 8
+    assert "12 samples generated, 0 already done" in result.output  # baseline, scale 1, its random control
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 12
     again = CliRunner().invoke(app, args)
-    assert again.exit_code == 0 and "0 samples generated, 8 already done" in again.output
+    assert again.exit_code == 0 and "0 samples generated, 12 already done" in again.output
+    off = CliRunner().invoke(app, [*args, "--no-random-control"])  # another sweep: refused in the same directory
+    assert off.exit_code == 2 and "holds a different sweep" in " ".join(off.output.split())
     bad = CliRunner().invoke(app, [*args[:-2], "--grid", "rules[0].actions[9].scale=1"])
     assert bad.exit_code != 0
 
@@ -284,9 +326,11 @@ def test_example_runs_quietly_from_its_command_line(rig, tmp_path):
                           timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
-    assert "30 samples generated, 0 already done" in output  # 6 prompts × (baseline + 2×2 grid)
+    assert "54 samples generated, 0 already done" in output  # 6 prompts × (baseline + 2×2 grid + 4 controls)
     info = [ln for ln in output.splitlines() if " INFO " in ln or ln.startswith("INFO")]
     assert not info, info[:5]
     page = Tables((out / "report.html").read_text())
     assert [r["label"] for r in page.tables["variants"]] == [
-        "unsteered", "scale=20, on=1", "scale=20, on=2", "scale=40, on=1", "scale=40, on=2"]
+        "unsteered", "scale=20, on=1", "scale=20, on=2", "scale=40, on=1", "scale=40, on=2", "random: scale=20, on=1",
+        "random: scale=20, on=2", "random: scale=40, on=1", "random: scale=40, on=2"]
+    assert "pareto" in [name for name, _ in page.images]

@@ -17,6 +17,7 @@ from dynsteer.dose import enforce_dose_limit, relative_doses
 from dynsteer.sweep import SweepConfig, apply_point, grid_points, load_prompts, load_target, parse_axis
 from dynsteer.sweep import metrics as M
 from dynsteer.sweep.grid import GridPathError, point_label
+from dynsteer.sweep.report_tables import short
 from dynsteer.sweep.runner import BASELINE, make_variants, summarize
 from tests.report_check import CHROMIUM
 
@@ -105,7 +106,8 @@ def test_summary_selectivity_and_side_effects():
                             prompts=[{"prompt": "bad", "label": "t"}, {"prompt": "good", "label": "o"}],
                             target_class="t")
     variants = make_variants(cfg, {(2, "post_block"): 20.0})
-    assert [v.error is None for v in variants] == [True, True, False]  # scale 3: dose 0.45 > 0.35, rejected
+    assert [v.error is None for v in variants] == [True, True, False, True]  # scale 3: dose 0.45 > 0.35, rejected
+    assert variants[3].control_of == "v001"  # a control for the valid variant only
     assert "relative dose 0.45" in variants[2].error
     recs = []
     for v, changed in ((BASELINE, (False, False)), ("v001", (True, False))):
@@ -292,8 +294,11 @@ def test_example_sweep_files_parse_and_validate(name, monkeypatch):
     if named:
         other = cfg.model_copy(update={"registered_vectors": {k: "0" * 64 for k in named}})
         assert other.fingerprint() != cfg.fingerprint()
-    variants = make_variants(cfg, None)
+    variants = make_variants(cfg, None, named)
     assert len(variants) > 2 and all(v.error is None for v in variants), [v.error for v in variants]
+    by = {v.id: v for v in variants}
+    controls = [v for v in variants if v.control_of is not None]  # a control per variant that adds something
+    assert controls and all(c.label == "random: " + by[c.control_of].label for c in controls)
     for v in variants[1:]:
         obj = v.policy or v.spec
         vecs = ([a.vector for r in obj.rules for a in r.actions] if v.policy is not None
@@ -370,8 +375,127 @@ def test_report_layout_at_1280px(tmp_path):
     write_report(res, cfg)
     page = check_report_shows_csv(res.report_html.read_text(), summary_csv_text(cfg, res.summary))
     labels = [r["label"] for r in page.tables["variants"]]
-    assert labels[:2] == ["unsteered", "scale=0, threshold=-1.23457"] and len(labels) == 13
+    assert labels[:2] == ["unsteered", "scale=0, threshold=-1.23457"] and len(labels) == 13 + 9  # 9 controls
+    assert labels[13] == "random: scale=2, threshold=-1.23457"
     assert page.tables["variants"][5]["max_relative_dose"] == "0.2558"  # 2·3/23.456789 = 0.255789...
     box = layout(res.report_html, tmp_path, width=1280)
     assert box["visible"] and 0 <= box["left"] < box["right"] <= 1280, box
     assert box["scroll_width"] <= 1280, box
+
+
+def test_random_control_variants_same_norm_place_scale_and_gates():
+    """Each steered variant gets a control: every added vector replaced by a seeded random direction of its norm,
+    everything else (layer, site, tier, scale, monitors, gates) unchanged; none for a variant that adds nothing."""
+    from dynsteer.sweep.control import random_control
+
+    named = {"happy": np.linspace(-1.0, 2.0, H).astype(np.float32)}
+    spec = SteeringSpec(vectors=[AddVector(layer=2, site="pre_attn", vector=3.0 * np.eye(H)[1], scale=1.0,
+                                           tier="decode"), AddVector(layer=3, vector="happy", scale=0.5)])
+    cfg = SweepConfig.build(spec, grid=["vectors[0].scale=0,2,4"], prompts=["x"], control_seed=5)
+    norms = {(2, "pre_attn"): 10.0, (3, "post_block"): 20.0}
+    variants = make_variants(cfg, norms, named)
+    assert [v.id for v in variants] == ["v000", "v001", "v002", "v003", "r001", "r002", "r003"]
+    assert [v.label for v in variants[4:]] == ["random: scale=0", "random: scale=2", "random: scale=4"]
+    by = {v.id: v for v in variants}
+    for vid in ("v001", "v002", "v003"):
+        v, c = by[vid], by["r" + vid[1:]]
+        assert c.control_of == vid and c.point == v.point and c.error is None
+        for e, r in zip(v.spec.vectors, c.spec.vectors):
+            want = np.asarray(named["happy"] if isinstance(e.vector, str) else e.vector, np.float64)
+            got = np.asarray(r.vector, np.float64)
+            assert np.linalg.norm(got) == pytest.approx(np.linalg.norm(want), rel=1e-6, abs=0)  # float32 storage
+            assert abs(got @ want) / (np.linalg.norm(got) * np.linalg.norm(want)) < 0.99  # another direction
+            assert (r.layer, r.site, r.tier, r.scale) == (e.layer, e.site, e.tier, e.scale)
+        assert [d.dose for d in c.doses] == pytest.approx([d.dose for d in v.doses], rel=1e-6)
+    # one direction per entry for the whole sweep; a seed fixes it; another seed gives another
+    assert np.array_equal(by["r002"].spec.vectors[0].vector, by["r003"].spec.vectors[0].vector)
+    again = make_variants(cfg, norms, named)[5].spec
+    assert all(np.array_equal(a.vector, b.vector) for a, b in zip(again.vectors, by["r002"].spec.vectors))
+    other = make_variants(cfg.model_copy(update={"control_seed": 6}), norms, named)[5].spec
+    assert not np.array_equal(other.vectors[0].vector, by["r002"].spec.vectors[0].vector)
+    # a policy's control keeps its monitor (gate) and controller, replacing only the added vector
+    pol = make_variants(SweepConfig.build(policy(), grid=["rules[0].actions[0].scale=0,3"], prompts=["x"]),
+                        {(2, "post_block"): 20.0})
+    assert [v.id for v in pol] == ["v000", "v001", "v002", "r002"]  # scale 0 adds nothing: no control
+    ctl, steered = pol[3].policy, pol[2].policy
+    assert ctl.monitors == steered.monitors and ctl.controller == steered.controller
+    assert ctl.rules[0].actions[0].scale == 3.0
+    assert np.linalg.norm(ctl.rules[0].actions[0].vector.astype(np.float64)) == pytest.approx(3.0, rel=1e-6)
+    assert np.array_equal(random_control(steered, 0).rules[0].actions[0].vector, ctl.rules[0].actions[0].vector)
+    # switched off: no controls, and the fingerprint a sweep had before controls existed (seed irrelevant)
+    off = cfg.model_copy(update={"random_control": False})
+    assert [v.id for v in make_variants(off, norms, named)] == ["v000", "v001", "v002", "v003"]
+    assert off.fingerprint() == off.model_copy(update={"control_seed": 0}).fingerprint() != cfg.fingerprint()
+    assert cfg.fingerprint() != cfg.model_copy(update={"control_seed": 0}).fingerprint()
+    # a vector name the engine lacks: the control keeps the error, the sweep goes on
+    missing = make_variants(cfg, None, None)
+    assert missing[4].id == "r001" and "unknown vector name 'happy'" in missing[4].error
+
+
+def test_quality_columns_against_the_baseline():
+    """concept_gain, perplexity_ratio, relevance and its ratio, combined: per class, against the baseline's row."""
+    from dynsteer.sweep.quality import combined_score, pareto_front
+    from dynsteer.sweep.summary import QUALITY_COLUMNS, summary_columns
+
+    assert M.prompt_overlap("The soup was cold and late.", "Cold soup? Sorry!") == pytest.approx(2 / 3)
+    assert M.prompt_overlap("the and of", "anything") is None and M.prompt_overlap("cold soup", "") == 0.0
+    assert pareto_front([1.0, 2.0, 1.5], [0.0, 0.5, 0.6]) == [0, 2]
+    spec = SteeringSpec(vectors=[AddVector(layer=2, vector=np.eye(H)[1], scale=1.0)])
+    cfg = SweepConfig.build(spec, grid=["vectors[0].scale=2"], prompts=[{"prompt": "cold soup late", "label": "t"}],
+                            words=("great",))
+    variants = make_variants(cfg, {(2, "post_block"): 20.0})
+    assert [v.id for v in variants] == ["v000", "v001", "r001"]
+    texts = {"v000": "cold soup, sorry", "v001": "great great soup", "r001": "noise noise noise"}
+    vals = {"v000": (0.1, 4.0, 0.0), "v001": (0.5, 6.0, 0.25), "r001": (0.0, 8.0, 0.5)}
+    recs = [{"variant": vid, "prompt_index": 0, "label": "t", "changed": vid != "v000", "identical": vid == "v000",
+             "fired": None, "text": texts[vid], "concept_words": vals[vid][0], "perplexity": vals[vid][1],
+             "repeat_4gram": vals[vid][2]} for vid in texts]
+    assert set(QUALITY_COLUMNS) | {"relevance", "control_of"} <= set(summary_columns(cfg))
+    rows = {r["variant"]: r for r in summarize(cfg, variants, recs) if r["class"] == "all"}
+    assert rows["v000"]["relevance"] == "0.666667" and rows["v001"]["relevance"] == "0.333333"  # cold, soup / soup
+    assert rows["r001"]["relevance"] == "0" and rows["r001"]["control_of"] == "v001"
+    assert float(rows["v001"]["concept_gain"]) == pytest.approx(0.4)
+    assert float(rows["v001"]["perplexity_ratio"]) == pytest.approx(1.5)
+    assert float(rows["v001"]["relevance_ratio"]) == pytest.approx(0.5)
+    assert float(rows["v001"]["combined"]) == pytest.approx(0.4 / 1.5 * 0.75 * 0.5, rel=1e-5)
+    assert float(rows["v001"]["combined"]) == pytest.approx(combined_score(0.4, 1.5, 0.25, 0.5), rel=1e-5)
+    assert float(rows["r001"]["concept_gain"]) == pytest.approx(-0.1) and rows["r001"]["combined"] == "0"
+    assert rows["v000"]["concept_gain"] == "0" and rows["v000"]["perplexity_ratio"] == "1"
+
+
+def test_report_pareto_plot_and_controls_table(tmp_path):
+    """The report opens its plots with concept gain vs perplexity ratio (steered, random controls, front) and shows
+    each variant's figures beside its control's, as in the CSV; per-metric plots leave the controls out."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from dynsteer.sweep.report import write_report
+    from dynsteer.sweep.summary import summary_csv_text
+    from tests.report_check import Tables, check_report_shows_csv
+
+    cfg, res = synthetic_result(tmp_path)
+    write_report(res, cfg)
+    page = check_report_shows_csv(res.report_html.read_text(), summary_csv_text(cfg, res.summary))
+    names = [n for n, _ in page.images]
+    assert names[0] == "pareto" and "metric-combined" in names
+    img = Image.open(io.BytesIO(base64.b64decode(dict(page.images)["pareto"].split(",", 1)[1])))
+    px = np.asarray(img.convert("RGB"), np.int64)
+    # the control markers' red (matplotlib C3) and the steered markers' blue (C0) are both drawn
+    assert ((abs(px - [214, 39, 40]).sum(axis=2) < 30).sum() > 50 and
+            (abs(px - [31, 119, 180]).sum(axis=2) < 30).sum() > 50)
+    rows = {r["variant"]: r for r in res.summary if r["class"] == "all"}
+    controls = Tables(res.report_html.read_text()).tables["controls"]
+    assert [r["_variant"] for r in controls] == [f"v{i:03d}" for i in range(4, 13)]
+    for r in controls:
+        for m in ("concept_gain", "perplexity_ratio", "relevance_ratio", "combined"):
+            assert r[f"{m}:steered"] == short(rows[r["_variant"]][m])
+            assert r[f"{m}:random"] == short(rows["r" + r["_variant"][1:]][m])
+    off = cfg.model_copy(update={"random_control": False})
+    res.variants = make_variants(off, {(2, "post_block"): 23.456789})
+    res.records = [r for r in res.records if not r["variant"].startswith("r")]
+    res.summary = summarize(off, res.variants, res.records)
+    write_report(res, off)
+    text = res.report_html.read_text()
+    assert 'id="controls"' not in text and "random:" not in text.split("<h2>Metric definitions")[0]

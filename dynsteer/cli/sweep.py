@@ -106,6 +106,10 @@ def sweep(
     words: Optional[Path] = typer.Option(None, help="word list file (one word per line) for a word concept score"),
     raw: bool = typer.Option(False, "--raw", help="send prompts as raw text (no chat template)"),
     batch_size: int = typer.Option(64, help="requests per batch (and per resume checkpoint)"),
+    random_control: bool = typer.Option(True, "--random-control/--no-random-control",
+                                        help="add each steered variant's random-direction control (same norm, "
+                                             "layer, site, scale and gates)"),
+    control_seed: int = typer.Option(0, help="seed of the random controls' directions"),
     vector: list[str] = typer.Option([], "--vector", help="NAME=FILE: register a vector (.npy or steering-vector "
                                                           ".safetensors[:LAYER]) that the policy names"),
     dtype: str = typer.Option("auto", help="model dtype (auto, float32, bfloat16, float16)"),
@@ -139,7 +143,8 @@ def sweep(
             temperature=temperature, target_class=target_class, leave_alone=tuple(leave_alone) or None,
             probe_file=str(probe) if probe else None, concept_class=concept_class, chat=not raw,
             words=tuple(w.strip() for w in words.read_text().splitlines() if w.strip()) if words else (),
-            batch_size=batch_size, registered_vectors={k: _digest(v) for k, v in named.items()})
+            batch_size=batch_size, registered_vectors={k: _digest(v) for k, v in named.items()},
+            random_control=random_control, control_seed=control_seed)
         extra = parse_engine_args(engine_arg)
     except (OSError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None

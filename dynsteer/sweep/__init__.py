@@ -4,6 +4,8 @@
 * :mod:`dynsteer.sweep.metrics` — the per-sample metrics and their definitions;
 * :mod:`dynsteer.sweep.config` — :class:`SweepConfig`, prompt and policy/spec files;
 * :mod:`dynsteer.sweep.vectorref` — vectors in those files and grids by file (``.npy``, safetensors) or name;
+* :mod:`dynsteer.sweep.control` — each steered variant's random-direction control (same norm, place, scale, gates);
+* :mod:`dynsteer.sweep.quality` — concept gain, fluency, the combined score, the Pareto front;
 * :mod:`dynsteer.sweep.runner` — :func:`run_sweep` (resumable, reproducible), ``samples.jsonl``;
 * :mod:`dynsteer.sweep.summary` — ``summary.csv``: per variant and class;
 * :mod:`dynsteer.sweep.report` — the self-contained HTML report (its tables: :mod:`dynsteer.sweep.report_tables`).

@@ -141,6 +141,9 @@ class SweepConfig(BaseModel):
         concept_class: which probe class is the concept (1: the probe's positive class).
         words: a word list for the word concept score.
         batch_size: requests per engine batch (and per resume checkpoint).
+        random_control: add, for each variant that adds a vector, its random-direction control
+            (:mod:`dynsteer.sweep.control`: every added vector replaced by a seeded random direction of its norm).
+        control_seed: the seed of the controls' random directions.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -162,6 +165,8 @@ class SweepConfig(BaseModel):
     words: tuple[str, ...] = ()
     batch_size: int = Field(default=64, ge=1)
     registered_vectors: dict[str, str] = Field(default_factory=dict)
+    random_control: bool = True
+    control_seed: int = 0
 
     @classmethod
     def build(cls, target: DynamicSteeringPolicy | SteeringSpec, *, grid: Sequence[str | GridAxis] = (),
@@ -214,8 +219,10 @@ class SweepConfig(BaseModel):
 
     def fingerprint(self) -> str:
         """sha256 of everything that decides the samples (the probe file's bytes included)."""
-        data = self.model_dump(mode="json", exclude={"batch_size"} | ({"registered_vectors"}
-                                                                     if not self.registered_vectors else set()))
+        # a sweep without controls keeps the fingerprint it had before controls existed (so it still resumes)
+        unset = ({"registered_vectors"} if not self.registered_vectors else set()) | (
+            {"random_control", "control_seed"} if not self.random_control else set())
+        data = self.model_dump(mode="json", exclude={"batch_size"} | unset)
         for axis in data["grid"]:  # fields that are unset keep the fingerprints sweeps had before they existed
             if axis.get("names") is None:
                 axis.pop("names", None)

@@ -13,8 +13,11 @@ Every measure is computed locally, by the same engine, on greedy replies to a li
   **perplexity ratio** is the steered mean over the unsteered mean (1 = as fluent as the model on its own).
 * **repetition** — the fraction of a reply's token 4-grams that repeat an earlier 4-gram of the same reply
   (:func:`dynsteer.sweep.metrics.repeated_ngram_rate`); per set, the mean over replies. Looping replies score high.
-* **combined score** — ``concept gain × fluency penalty`` with ``fluency penalty = min(1, 1 / perplexity ratio) ×
-  (1 − repetition)``: a gain bought with broken text counts for less (:func:`combined_score`).
+* **prompt relevance** (sweeps) — the share of the prompt's content words the reply uses
+  (:func:`dynsteer.sweep.metrics.prompt_overlap`), as a ratio to the unsteered replies' (``relevance_ratio``).
+* **combined score** — ``concept gain × fluency penalty × relevance penalty`` with ``fluency penalty = min(1,
+  1 / perplexity ratio) × (1 − repetition)`` and ``relevance penalty = min(1, relevance ratio)`` (1 where it is
+  not measured): a gain bought with broken or off-prompt text counts for less (:func:`combined_score`).
 
 :class:`QualityPoint` holds one setting's figures; :func:`measure` computes them.
 """
@@ -30,7 +33,8 @@ from pydantic import BaseModel, ConfigDict
 
 from dynsteer.sweep import metrics as M
 
-__all__ = ["Concept", "QualityPoint", "combined_score", "measure", "probe_concept", "prompt_ids", "word_concept"]
+__all__ = ["Concept", "QualityPoint", "combined_score", "measure", "pareto_front", "perplexities", "probe_concept",
+           "prompt_ids", "word_concept"]
 
 Concept = Callable[[list[str]], list[float]]
 """A concept scorer: one score per reply text (higher = more of the concept)."""
@@ -70,15 +74,36 @@ class QualityPoint(BaseModel):
                 "combined": combined_score(self.concept - base.concept, ratio, self.repeat_4gram)}
 
 
-def combined_score(concept_gain: float, perplexity_ratio: float, repeat_4gram: float) -> float:
-    """``concept_gain × min(1, 1/perplexity_ratio) × (1 − repeat_4gram)``.
+def combined_score(concept_gain: float, perplexity_ratio: float, repeat_4gram: float,
+                   relevance_ratio: float | None = None) -> float:
+    """``concept_gain × min(1, 1/perplexity_ratio) × (1 − repeat_4gram) × min(1, relevance_ratio)`` (the last factor
+    1 when ``relevance_ratio`` is ``None``).
 
     Example:
         >>> combined_score(0.2, 2.0, 0.5)   # half the gain for doubled perplexity, half again for 50 % repeats
         0.05
+        >>> combined_score(0.2, 1.0, 0.0, relevance_ratio=0.5)   # half the prompt's words kept: half the gain
+        0.1
     """
     penalty = min(1.0, 1.0 / perplexity_ratio) if perplexity_ratio > 0 else 1.0
-    return float(concept_gain * penalty * (1.0 - repeat_4gram))
+    relevance = 1.0 if relevance_ratio is None else min(1.0, max(0.0, relevance_ratio))
+    return float(concept_gain * penalty * (1.0 - repeat_4gram) * relevance) + 0.0  # + 0.0: no "-0" in tables
+
+
+def pareto_front(cost: Sequence[float], gain: Sequence[float]) -> list[int]:
+    """Indices of the points no other point beats (lower or equal ``cost`` and higher or equal ``gain``, one of them
+    strictly), by increasing cost: the concept-vs-fluency trade-off curve.
+
+    Example:
+        >>> pareto_front([1.0, 1.2, 1.1, 2.0], [0.0, 0.3, 0.1, 0.25])   # (2.0, 0.25) is beaten by (1.2, 0.3)
+        [0, 2, 1]
+    """
+    pts = sorted(range(len(cost)), key=lambda i: (cost[i], -gain[i]))
+    front: list[int] = []
+    for i in pts:
+        if not front or gain[i] > gain[front[-1]]:
+            front.append(i)
+    return front
 
 
 def word_concept(target: Sequence[str], opposite: Sequence[str] = ()) -> Concept:

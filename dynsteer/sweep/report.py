@@ -9,6 +9,11 @@ Plots:
     * gate firing rate per variant and class (policies);
     * probe-score traces: the concept probe's probability per generated token (or, without a probe, the first gate)
       for the first prompt of each class, baseline and every variant;
+    * concept vs fluency: each variant's concept gain against its perplexity ratio (class ``all``), its
+      random-direction control beside it in another marker, and the Pareto front of all of them.
+
+Random-direction controls (:mod:`dynsteer.sweep.control`) have rows in the tables and a table of their own, steered
+and random side by side; the per-metric, gate and trace plots show the grid's variants only.
 
 Nothing in the file depends on time, so a sweep run twice renders byte-identical reports.
 """
@@ -23,13 +28,14 @@ from typing import Any
 
 from dynsteer.sweep.config import BASELINE, SweepConfig
 from dynsteer.sweep.grid import point_label
-from dynsteer.sweep.report_tables import by_class_table, doses_table, examples_table, variants_table
+from dynsteer.sweep.quality import pareto_front
+from dynsteer.sweep.report_tables import by_class_table, controls_table, doses_table, examples_table, variants_table
 from dynsteer.sweep.types import SweepResult
 
 __all__ = ["PLOT_METRICS", "render_report", "write_report"]
 
 PLOT_METRICS = ("concept_probe", "concept_words", "perplexity", "repeat_4gram", "distinct_2", "changed_rate",
-                "applied_dose")
+                "applied_dose", "combined")
 MAX_EXAMPLE_COLUMNS = 8
 
 _CSS = """
@@ -62,7 +68,24 @@ _DEFINITIONS = [
     ("max_relative_dose", "largest |scale|·‖v‖ / mean‖h‖ over the variant's additive actions (peak: × controller "
                           "bound)"),
     ("applied_dose", "mean over generated tokens of the relative dose actually applied (gate × dyn_scale × dose)"),
+    ("relevance", "share of the prompt's content words (first five letters, stop words left out) the output uses: a "
+                  "lexical prompt-relevance proxy"),
+    ("concept_gain", "concept score (probe, else words) minus the unsteered variant's, same class"),
+    ("perplexity_ratio / relevance_ratio", "perplexity / relevance over the unsteered variant's, same class"),
+    ("combined", "concept_gain × min(1, 1/perplexity_ratio) × (1 − repeat_4gram) × min(1, relevance_ratio)"),
+    ("random: …", "the variant above with every added vector replaced by a seeded random direction of the same norm "
+                  "(same layer, site, scale, gates: the same dose)"),
 ]
+
+
+def controls_html(cfg: SweepConfig, result: SweepResult) -> str:
+    """The random-direction controls' section (empty without controls)."""
+    if not any(v.control_of for v in result.variants):
+        return ""
+    return ("<h2>Random-direction controls</h2>\n<p>Each steered variant beside its control: the same dose in a "
+            "seeded random direction (class <code>all</code>). A direction that carries the concept gains more than "
+            "its control at a similar fluency cost.</p>\n"
+            f'<div class="scroll">{controls_table(result)}</div>')
 
 
 def _png(fig: Any) -> str:
@@ -108,7 +131,7 @@ def _metric_plots(cfg: SweepConfig, result: SweepResult) -> list[tuple[str, str,
                 ax.axhline(base[0], color=color, linestyle="--", linewidth=1, label=f"{cls}: unsteered")
             combos: dict[str, list[tuple[Any, float]]] = {}
             for v in result.variants[1:]:
-                if v.error is not None:
+                if v.error is not None or v.control_of is not None:
                     continue
                 row = next(r for r in rows if r["variant"] == v.id and r["class"] == cls)
                 y = _num(row[metric])
@@ -139,7 +162,7 @@ def _gate_plot(cfg: SweepConfig, result: SweepResult) -> list[tuple[str, str, st
 
     if cfg.kind != "policy":
         return []
-    variants = [v for v in result.variants if v.error is None]
+    variants = [v for v in result.variants if v.error is None and v.control_of is None]
     classes = cfg.classes()
     fig, ax = plt.subplots(figsize=(max(5.6, 0.9 * len(variants) + 2), 3.6))
     width = 0.8 / max(len(classes), 1)
@@ -169,7 +192,7 @@ def _trace_plot(cfg: SweepConfig, result: SweepResult) -> list[tuple[str, str, s
         return []
     fig, axes = plt.subplots(1, len(classes), figsize=(4.2 * len(classes), 3.2), squeeze=False, sharey=True)
     for ax, cls, p in zip(axes[0], classes, firsts):
-        for k, v in enumerate(result.variants):
+        for k, v in enumerate(v for v in result.variants if v.control_of is None):
             tr = recs.get((v.id, p), {}).get(key)
             if tr:
                 ax.plot(range(len(tr)), tr, color="k" if v.id == BASELINE else f"C{k % 10}",
@@ -185,6 +208,54 @@ def _trace_plot(cfg: SweepConfig, result: SweepResult) -> list[tuple[str, str, s
     return [("probe-traces", f"{what} per generated token, first prompt of each class, sample 0", _png(fig))]
 
 
+def _pareto_plot(cfg: SweepConfig, result: SweepResult) -> list[tuple[str, str, str]]:
+    """Concept gain against perplexity ratio (class ``all``): steered variants, their controls, the unsteered point
+    and the Pareto front (lower perplexity ratio and higher gain are better)."""
+    import matplotlib.pyplot as plt
+
+    rows = {r["variant"]: r for r in result.summary if r["class"] == "all"}
+    pts = []
+    for v in result.variants:
+        r = rows.get(v.id, {})
+        x, y = _num(r.get("perplexity_ratio", "")), _num(r.get("concept_gain", ""))
+        if v.error is None and x is not None and y is not None:
+            pts.append((v, x, y))
+    if not any(v.id != BASELINE for v, _, _ in pts):
+        return []
+    at = {v.id: (x, y) for v, x, y in pts}
+    fig, ax = plt.subplots(figsize=(5.6, 4.0))
+    for v, x, y in pts:  # each control joined to its variant: what the direction adds at the same dose
+        if v.control_of in at:
+            sx, sy = at[v.control_of]
+            ax.plot([sx, x], [sy, y], color="0.75", linewidth=0.8, zorder=1)
+    kinds = [("steered", "o", "C0", lambda v: v.id != BASELINE and v.control_of is None),
+             ("random direction (same dose)", "X", "C3", lambda v: v.control_of is not None),
+             ("unsteered", "*", "k", lambda v: v.id == BASELINE)]
+    for name, marker, color, sel in kinds:
+        chosen = [(x, y) for v, x, y in pts if sel(v)]
+        if chosen:
+            ax.scatter([p[0] for p in chosen], [p[1] for p in chosen], marker=marker, color=color, s=46, zorder=3,
+                       label=name)
+    if sum(v.id != BASELINE and v.control_of is None for v, _, _ in pts) <= 12:
+        names: dict[tuple[float, float], list[str]] = {}  # variants on the same spot share one label
+        for v, x, y in pts:
+            if v.id != BASELINE and v.control_of is None:
+                names.setdefault((x, y), []).append(v.label if len(v.label) <= 24 else v.label[:23] + "…")
+        for (x, y), labels in names.items():
+            ax.annotate("; ".join(labels), (x, y), fontsize=6, xytext=(4, 3), textcoords="offset points")
+    front = pareto_front([x for _, x, _ in pts], [y for _, _, y in pts])
+    ax.plot([pts[i][1] for i in front], [pts[i][2] for i in front], color="C2", linewidth=1.2, zorder=2,
+            drawstyle="steps-post", label="Pareto front")
+    ax.set_xlabel("perplexity ratio (steered / unsteered; lower is more fluent)")
+    ax.set_ylabel("concept gain over unsteered")
+    ax.set_title("concept vs fluency")
+    ax.grid(alpha=0.3)
+    _legend_outside(ax)
+    return [("pareto", "concept gain against perplexity ratio per variant (all classes): steered variants, their "
+                       "random-direction controls at the same dose (joined by a grey line) and the Pareto front",
+             _png(fig))]
+
+
 def _legend_outside(ax: Any) -> None:
     """The legend right of the axes, never over the data (``_png`` saves with a tight box that includes it)."""
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
@@ -195,7 +266,8 @@ def render_report(result: SweepResult, cfg: SweepConfig) -> str:
     import matplotlib
 
     matplotlib.use("Agg", force=True)
-    plots = _metric_plots(cfg, result) + _gate_plot(cfg, result) + _trace_plot(cfg, result)
+    plots = (_pareto_plot(cfg, result) + _metric_plots(cfg, result) + _gate_plot(cfg, result)
+             + _trace_plot(cfg, result))
     figures = "\n".join(f'<figure><img alt="{html.escape(name)}" data-plot="{html.escape(name)}" '
                         f'src="data:image/png;base64,{data}"><figcaption>{html.escape(cap)}</figcaption></figure>'
                         for name, cap, data in plots)
@@ -224,6 +296,7 @@ Values of <code>summary.csv</code> to 4 significant digits (hover for the full v
 {err_html}
 <h2>Plots</h2>
 {figures}
+{controls_html(cfg, result)}
 <h2>Metrics per class</h2>
 <div class="scroll">{by_class_table(cfg, result)}</div>
 <h2>Relative doses</h2>

@@ -10,24 +10,25 @@ from __future__ import annotations
 
 import html
 from dynsteer.sweep.config import BASELINE, SweepConfig
-from dynsteer.sweep.summary import SUMMARY_METRICS, format_value
+from dynsteer.sweep.summary import QUALITY_COLUMNS, SUMMARY_METRICS, format_value
 from dynsteer.sweep.types import SweepResult
 
-__all__ = ["BY_CLASS_METRICS", "DIGITS", "VARIANT_TABLE", "by_class_table", "doses_table", "examples_table", "short",
-           "variants_table"]
+__all__ = ["BY_CLASS_METRICS", "CONTROL_METRICS", "DIGITS", "VARIANT_TABLE", "by_class_table", "controls_table",
+           "doses_table", "examples_table", "short", "variants_table"]
 
 DIGITS = 4
 """Significant digits of the report's numbers (the CSV keeps 6)."""
 
-VARIANT_TABLE = ("selectivity", "target_steered_rate", "other_steered_rate", "side_effect_identical_rate",
-                 "max_relative_dose", "max_peak_dose", "clipped_actions")
+VARIANT_TABLE = ("selectivity", "target_steered_rate", "other_steered_rate", "side_effect_identical_rate", "combined",
+                 "concept_gain", "perplexity_ratio", "repeat_4gram", "relevance_ratio", "max_relative_dose",
+                 "max_peak_dose", "clipped_actions")
 """Per-variant columns, in the order the variants table shows them (after the variant's name)."""
 
 PER_CLASS_IN_VARIANTS = ("changed_rate", "concept_probe", "fire_rate")
 """Metrics the variants table shows per class, as compact sub-columns (those with any value; ``concept_words``
 stands in for ``concept_probe`` without a probe)."""
 
-BY_CLASS_METRICS = ("n", *SUMMARY_METRICS)
+BY_CLASS_METRICS = ("n", *SUMMARY_METRICS, *QUALITY_COLUMNS)
 """Columns of the per-class table (after variant and class)."""
 
 _HEAD = {"selectivity": "selectivity", "target_steered_rate": "target steered", "other_steered_rate": "others steered",
@@ -37,7 +38,8 @@ _HEAD = {"selectivity": "selectivity", "target_steered_rate": "target steered", 
          "repeat_4gram": "repeat 4-gram", "distinct_1": "distinct-1", "distinct_2": "distinct-2",
          "fire_rate": "fired", "gate_rate": "gate ≥ 0.5", "steered_tokens": "steered tokens",
          "applied_dose": "applied dose", "vector_norm": "‖v‖", "mean_norm": "mean ‖h‖", "peak_dose": "peak dose",
-         "clipped_from": "clipped from"}
+         "clipped_from": "clipped from", "concept_gain": "concept gain", "perplexity_ratio": "perplexity ratio",
+         "relevance_ratio": "relevance ratio", "combined": "combined"}
 
 
 def short(value: str) -> str:
@@ -98,6 +100,31 @@ def variants_table(cfg: SweepConfig, result: SweepResult) -> str:
             f"</tbody></table>")
 
 
+CONTROL_METRICS = ("concept_gain", "perplexity_ratio", "repeat_4gram", "relevance_ratio", "combined")
+"""What the controls table shows for each steered variant and its random-direction control (class ``all``)."""
+
+
+def controls_table(result: SweepResult) -> str:
+    """One row per variant that has a random-direction control: each of :data:`CONTROL_METRICS` steered, then
+    random (cells' ``data-col``: ``metric:steered`` / ``metric:random``)."""
+    rows = _rows(result)
+    head1 = '<th rowspan="2" data-col="label" class="name">variant</th>' + "".join(
+        f'<th colspan="2" class="group">{html.escape(_HEAD.get(m, m))}</th>' for m in CONTROL_METRICS)
+    head2 = "".join(f'<th data-col="{m}:{k}" class="sub">{k}</th>' for m in CONTROL_METRICS
+                    for k in ("steered", "random"))
+    body = []
+    for c in result.variants:
+        if c.control_of is None:
+            continue
+        steered, random = rows.get((c.control_of, "all"), {}), rows.get((c.id, "all"), {})
+        label = next((v.label for v in result.variants if v.id == c.control_of), c.control_of)
+        cells = [_name_cell(label, c.control_of)] + [_td(f"{m}:{k}", r.get(m, "")) for m in CONTROL_METRICS
+                                                     for k, r in (("steered", steered), ("random", random))]
+        body.append(f'<tr data-variant="{html.escape(c.control_of)}">{"".join(cells)}</tr>\n')
+    return (f'<table id="controls"><thead><tr>{head1}</tr><tr>{head2}</tr></thead><tbody>\n{"".join(body)}'
+            f"</tbody></table>")
+
+
 def by_class_table(cfg: SweepConfig, result: SweepResult) -> str:
     """Every metric per variant and class (then ``all``), the variant named once per group."""
     rows = _rows(result)
@@ -132,7 +159,7 @@ def doses_table(result: SweepResult) -> str:
 
 def examples_table(cfg: SweepConfig, result: SweepResult, max_columns: int) -> str:
     """Sample 0 of the first two prompts of each class: the baseline and up to ``max_columns`` variants."""
-    variants = [v for v in result.variants if v.error is None][:max_columns + 1]
+    variants = [v for v in result.variants if v.error is None and v.control_of is None][:max_columns + 1]
     recs = {(r["variant"], r["prompt_index"]): r for r in result.records if r["sample"] == 0}
     shown: list[int] = []
     for cls in cfg.classes():

@@ -1,7 +1,9 @@
 """Run a sweep: every variant of a policy (or steering spec) over a labelled prompt set, in one engine.
 
 All variants go through one engine as per-request policies/specs, mixed in the same batches, next to an unsteered
-baseline (variant ``v000``). Samples are appended to ``samples.jsonl`` after every batch, so an interrupted sweep
+baseline (variant ``v000``) and, unless ``cfg.random_control`` is off, each steered variant's random-direction control
+(``r001`` for ``v001``: every added vector replaced by a seeded random direction of its norm,
+:mod:`dynsteer.sweep.control`). Samples are appended to ``samples.jsonl`` after every batch, so an interrupted sweep
 resumes where it stopped (finished samples are skipped; the output directory remembers the sweep's fingerprint and
 refuses a different sweep). At the end ``samples.jsonl`` is rewritten in sample order, ``summary.csv`` written (one
 row per variant and class) and ``report.html`` rendered (:mod:`dynsteer.sweep.report`). Nothing written depends on
@@ -29,6 +31,7 @@ from dynsteer.dose import applied_dose, dose_places, enforce_dose_limit, relativ
 from dynsteer.policy import DynamicSteeringPolicy
 from dynsteer.sweep import metrics as M
 from dynsteer.sweep.config import BASELINE, SweepConfig
+from dynsteer.sweep.control import adds_anything, random_control
 from dynsteer.sweep.grid import GridPathError, apply_point, grid_points, point_label
 from dynsteer.sweep.quality import perplexities
 from dynsteer.sweep.report import write_report
@@ -53,8 +56,10 @@ def _r(x: float) -> float:
 
 def make_variants(cfg: SweepConfig, norms: dict[tuple[int, str], float] | None,
                   named: dict[str, np.ndarray] | None = None) -> list[Variant]:
-    """The baseline and one variant per grid point (a point that fails validation or the dose guardrail keeps its
-    error and runs no samples)."""
+    """The baseline, one variant per grid point (a point that fails validation or the dose guardrail keeps its
+    error and runs no samples), then, with ``cfg.random_control``, the random-direction control of every valid
+    variant that adds a vector (id ``r`` + its variant's number, label ``random: `` + its label;
+    :mod:`dynsteer.sweep.control`)."""
     base = cfg.target()
     variants = [Variant(id=BASELINE, point={}, label="unsteered")]
     for i, point in enumerate(grid_points(list(cfg.grid)), 1):
@@ -74,7 +79,28 @@ def make_variants(cfg: SweepConfig, norms: dict[tuple[int, str], float] | None,
         except ValueError as exc:
             v.error = " ".join(str(exc).split())
         variants.append(v)
+    if cfg.random_control:
+        variants += [_control(cfg, v, norms, named) for v in variants[1:] if v.error is None
+                     and adds_anything(v.policy or v.spec)]  # type: ignore[arg-type]
     return variants
+
+
+def _control(cfg: SweepConfig, v: Variant, norms: dict[tuple[int, str], float] | None,
+             named: dict[str, np.ndarray] | None) -> Variant:
+    """``v``'s random-direction control: the policy as sent (after the guardrail), so the same scales and doses (a
+    vector name ``named`` lacks leaves the control with its error)."""
+    c = Variant(id="r" + v.id[1:], point=v.point, label=f"random: {v.label}", control_of=v.id)
+    try:
+        obj = random_control(v.policy or v.spec, cfg.control_seed, named)  # type: ignore[type-var]
+        c.doses = relative_doses(obj, norms) if norms is not None else []
+    except ValueError as exc:
+        c.error = " ".join(str(exc).split())
+        return c
+    if isinstance(obj, DynamicSteeringPolicy):
+        c.policy = obj
+    else:
+        c.spec = obj
+    return c
 
 
 def _units(cfg: SweepConfig, variants: list[Variant]) -> list[tuple[str, Variant, int, int]]:
@@ -115,11 +141,15 @@ def _check_out_dir(out: Path, cfg: SweepConfig, overwrite: bool) -> None:
     meta = out / "sweep.json"
     fp = cfg.fingerprint()
     if meta.is_file():
-        old = json.loads(meta.read_text()).get("fingerprint")
+        held = json.loads(meta.read_text())
+        old = held.get("fingerprint")
         if old != fp:
             if not overwrite:
+                was = held.get("config", {})
+                hint = (" (it has no random controls: --no-random-control, random_control=False, resumes it)"
+                        if cfg.random_control and not was.get("random_control", False) else "")
                 raise SweepMismatchError(f"{out} holds a different sweep (fingerprint {str(old)[:12]}…, this one "
-                                         f"{fp[:12]}…); choose another directory or overwrite it")
+                                         f"{fp[:12]}…){hint}; choose another directory or overwrite it")
             for name in ("samples.jsonl", "summary.csv", "report.html"):
                 (out / name).unlink(missing_ok=True)
     _atomic_write(meta, json.dumps({"fingerprint": fp, "config": cfg.model_dump(mode="json")}, indent=1,
@@ -313,6 +343,7 @@ def _run_chunk(cfg: SweepConfig, steerer: Any, chunk: list[tuple[str, Variant, i
             "concept_probe": M.mean_or_none(probe_trace) if probe_trace else None,
             "concept_words": M.concept_words(comp.text, cfg.words),
             "perplexity": perp, "repeat_4gram": M.repeated_ngram_rate(tokens, 4),
+            "relevance": M.prompt_overlap(cfg.prompts[p].text(), comp.text),
             "distinct_1": M.distinct_n(tokens, 1), "distinct_2": M.distinct_n(tokens, 2),
             **_trace_fields(getattr(out, "trace", None), v)}
         records.append(rec)

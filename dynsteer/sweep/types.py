@@ -16,7 +16,8 @@ __all__ = ["SweepResult", "Variant"]
 
 @dataclass
 class Variant:
-    """One point of the grid, ready to send (``v000``: the unsteered baseline)."""
+    """One point of the grid, ready to send (``v000``: the unsteered baseline), or the random-direction control of
+    one (``control_of``: that variant's id; :mod:`dynsteer.sweep.control`)."""
 
     id: str
     point: dict[str, Any]
@@ -25,6 +26,7 @@ class Variant:
     policy: DynamicSteeringPolicy | None = None
     doses: list[DoseEntry] = field(default_factory=list)
     error: str | None = None
+    control_of: str | None = None
 
     @property
     def max_dose(self) -> float | None:
