@@ -20,8 +20,9 @@ import pytest
 
 from dynsteer import Action, AddVector, DynamicSteeringPolicy, ProbeGate, Rule
 from dynsteer.commands import AbortCommand
-from dynsteer.config import MonitorConfig, StreamSpec
+from dynsteer.config import MonitorConfig, StreamSpec, replica_endpoint
 from dynsteer.monitor.client import MonitorClient
+from dynsteer.spec import SteeringValidationError
 from tests.conftest import ON_GPU, console_script, env, gpu_count, http_json, served
 
 KEY = "dp-key-51c2"
@@ -29,8 +30,8 @@ HIDDEN, MON_LAYER, ACT_LAYER = 128, 1, 2
 PROMPTS = ["the quick brown fox", "once upon a time", "hello world, this is", "a b c d e"]
 SHORT, LONG = 8, 200
 
-if ON_GPU and gpu_count() < 2:
-    pytestmark = pytest.mark.skip(reason="data parallel 2 on GPU needs two visible GPUs")
+needs_two_replicas = pytest.mark.skipif(ON_GPU and gpu_count() < 2,
+                                        reason="data parallel 2 on GPU needs two visible GPUs")
 
 
 def always_on_policy() -> DynamicSteeringPolicy:
@@ -138,6 +139,24 @@ def baseline(server, client) -> dict[int, list[str]]:
             for n in (SHORT, LONG)}
 
 
+def test_each_replica_binds_its_own_endpoints():
+    mon = MonitorConfig(endpoint="ipc:///run/x/streams", command_endpoint="ipc:///run/x/commands")
+    assert mon.for_replica(0) is mon
+    assert (mon.for_replica(2).endpoint, mon.for_replica(2).command_endpoint) == \
+        ("ipc:///run/x/streams.dp2", "ipc:///run/x/commands.dp2")
+    assert replica_endpoint("tcp://127.0.0.1:5555", 1) == "tcp://127.0.0.1:5655"
+
+
+def test_a_command_for_a_request_no_replica_showed_is_refused_naming_it(monitor_cfg):
+    with MonitorClient(monitor_cfg.endpoint, monitor_cfg.command_endpoint, name="dp-none", replicas=2) as mon:
+        with pytest.raises(SteeringValidationError, match="command.request: request 'cmpl-nowhere-0' appeared in "
+                                                          "no frame of this engine's 2 data-parallel replicas"):
+            mon.abort("cmpl-nowhere-0")
+    with pytest.raises(SteeringValidationError, match="replicas: 0"):
+        MonitorClient(monitor_cfg.endpoint, monitor_cfg.command_endpoint, name="dp-none", replicas=0)
+
+
+@needs_two_replicas
 def test_capabilities_and_each_replica_describe_itself(server):
     status, caps = steering(server, "GET", "capabilities")
     assert status == 200 and caps["data_parallel_size"] == 2, caps
@@ -148,6 +167,7 @@ def test_capabilities_and_each_replica_describe_itself(server):
         assert worker["shape"]["hidden_size"] == HIDDEN and worker["global_empty"]
 
 
+@needs_two_replicas
 def test_a_global_policy_over_http_steers_both_replicas_and_clearing_restores_them(server, client, monitor_cfg,
                                                                                       baseline):
     _, model = server
@@ -175,6 +195,7 @@ def test_a_global_policy_over_http_steers_both_replicas_and_clearing_restores_th
     assert [r["workers"][0]["dynamic"]["global_policy"] for r in described["replicas"]] == [False, False]
 
 
+@needs_two_replicas
 def test_one_monitor_aborts_one_request_on_each_replica_and_leaves_the_others_alone(server, client, monitor_cfg,
                                                                                        baseline):
     _, model = server

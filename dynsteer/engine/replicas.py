@@ -3,13 +3,15 @@
 vLLM 0.26 runs a dense model's data-parallel ranks as independent engine cores behind one API server
 (``EngineCoreProc(engine_index=r)``, its ``parallel_config.data_parallel_size`` reset to 1 and
 ``data_parallel_index`` kept at ``r``). The API server's client (``DPLBAsyncMPClient``) sends every utility call,
-``collective_rpc`` included, to every engine core and returns the first one's reply: so global steering, named
-vectors and presets reach every replica through the ordinary ``collective_rpc``, and :func:`each_replica` is for
-calls whose every reply matters (per-replica descriptions) and :func:`rpc_in_order` for state changes: vLLM's
-client gathers its per-engine sends as tasks, which start only at the event loop's next turn, so a request admitted
-meanwhile could reach a replica ahead of the change its cache salt already names (``engine/server.py``'s ordering
-rule); :func:`rpc_in_order` queues the call on every replica's input socket before it first awaits. Each replica binds its own monitor endpoints
-(:meth:`dynsteer.config.MonitorConfig.for_replica`) and names itself in its frames' header (``replica``).
+``collective_rpc`` included, to every engine core and returns the first one's reply. So global steering, named
+vectors and presets reach every replica; :func:`each_replica` is for calls whose every reply matters (per-replica
+descriptions), and :func:`rpc_in_order` for state changes: vLLM's client gathers its per-engine sends as tasks,
+which start only at the event loop's next turn, so a request admitted meanwhile could reach a replica ahead of the
+change its cache salt already names (``engine/server.py``'s ordering rule); :func:`rpc_in_order` queues the call on
+every replica's input socket before it first awaits.
+
+Each replica binds its own monitor endpoints (:meth:`dynsteer.config.MonitorConfig.for_replica`) and names itself
+in its frames' header (``replica``); its command desk takes commands for its own requests only.
 """
 
 from __future__ import annotations
