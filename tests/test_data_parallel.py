@@ -156,6 +156,44 @@ def test_a_command_for_a_request_no_replica_showed_is_refused_naming_it(monitor_
         MonitorClient(monitor_cfg.endpoint, monitor_cfg.command_endpoint, name="dp-none", replicas=0)
 
 
+def test_a_state_change_is_queued_on_every_replica_before_the_first_await():
+    """vLLM's client gathers its per-engine sends as tasks (they start at the loop's next turn); the control RPCs
+    the API server sends must already be on every replica's socket when the route first yields, so a request
+    admitted meanwhile cannot overtake them."""
+    import asyncio
+
+    from dynsteer.engine.replicas import rpc_in_order
+
+    class Client:  # the part of vLLM's DPLBAsyncMPClient that rpc_in_order drives
+        core_engines, client_index = [b"\x00\x00", b"\x01\x00"], 0
+        encoder = type("Enc", (), {"encode": staticmethod(lambda obj: [json.dumps(obj[2:]).encode()])})()
+
+        def __init__(self) -> None:
+            self.utility_results: dict[int, Any] = {}
+            self.sent: list[tuple[bytes, bytes]] = []
+
+        def _send_input_message(self, message: tuple, engine: bytes, objects: Any) -> Any:
+            self.sent.append((engine, message[-1]))
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+
+        def _ensure_output_queue_task(self) -> None:
+            pass
+
+    async def main() -> list[Any]:
+        client = Client()
+        call = asyncio.ensure_future(rpc_in_order(type("E", (), {"engine_core": client})(), "m", ("x",)))
+        await asyncio.sleep(0)  # the route's first turn: both messages are out, none answered yet
+        assert [e for e, _ in client.sent] == client.core_engines and not call.done()
+        assert {json.loads(m)[0] for _, m in client.sent} == {"collective_rpc"}
+        for i, reply in enumerate(client.utility_results.values()):
+            reply.set_result([f"replica {i}"])
+        return await call
+
+    assert asyncio.run(main()) == ["replica 0"]
+
+
 @needs_two_replicas
 def test_capabilities_and_each_replica_describe_itself(server):
     status, caps = steering(server, "GET", "capabilities")
@@ -171,7 +209,13 @@ def test_capabilities_and_each_replica_describe_itself(server):
 def test_a_global_policy_over_http_steers_both_replicas_and_clearing_restores_them(server, client, monitor_cfg,
                                                                                       baseline):
     _, model = server
+    # the start handshake counts a monitor once it is connected at every replica
+    with MonitorClient(monitor_cfg.endpoint, monitor_cfg.command_endpoint, name="dp-half", streams=["resid"]):
+        status, reply = steering(server, "GET", "streams/resid/subscribers?timeout_s=1")
+        assert status == 504 and "0 of 1 subscribers" in json.dumps(reply), reply
     with Watcher(monitor_cfg, "dp-watch") as w:
+        status, reply = steering(server, "GET", "streams/resid/subscribers?min=1&timeout_s=60")
+        assert status == 200 and reply["subscribers"] == ["dp-watch"], reply
         plain = complete_all(client, model, SHORT)
         assert texts(plain) == baseline[SHORT]
         assert {w.served_by(o.id) for o in plain} == {0, 1}  # both replicas served some
