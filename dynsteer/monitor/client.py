@@ -304,8 +304,14 @@ class MonitorClient:
         self.replica_commands = [CommandClient(replica_endpoint(command_endpoint, r), name, limits=limits, **curve)
                                  for r in range(replicas)]
         self.commands = self.replica_commands[0]
-        self.subscribers = ([StreamSubscriber(replica_endpoint(stream_endpoint, r), name, list(streams), **subscriber)
-                             for r in range(replicas)] if streams else [])
+        self.subscribers: list[Any] = []
+        try:  # each waits for its hub's welcome: one that never comes closes what was opened
+            for r in range(replicas if streams else 0):
+                self.subscribers.append(StreamSubscriber(replica_endpoint(stream_endpoint, r), name, list(streams),
+                                                         **subscriber))
+        except BaseException:
+            self.close()
+            raise
         self.subscriber = self.subscribers[0] if self.subscribers else None
         self._where: dict[str, int] = {}  # request id (engine's and user's) -> the replica whose frames showed it
         self._turn = 0  # the replica whose buffered frames recv takes first (fairness between replicas)
