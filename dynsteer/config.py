@@ -160,8 +160,9 @@ class MonitorConfig(BaseModel):
 
     Args:
         endpoint: where TP rank 0 of each worker publishes streams (under pipeline parallelism stage ``k > 0``
-            binds ``<endpoint>.pp<k>``, or the tcp port plus ``k``); ``ipc://`` unless ``curve`` is set.
-        command_endpoint: where the engine core takes commands (same rule).
+            binds ``<endpoint>.pp<k>``, or the tcp port plus ``k``); ``ipc://`` unless ``curve`` is set. Under data
+            parallelism replica ``r > 0`` uses :func:`replica_endpoint` of it (``<endpoint>.dp<r>``).
+        command_endpoint: where the engine core takes commands (same rules).
         streams: streams declared at engine start.
         allow_declare: let subscribers declare streams of their own (over places with capture buffers).
         max_declared_streams: most streams subscribers may have declared at once; a declared stream is removed
@@ -248,11 +249,34 @@ class MonitorConfig(BaseModel):
             check_endpoint(getattr(self, field), curve=self.curve is not None, field=field)
         return self
 
+    def for_replica(self, replica: int) -> "MonitorConfig":
+        """This config as data-parallel replica ``replica`` binds it: both endpoints by :func:`replica_endpoint`."""
+        if replica == 0:
+            return self
+        return self.model_copy(update={"endpoint": replica_endpoint(self.endpoint, replica),
+                                       "command_endpoint": replica_endpoint(self.command_endpoint, replica)})
+
     @classmethod
     def private(cls, **kwargs: Any) -> "MonitorConfig":
         """A config with fresh ``ipc://`` endpoints in a new directory of mode 0700."""
         base = default_endpoint("streams")
         return cls(endpoint=base, command_endpoint=base.rsplit("/", 1)[0] + "/commands", **kwargs)
+
+
+#: under data parallelism replica ``r`` of a ``tcp://`` endpoint binds its port plus ``r`` times this (pipeline stages
+#: take the ports just above each replica's)
+REPLICA_PORT_STRIDE = 100
+
+
+def replica_endpoint(endpoint: str, replica: int) -> str:
+    """Where data-parallel replica ``replica`` binds a ``MonitorConfig`` endpoint: replica 0 the endpoint itself,
+    replica ``r > 0`` ``<ipc path>.dp<r>``, or the tcp port plus ``r * REPLICA_PORT_STRIDE``."""
+    if replica == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        return f"{host}:{int(port) + replica * REPLICA_PORT_STRIDE}"
+    return f"{endpoint}.dp{replica}"
 
 
 PARAM_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")

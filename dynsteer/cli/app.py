@@ -50,6 +50,8 @@ def monitor(
     stream: list[str] = typer.Option(["resid"], "--stream", help="stream(s) to watch"),
     endpoint: str = typer.Option(..., help="the engine's stream endpoint (MonitorConfig.endpoint)"),
     command_endpoint: str = typer.Option(..., help="the engine's command endpoint"),
+    replicas: int = typer.Option(1, help="the engine's --data-parallel-size: watch every replica's streams and send "
+                                         "each command to the replica holding its request"),
     action: str = typer.Option("abort", help="steer | abort"),
     vector: Optional[str] = typer.Option(None, help="steer: a registered vector name added to flagged requests"),
     scale: float = typer.Option(-1.0, help="steer: scale of --vector"),
@@ -92,7 +94,8 @@ def monitor(
 
     stats = ProbeMonitorStats()
     try:
-        with MonitorClient(endpoint, command_endpoint, name=name, streams=stream, policy=policy) as mon:
+        with MonitorClient(endpoint, command_endpoint, name=name, streams=stream, policy=policy,
+                           replicas=replicas) as mon:
             wait = "as long as it takes" if start_timeout is None else f"up to {start_timeout:g} s"
             typer.echo(f"monitor: subscribed to {', '.join(stream)} as {name!r}; waiting for the first frame ({wait})",
                        err=True)

@@ -23,6 +23,7 @@ from dynsteer.controllers.registry import ControllerRegistry
 from dynsteer.engine.combinations import check_combinations
 from dynsteer.engine.families import absent_sites
 from dynsteer.engine.keys import CONFIG_KEY
+from dynsteer.engine.replicas import replica_count, replica_index
 from dynsteer.policy import gate_param_problem
 from dynsteer.spec import ModelShape, SteeringValidationError
 from dynsteer.steering.runtime import SteeringRuntime
@@ -100,7 +101,7 @@ def runtime_for_current_model() -> SteeringRuntime:
             rt.attach_capture(CaptureCollector(stages, emit=emit, engine_places=set(places)), consumers)
             rt.consumer_names = frozenset(cfg.capture_consumers)
             if cfg.monitor is not None and emit:
-                _attach_hub(rt, cfg, pp_rank)
+                _attach_hub(rt, cfg, pp_rank, replica_index(vllm_config))
         for name, ref in cfg.vectors.items():
             rt.register_vector(name, load_named_vector(ref, shape.hidden_size))
         _building[key] = rt
@@ -116,7 +117,8 @@ def stage_endpoint(endpoint: str, pp_rank: int) -> str:
 
 
 def hub_endpoints(vllm_config: Any) -> list[str]:
-    """Every pipeline stage's stream endpoint, for a process that asks the hubs for their stats (a frontend).
+    """Every pipeline stage's stream endpoint of every data-parallel replica, for a process that asks the hubs for
+    their stats (a frontend).
 
     Raises:
         SteeringValidationError: the engine has no ``MonitorConfig`` (``monitor``), or its hubs require CURVE
@@ -130,16 +132,19 @@ def hub_endpoints(vllm_config: Any) -> list[str]:
         raise SteeringValidationError("monitor.curve: the stream hub admits only allowlisted monitor keys; ask it "
                                       "from a monitor (StreamSubscriber.stats)")
     pp = int(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) or 1)
-    return [mon.endpoint] + [stage_endpoint(mon.endpoint, k) for k in range(1, pp)]
+    replicas = [mon.for_replica(r).endpoint for r in range(replica_count(vllm_config))]
+    return [e for base in replicas for e in [base] + [stage_endpoint(base, k) for k in range(1, pp)]]
 
 
-def _attach_hub(rt: SteeringRuntime, cfg: DynsteerConfig, pp_rank: int) -> None:
-    """TP rank 0 publishes the async tier's streams (each pipeline stage its own layers, at its own endpoint)."""
+def _attach_hub(rt: SteeringRuntime, cfg: DynsteerConfig, pp_rank: int, replica: int) -> None:
+    """TP rank 0 publishes the async tier's streams (each pipeline stage its own layers, at its own endpoint; each
+    data-parallel replica at its own endpoints, naming itself in every frame's header)."""
     import weakref
 
     from dynsteer.streams.hub import StreamHub
 
-    mon = cfg.monitor
+    assert cfg.monitor is not None
+    mon = cfg.monitor.for_replica(replica)
     endpoint = mon.endpoint if pp_rank == 0 else stage_endpoint(mon.endpoint, pp_rank)
     hub = StreamHub(endpoint, curve=mon.curve, replay_bytes=mon.replay_bytes, replay_messages=mon.replay_messages,
                     spill_dir=mon.spill_dir, spill_bytes=mon.spill_bytes, spill_total_bytes=mon.spill_total_bytes,
@@ -148,7 +153,7 @@ def _attach_hub(rt: SteeringRuntime, cfg: DynsteerConfig, pp_rank: int) -> None:
                     max_subscribers=mon.max_subscribers, subscriber_ttl_s=mon.subscriber_ttl_s,
                     block_subscribers=mon.block_subscribers, max_block_delay_ms=mon.max_block_delay_ms,
                     max_held_bytes=mon.max_held_bytes)
-    rt.attach_hub(hub, mon.streams)
+    rt.attach_hub(hub, mon.streams, header={"replica": replica})
     weakref.finalize(rt, hub.close)
 
 

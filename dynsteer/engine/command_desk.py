@@ -73,6 +73,7 @@ from dynsteer.engine.frontend import build_frontend_state
 from dynsteer.engine.keys import (PATCHES_ENGINE_CORE, PAYLOAD_KEY, RPC_PATCHES, RPC_PREFIX, RPC_REGISTER_VECTOR,
                                   RPC_SET_GLOBAL, RPC_UNREGISTER_VECTOR, SCHEDULER_ATTR)
 from dynsteer.engine.prefix_cache import command_event, global_change_event
+from dynsteer.engine.replicas import replica_index
 from dynsteer.policy import admit_policy
 from dynsteer.request.compile_spec import compile_phase
 from dynsteer.request.payload import decode_payload
@@ -114,7 +115,8 @@ class CommandDesk:
 
     def __init__(self, cfg: DynsteerConfig, vllm_config: Any) -> None:
         assert cfg.monitor is not None
-        self.cfg = cfg.monitor
+        self.replica = replica_index(vllm_config)
+        self.cfg = cfg.monitor.for_replica(self.replica)  # each data-parallel replica takes its own commands
         self.state = build_frontend_state(vllm_config)
         self.overrides: dict[str, CommandPatch] = {}  # what commands changed, per live request
         self.stats = DeskStats()

@@ -43,8 +43,9 @@ from dynsteer._version import __version__
 from dynsteer.engine import patching
 from dynsteer.engine.dev_routes import DevRouteGuard, dev_routes
 from dynsteer.engine.frontend import FrontendState, frontend_state
-from dynsteer.engine.keys import (APP_STATE_ATTR, HTTP_PREFIX, PAYLOAD_KEY, RPC_REGISTER_VECTOR, RPC_SET_GLOBAL,
-                                  RPC_UNREGISTER_VECTOR)
+from dynsteer.engine.keys import (APP_STATE_ATTR, HTTP_PREFIX, PAYLOAD_KEY, RPC_DESCRIBE, RPC_REGISTER_VECTOR,
+                                  RPC_SET_GLOBAL, RPC_UNREGISTER_VECTOR)
+from dynsteer.engine.replicas import each_replica, replica_count, rpc_in_order
 from dynsteer.engine.server_json import FieldErrorRoute, add_json_routes, checked
 from dynsteer.engine.stream_routes import add_stream_routes
 from dynsteer.request.payload import decode_payload, encode_payload
@@ -119,6 +120,13 @@ class SteeringEndpoints:
             """The model's shape, dynsteer's version and limits, the registered names: what a client may ask for."""
             return self.capabilities(self._engine(request))
 
+        @router.get("/replicas")
+        async def replicas(request: Request) -> dict[str, Any]:
+            """Each data-parallel replica's steering state as its workers describe it, in replica order (one entry
+            without data parallelism): named vectors, whether a global spec and policy are set, live requests."""
+            replies = await each_replica(self._engine(request), RPC_DESCRIBE)
+            return {"replicas": [{"replica": r, "workers": workers} for r, workers in enumerate(replies)]}
+
         @router.get("/vectors")
         async def list_vectors(request: Request) -> dict[str, Any]:
             """The registered vectors: name, size and norm of each."""
@@ -143,7 +151,7 @@ class SteeringEndpoints:
                                              f"global policy before replacing it")
                 front.register(body.name, arr)  # before the RPC, no await between (module docstring)
                 try:
-                    await engine.collective_rpc(RPC_REGISTER_VECTOR, args=(body.name, pack_vector(arr)))
+                    await rpc_in_order(engine, RPC_REGISTER_VECTOR, (body.name, pack_vector(arr)))
                 except Exception:
                     _restore_vector(front, body.name, previous)
                     raise
@@ -163,7 +171,7 @@ class SteeringEndpoints:
                 previous = front.named.pop(name)
                 front.version += 1
                 try:
-                    await engine.collective_rpc(RPC_UNREGISTER_VECTOR, args=(name,))
+                    await rpc_in_order(engine, RPC_UNREGISTER_VECTOR, (name,))
                 except Exception:
                     _restore_vector(front, name, previous)
                     raise
@@ -241,7 +249,7 @@ class SteeringEndpoints:
             previous = (front.global_spec, front.global_policy)
             front.set_global(spec, admitted)  # before the RPC, no await between (module docstring)
             try:
-                await engine.collective_rpc(RPC_SET_GLOBAL, args=(encode_payload(spec, policy=admitted),))
+                await rpc_in_order(engine, RPC_SET_GLOBAL, (encode_payload(spec, policy=admitted),))
             except Exception:
                 front.set_global(*previous)
                 raise
@@ -261,7 +269,7 @@ class SteeringEndpoints:
                 "capture_places": sorted(f"{layer}.{site}" for layer, site in front.capture_places),
                 "vectors": sorted(front.named), "probes": sorted(front.probes),
                 "controllers": sorted(front.controllers), "limits": front.limits.model_dump(mode="json"),
-                "payload_key": PAYLOAD_KEY}
+                "payload_key": PAYLOAD_KEY, "data_parallel_size": replica_count(engine.vllm_config)}
 
     @staticmethod
     def front(engine: Any) -> FrontendState:
@@ -364,6 +372,10 @@ def serve(argv: Sequence[str]) -> None:
     parser, command = serve_parser()
     args = parser.parse_args(["serve", *argv])
     command.validate(args)
+    if args.api_server_count is None:
+        # vLLM would start one API server per data-parallel replica; the frontend's admission state (global
+        # steering, named vectors) lives in one, and its control RPCs reach every replica
+        args.api_server_count = 1
     if getattr(args, "headless", False) or (args.api_server_count or 1) > 1 or getattr(args, "grpc", False):
         sys.exit("dynsteer serve: the steering endpoints need a single HTTP API server in this process "
                  "(no --headless, --grpc or --api-server-count > 1)")

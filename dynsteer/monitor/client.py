@@ -16,6 +16,11 @@ Commands are applied by the engine at one step on every rank; :class:`~dynsteer.
 without waiting, so commands for one frame reach the engine before the same step. Frames name requests by the
 engine's ids (``frame.req_ids``) and by those vLLM's outputs show (``frame.user_ids``); commands take either.
 
+Under data parallelism (``--data-parallel-size N``) pass ``replicas=N``: the client subscribes to every replica's
+hub, each frame names its replica (``frame.replica``), a command naming a request goes to the replica whose frames
+showed that request (a request no frame showed is refused here, naming it), and a ``global`` command to every
+replica.
+
 Over ``tcp://`` the engine requires CURVE: pass its server key and this monitor's key pair (``curve_server_public``,
 ``curve_client_secret``, ``curve_client_public``); the operator lists the public key in ``MonitorConfig.curve`` and
 may bind names to it. A key the engine does not let in raises ``PermissionError`` at the first wait for an ack; a
@@ -37,7 +42,7 @@ import zmq
 from dynsteer._deprecated import renamed
 from dynsteer.commands import (AbortCommand, CommandAck, CommandEnvelope, GlobalCommand, RuleCommand, SteerCommand,
                                ThresholdCommand, encode_command, max_message_bytes, user_request_id)
-from dynsteer.config import Limits
+from dynsteer.config import Limits, replica_endpoint
 from dynsteer.spec import SteeringSpec, SteeringValidationError
 from dynsteer.transport.security import connect_curve, connect_options
 
@@ -58,6 +63,7 @@ class StreamFrame:
             :func:`dynsteer.commands.user_request_id`). Commands take either.
         positions: absolute token position of each row.
         values: ``{"layer.site": [rows, hidden]}`` (float32 for bfloat16 streams).
+        replica: the data-parallel replica whose engine computed the rows (0 without data parallelism).
     """
 
     stream: str
@@ -69,6 +75,7 @@ class StreamFrame:
     values: dict[str, np.ndarray]
     dtype: str = "float32"
     user_ids: list[str] = field(default_factory=list)
+    replica: int = 0
 
     def __post_init__(self) -> None:
         if not self.user_ids:
@@ -80,7 +87,8 @@ class StreamFrame:
         places = list(meta.get("places", ()))
         return cls(stream=frame.stream, seq=frame.seq, step=int(meta.get("step", -1)),
                    req_ids=list(meta.get("req_ids", ())), request=arrays[0], positions=arrays[1],
-                   values=dict(zip(places, arrays[2:])), dtype=str(meta.get("dtype", "float32")))
+                   values=dict(zip(places, arrays[2:])), dtype=str(meta.get("dtype", "float32")),
+                   replica=int(meta.get("replica", 0)))
 
     def rows_of(self, req_id: str) -> np.ndarray:
         """Row indices of ``req_id`` in this frame (empty if absent)."""
@@ -116,6 +124,7 @@ class Pending:
     id: str
     command: Any
     client: "CommandClient"
+    replica: int = 0  # the data-parallel replica it was sent to
 
     def ack(self, timeout_s: float = 30.0) -> CommandAck:
         """The engine's ack, a rejection included. Raises ``TimeoutError`` without one in time."""
@@ -127,6 +136,22 @@ class Pending:
         if ack.status != "applied":
             raise CommandError(ack)
         return ack
+
+
+@dataclass
+class _AllReplicas(Pending):
+    """A ``global`` command sent to every replica: its ack is replica 0's once every replica acked; the first
+    rejection among them otherwise."""
+
+    sent: list[Pending] = field(default_factory=list)
+
+    def ack(self, timeout_s: float = 30.0) -> CommandAck:
+        deadline = time.monotonic() + timeout_s
+        acks = [p.ack(max(0.0, deadline - time.monotonic())) for p in self.sent]
+        for ack in acks:
+            if ack.status != "applied":
+                return ack
+        return acks[0]
 
 
 class CommandError(RuntimeError):
@@ -255,30 +280,102 @@ class MonitorClient:
         name: the monitor's name (a restarted monitor with the same name resumes: pass ``resume``); commands'
             abort reasons name it.
         streams: streams to subscribe to (declared by the engine, or in ``declare``).
+        replicas: the engine's data-parallel size: the client connects to every replica's endpoints
+            (:func:`dynsteer.config.replica_endpoint`) and routes each command to the replica holding its request.
         policy, max_pending, max_delay_ms, window, resume, declare: see ``StreamSubscriber``.
         curve_server_public, curve_client_secret, curve_client_public: CURVE keys (Z85) for ``tcp://`` endpoints,
             used for both channels.
         limits: the engine's ``DynsteerConfig.limits`` (see :class:`CommandClient`).
     """
 
+    #: requests remembered per client for routing commands (the oldest are forgotten first)
+    MAX_ROUTED = 65536
+
     def __init__(self, stream_endpoint: str, command_endpoint: str, name: str, streams: Sequence[str] = (),
-                 **subscriber: Any) -> None:
+                 replicas: int = 1, **subscriber: Any) -> None:
         from dynsteer.monitor.subscriber import StreamSubscriber
 
+        if replicas < 1:
+            raise SteeringValidationError(f"replicas: {replicas} is not a data-parallel size (1 or more)")
         curve = {k: subscriber[k] for k in ("curve_server_public", "curve_client_secret", "curve_client_public")
                  if k in subscriber}
         limits = subscriber.pop("limits", None)
         self.name = name
-        self.commands = CommandClient(command_endpoint, name, limits=limits, **curve)
-        self.subscriber = StreamSubscriber(stream_endpoint, name, list(streams), **subscriber) if streams else None
+        self.replica_commands = [CommandClient(replica_endpoint(command_endpoint, r), name, limits=limits, **curve)
+                                 for r in range(replicas)]
+        self.commands = self.replica_commands[0]
+        self.subscribers: list[Any] = []
+        try:  # each waits for its hub's welcome: one that never comes closes what was opened
+            for r in range(replicas if streams else 0):
+                self.subscribers.append(StreamSubscriber(replica_endpoint(stream_endpoint, r), name, list(streams),
+                                                         **subscriber))
+        except BaseException:
+            self.close()
+            raise
+        self.subscriber = self.subscribers[0] if self.subscribers else None
+        self._where: dict[str, int] = {}  # request id (engine's and user's) -> the replica whose frames showed it
+        self._turn = 0  # the replica whose buffered frames recv takes first (fairness between replicas)
 
     # ---- streams -------------------------------------------------------------------------------------------------
     def recv(self, timeout_s: float | None = None) -> StreamFrame | None:
-        """The next frame of any subscribed stream (None on timeout)."""
-        if self.subscriber is None:
+        """The next frame of any subscribed stream of any replica (None on timeout)."""
+        if not self.subscribers:
             raise RuntimeError("this monitor subscribed to no stream")
-        frame = self.subscriber.recv(timeout_s)
-        return None if frame is None else StreamFrame.from_wire(frame)
+        if len(self.subscribers) == 1:
+            raw = self.subscribers[0].recv(timeout_s)
+        else:
+            raw = self._recv_any(timeout_s)
+        if raw is None:
+            return None
+        frame = StreamFrame.from_wire(raw)
+        self._remember(frame)
+        return frame
+
+    def _recv_any(self, timeout_s: float | None) -> Any:
+        """The next frame of whichever replica has one, taking them in turns; short polls keep each subscriber's
+        heartbeats going while another one waits."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        for sub in self.subscribers:
+            poller.register(sub._sock, zmq.POLLIN)
+        n = len(self.subscribers)
+        while True:
+            for i in range(n):
+                r = (self._turn + i) % n
+                raw = self.subscribers[r].recv(0)
+                if raw is not None:
+                    self._turn = (r + 1) % n
+                    return raw
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            poller.poll(50 if left is None else max(1, min(50, int(left * 1000))))
+
+    def _remember(self, frame: StreamFrame) -> None:
+        """Note which replica holds the frame's requests (for routing commands)."""
+        if len(self.replica_commands) == 1:
+            return
+        for ids in (frame.req_ids, frame.user_ids):
+            for rid in ids:
+                self._where.pop(rid, None)
+                self._where[rid] = frame.replica
+        while len(self._where) > self.MAX_ROUTED:
+            del self._where[next(iter(self._where))]
+
+    def replica_of(self, request: str) -> int:
+        """The replica whose frames showed ``request`` (an engine or user id); 0 without data parallelism.
+
+        Raises:
+            SteeringValidationError: ``command.request: ...`` when no frame of any replica showed it.
+        """
+        if len(self.replica_commands) == 1:
+            return 0
+        try:
+            return self._where[request]
+        except KeyError:
+            raise SteeringValidationError(
+                f"command.request: request {request!r} appeared in no frame of this engine's "
+                f"{len(self.replica_commands)} data-parallel replicas, so no replica is known to hold it") from None
 
     def frames(self, timeout_s: float | None = None, start_timeout_s: float | None = _SAME) -> Iterator[StreamFrame]:
         """Frames until none came for ``timeout_s`` since the last one returned (None: forever).
@@ -300,12 +397,27 @@ class MonitorClient:
     @property
     def next_seq(self) -> dict[str, int]:
         """Per stream, the sequence number to resume from after a restart."""
+        if len(self.subscribers) > 1:
+            raise RuntimeError("next_seq: with several replicas use replica_next_seq (each hub counts its own)")
         return dict(self.subscriber.next_seq) if self.subscriber is not None else {}
+
+    @property
+    def replica_next_seq(self) -> list[dict[str, int]]:
+        """Per replica, per stream, the sequence number to resume from after a restart."""
+        return [dict(sub.next_seq) for sub in self.subscribers]
 
     # ---- commands ------------------------------------------------------------------------------------------------
     def send(self, command: Any) -> Pending:
-        """Send a ``dynsteer.commands`` model without waiting for its ack (:meth:`Pending.result` collects it)."""
-        return Pending(self.commands.send(command), command, self.commands)
+        """Send a ``dynsteer.commands`` model without waiting for its ack (:meth:`Pending.result` collects it): to
+        the replica holding its request (:meth:`replica_of`); a ``global`` command to every replica (the pending
+        ack is the first replica's, a rejection by any other raised by :meth:`Pending.result`)."""
+        if isinstance(command, GlobalCommand) and len(self.replica_commands) > 1:
+            sent = [Pending(c.send(command), command, c, r) for r, c in enumerate(self.replica_commands)]
+            return _AllReplicas(sent[0].id, command, sent[0].client, 0, sent)
+        request = getattr(command, "request", None)
+        r = self.replica_of(request) if isinstance(request, str) else 0
+        client = self.replica_commands[r]
+        return Pending(client.send(command), command, client, r)
 
     def send_all(self, commands: Sequence[Any], timeout_s: float = 30.0) -> list[CommandAck]:
         """Send ``commands`` together, then collect their acks in order (rejections included, not raised): taken
@@ -317,27 +429,28 @@ class MonitorClient:
 
     def abort(self, request: str, reason: str = "", timeout_s: float = 30.0) -> CommandAck:
         """Finish ``request`` (its stop reason names this monitor and ``reason``)."""
-        return self.commands.call(AbortCommand(request=request, reason=reason), timeout_s)
+        return self.send(AbortCommand(request=request, reason=reason)).result(timeout_s)
 
     def steer(self, request: str, spec: SteeringSpec | None, timeout_s: float = 30.0) -> CommandAck:
         """Add ``spec`` to ``request``'s generated tokens from the acked step on (None: clear it)."""
-        return self.commands.call(SteerCommand(request=request, spec=spec), timeout_s)
+        return self.send(SteerCommand(request=request, spec=spec)).result(timeout_s)
 
     def set_threshold(self, request: str, monitor: str, threshold: float, timeout_s: float = 30.0) -> CommandAck:
-        return self.commands.call(ThresholdCommand(request=request, monitor=monitor, threshold=threshold), timeout_s)
+        return self.send(ThresholdCommand(request=request, monitor=monitor, threshold=threshold)).result(timeout_s)
 
     def set_rule(self, request: str, rule: int, enabled: bool, timeout_s: float = 30.0) -> CommandAck:
-        return self.commands.call(RuleCommand(request=request, rule=rule, enabled=enabled), timeout_s)
+        return self.send(RuleCommand(request=request, rule=rule, enabled=enabled)).result(timeout_s)
 
     def set_global(self, spec: SteeringSpec | None = None, policy: Any = None, timeout_s: float = 30.0) -> CommandAck:
         """Replace the engine's global steering (``spec`` and ``policy``; ``None``: none) from the acked step on,
         for live requests too (see :class:`dynsteer.commands.GlobalCommand`)."""
-        return self.commands.call(GlobalCommand(spec=spec, policy=policy), timeout_s)
+        return self.send(GlobalCommand(spec=spec, policy=policy)).result(timeout_s)
 
     def close(self) -> None:
-        if self.subscriber is not None:
-            self.subscriber.close()
-        self.commands.close()
+        for sub in self.subscribers:
+            sub.close()
+        for client in self.replica_commands:
+            client.close()
 
     def __enter__(self) -> "MonitorClient":
         return self

@@ -29,8 +29,9 @@ class StreamPublisher:
     """The engine's streams as the hub holds them (declared by the engine or by subscribers), refreshed when the
     hub's version changes."""
 
-    def __init__(self, hub: StreamHub, stats: RuntimeStats) -> None:
+    def __init__(self, hub: StreamHub, stats: RuntimeStats, header: dict[str, Any] | None = None) -> None:
         self.hub, self.stats = hub, stats
+        self.header = dict(header or {})  # fixed fields of every frame's header (the data-parallel replica)
         self.specs: dict[str, StreamSpec] = {}  # stream name -> its spec, for streams with places on this worker
         self._places: dict[str, tuple[Place, ...]] = {}  # stream name -> its places this worker holds
         self._hub_version = -1
@@ -74,7 +75,7 @@ class StreamPublisher:
         """One stream's rows of one step have landed: one message (header + raw frames)."""
         uniq, inverse = np.unique(sel.req, return_inverse=True)
         meta = {"step": int(sel.step), "req_ids": [sel.req_ids[i] for i in uniq.tolist()],
-                "places": [place_key(p) for p in sel.places], "dtype": sel.dtype}
+                "places": [place_key(p) for p in sel.places], "dtype": sel.dtype, **self.header}
         arrays = [inverse.astype(np.int32), np.ascontiguousarray(sel.positions, np.int64),
                   *(np.ascontiguousarray(values[p]) for p in sel.places)]
         try:

@@ -178,9 +178,11 @@ class SteeringRuntime:
         field)."""
         return stream_validator(allow_declare, lambda: self.delivery.engine_places)
 
-    def attach_hub(self, hub: StreamHub, declared: dict[str, StreamSpec]) -> None:
-        """Publish streams through ``hub``; ``declared``: the engine's streams."""
-        self.streams = StreamPublisher(hub, self.stats)
+    def attach_hub(self, hub: StreamHub, declared: dict[str, StreamSpec],
+                   header: dict[str, Any] | None = None) -> None:
+        """Publish streams through ``hub``; ``declared``: the engine's streams; ``header``: added to every frame's
+        header (the data-parallel replica)."""
+        self.streams = StreamPublisher(hub, self.stats, header)
         for name, spec in declared.items():
             hub.declare(name, spec.model_dump(mode="json"))
         if self.capture is not None:

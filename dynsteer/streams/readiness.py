@@ -65,11 +65,17 @@ def unknown_message(stream: str, answers: dict[str, dict[str, Any] | None]) -> s
 
 
 class SubscriberWait:
-    """Polls the hubs at ``endpoints`` (one per pipeline stage) for the subscribers of one stream."""
+    """Polls the hubs at ``endpoints`` (one per pipeline stage of each data-parallel replica, replica by replica)
+    for the subscribers of one stream. With ``replicas > 1`` a name counts once it is connected at every replica
+    (a monitor watching one replica would miss the others' frames)."""
 
-    def __init__(self, endpoints: list[str], stream: str, n: int, timeout_s: float) -> None:
+    def __init__(self, endpoints: list[str], stream: str, n: int, timeout_s: float, replicas: int = 1) -> None:
         check_wait(n, timeout_s)
+        if replicas < 1 or len(endpoints) % replicas:
+            raise SteeringValidationError(f"replicas: {replicas} does not divide the {len(endpoints)} hub endpoints")
         self.endpoints, self.stream, self.n, self.timeout_s = list(endpoints), stream, n, timeout_s
+        per = len(self.endpoints) // replicas
+        self.groups = [self.endpoints[i:i + per] for i in range(0, len(self.endpoints), per)]
         self.deadline = time.monotonic() + timeout_s
         self.answered, self.names = False, []
         self._query = StreamMetricsCollector(timeout_ms=500)
@@ -82,7 +88,13 @@ class SubscriberWait:
             TimeoutError: the deadline passed (message says how many are connected, and who).
         """
         answers = self._query.query_all(self.endpoints)
-        answered, known, names = connected(answers, self.stream)
+        answered = known = False
+        common: set[str] | None = None
+        for group in self.groups:
+            a, k, names = connected({e: answers.get(e) for e in group}, self.stream)
+            answered, known = answered or a, known or k
+            common = set(names) if common is None else common & set(names)
+        names = sorted(common or ())
         self.answered |= answered
         if answered and not known:
             raise LookupError(unknown_message(self.stream, answers))
