@@ -8,8 +8,9 @@ The executors: ``mp`` (the reference), ``ray`` (vLLM 0.26's default Ray executor
 running vLLM's worker loop) and ``ray-compiled-dag`` (the older ``RayDistributedExecutor``, a Ray compiled graph
 calling the model runner; ``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``).
 
-Runs on two GPUs only: vLLM's CPU platform does not run Ray ("current platform cpu does not support ray": it has no
-Ray device key). Run it with ``. scripts/gpu_env.sh`` and ray installed (docs/operations/gpu.md).
+The sessions run on two GPUs only: vLLM's CPU platform does not run Ray ("current platform cpu does not support
+ray": it has no Ray device key). Run them with ``. scripts/gpu_env.sh`` and ray installed (docs/operations/gpu.md).
+Off GPU, a Ray worker process loads vLLM's plugins as the executors' workers do and must find dynsteer.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from dynsteer.spec import AddVector, SteeringSpec
 from tests.conftest import ON_GPU, env, gpu_count, make_llm, token_ids, with_inprocess_engine_core
 
 pytest.importorskip("ray")
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not ON_GPU or gpu_count() < 2,
-                                 reason="two GPUs with DYNSTEER_TEST_DEVICE=cuda: vLLM's CPU platform does not run "
-                                        "Ray ('current platform cpu does not support ray')")]
+two_gpus = pytest.mark.skipif(not ON_GPU or gpu_count() < 2,
+                              reason="two GPUs with DYNSTEER_TEST_DEVICE=cuda: vLLM's CPU platform does not run Ray "
+                                     "('current platform cpu does not support ray')")
+pytestmark = pytest.mark.slow
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning"]
 MAX_TOKENS = 24
 COMMAND_AT = 6  # the engine step at which the command run sends its commands
@@ -205,6 +206,34 @@ def _first_open(trace: dict[str, list]) -> int:
     return first
 
 
+def test_dynsteer_loads_in_a_ray_worker():
+    """vLLM's plugin loader, run in a Ray worker process as each Ray executor's worker runs it, finds dynsteer's
+    entry point: the control methods ``collective_rpc`` reaches are installed and decoder layers get their sites."""
+    import ray
+
+    def load_plugins() -> dict[str, Any]:  # what a worker's init_worker does first; nested: Ray sends it by value
+        from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+        before = hasattr(WorkerWrapperBase, "dynsteer_describe")
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
+        from vllm.model_executor.models.llama import LlamaDecoderLayer
+
+        from dynsteer.engine import patching
+
+        return {"pid": os.getpid(), "before": before, "rpc": hasattr(WorkerWrapperBase, "dynsteer_describe"),
+                "layer": patching.is_patched(LlamaDecoderLayer, "forward")}
+
+    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False)
+    try:
+        got = ray.get(ray.remote(load_plugins).remote(), timeout=300)
+    finally:
+        ray.shutdown()
+    assert got["pid"] != os.getpid()  # another process, started by Ray
+    assert not got["before"] and got["rpc"] and got["layer"], got
+
+
 _sessions: dict[str, dict[str, Any]] = {}
 
 
@@ -215,6 +244,7 @@ def session(path: Any, executor: str) -> dict[str, Any]:
     return _sessions[executor]
 
 
+@two_gpus
 @pytest.mark.parametrize("executor", ["ray", "ray-compiled-dag"])
 def test_ray_outputs_equal_the_multiprocessing_executor(tiny_llama_path, executor):
     mp, ray = session(tiny_llama_path, "mp"), session(tiny_llama_path, executor)
@@ -236,6 +266,7 @@ def test_ray_outputs_equal_the_multiprocessing_executor(tiny_llama_path, executo
             np.testing.assert_allclose(r[place], m[place], rtol=1e-2, atol=1e-2 * float(np.abs(m[place]).max()))
 
 
+@two_gpus
 @pytest.mark.parametrize("executor", ["ray", "ray-compiled-dag"])
 def test_ray_streams_publish_what_rank_0_captures(tiny_llama_path, executor):
     mp, ray = session(tiny_llama_path, "mp"), session(tiny_llama_path, executor)
@@ -249,6 +280,7 @@ def test_ray_streams_publish_what_rank_0_captures(tiny_llama_path, executor):
                                atol=1e-2 * float(np.abs(mp["stream_values"]).max()))
 
 
+@two_gpus
 @pytest.mark.parametrize("executor", ["ray", "ray-compiled-dag"])
 def test_a_monitor_command_lands_on_both_ray_ranks_at_the_same_step(tiny_llama_path, executor):
     mp, ray = session(tiny_llama_path, "mp"), session(tiny_llama_path, executor)
