@@ -1,19 +1,24 @@
-"""Dynamic steering on SmolLM2-135M-Instruct: a sentiment probe decides, token by token, when to steer.
+"""Dynamic steering on SmolLM2-135M-Instruct: the model's own activations decide when to steer.
 
-Runs on CPU in a few minutes:
+Runs on CPU in several minutes:
 
     python examples/dynamic_sentiment.py
 
-1. Train the sentiment probe of ``probe_training.py`` (60 sentences, residual at the last prompt token, logistic
-   regression) at layer 20 and export it as a dynsteer probe file.
-2. Load it as an in-graph monitor whose gate is the probe's ``predict_proba`` of the *negative* class, computed on
-   every generated token inside the forward pass.
-3. Rule: add a positive-sentiment vector at the monitor's layer, gated by the monitor, for the same token. A sync
-   controller (EMA latch on the probe score) switches the rule on one step after the smoothed score crosses ``on``,
-   so single stray tokens never steer.
-4. One continuous batch of complaints (the targeted class) and praise (the other class): complaints are steered, the
-   praise outputs are byte-identical to an unsteered run, and the in-graph gate equals the probe file's
-   ``predict_proba`` on the captured residuals.
+Part one, a **per-token monitor** on open requests (``examples/data/sentiment_requests.jsonl``: complaints and praise
+about 35 topics in 6 phrasings; 20 topics to train on, 15 held out):
+
+1. Train where the monitor reads: generate replies to the 240 training requests under the chat template, capture the
+   residual of every generated token at layer 16 (``collect_generated``) and fit a logistic probe of "this reply
+   answers a complaint" on those tokens.
+2. Single tokens are noisy (complaints and praise open with the same boilerplate), so the decision aggregates over the
+   reply on the device: a sync controller (EMA latch, ``alpha`` 0.05) averages the in-graph probe score token by
+   token and switches steering on once the average crosses ``on``. ``on`` is calibrated on out-of-fold scores of the
+   training replies (``dynsteer.probes.calibrate_ema_latch``), never on held-out data.
+3. Rule: add the positive-minus-negative class mean of the training tokens' residuals at a relative dose of 0.1,
+   scaled by the token's gate, once the latch is on.
+4. On the 180 held-out requests, one continuous batch: it prints the share of complaints steered, the share of praise
+   replies byte-identical to an unsteered run, and the largest difference between the in-graph gate and the probe
+   file's ``predict_proba`` on the captured residuals.
 
 Part two, a **prompt-level gate** (CAST-style) on held-out data: a probe trained on the 308-sentence training split of
 ``examples/data/sentiment.csv`` (sentences as user messages under the chat template, residual at the prompt's last
@@ -23,8 +28,9 @@ with ``gate_floor=0.5`` adds the positive-sentiment vector to every generated to
 negative and leaves the others alone. On the 132 held-out sentences (66 per class, never trained on) it prints the
 share of negative prompts steered and of positive prompts byte-identical to an unsteered run, and the largest
 difference between the held gate and the probe file's ``predict_proba`` on the captured last-prompt residual.
-A per-token monitor reading the model's own replies (part one) cannot be this selective on open prompts: the
-replies' boilerplate looks alike across classes.
+
+``train_probe`` and ``sentiment_policy`` (a probe of 60 sentiment sentences at layer 20, read at every generated token,
+with an EMA latch in score units) are what ``examples/sweeps/`` sweeps.
 """
 
 from __future__ import annotations
@@ -46,10 +52,19 @@ import numpy as np
 import dynsteer
 from dynsteer import (Action, CaptureSpec, DynamicSteeringPolicy, DynsteerConfig, ProbeGate, Rule,
                       SyncControllerSpec)
-from dynsteer.probes import LogisticProbe, align, collect, load_probe, save_probe
+from dynsteer.probes import (LatchCalibration, LogisticProbe, align, calibrate_ema_latch, collect, collect_generated,
+                             load_probe, save_probe)
 from dynsteer.zoo import smollm2
 from probe_training import NEGATIVE, POSITIVE
 
+# Part one: the per-token monitor on open requests.
+REQUESTS = Path(__file__).resolve().parent / "data" / "sentiment_requests.jsonl"
+TOKEN_LAYER = 16  # of 30; on the training replies' out-of-fold scores layers 16 and 20 separate best, 12 worst
+TOKEN_ALPHA = 0.05  # EMA weight of the newest token: the latch decides on about the last 20 tokens
+TOKEN_DOSE = 0.1  # relative dose of the steering vector (dynsteer.dose): |v| = 0.1 · mean residual norm
+REPLY_TOKENS = 40
+
+# The sentence probe that examples/sweeps/ sweeps (train_probe, sentiment_policy).
 LAYER = 20
 TOPICS = ["the hotel room", "the restaurant", "the train service", "the weather"]
 COMPLAINTS = [f"Write two sentences complaining angrily about {t}." for t in ["the airline", *TOPICS]]
@@ -69,14 +84,81 @@ OPERATING_POINT: str | float = 0.05  # positive sentences let through, on the tr
 @dataclass
 class DemoResult:
     prompts: list[str]
-    targeted: list[bool]
+    targeted: list[bool]  # the request asks for a complaint
     baseline: list[list[int]]
     steered: list[list[int]]
     texts: list[tuple[str, str]]
     fired: list[int]  # tokens with dyn_scale > 0, per prompt
     gate_error: float  # max |in-graph gate − probe predict_proba| over every traced token
+    calibration: LatchCalibration  # the EMA latch's threshold and its recall/specificity on the training replies
     probe_path: Path | None = None  # the probe file the run used
     scales: list[list[float]] | None = None  # the controller's scale at every traced token, per prompt
+
+    @property
+    def latched_targeted(self) -> float:
+        """Share of complaint requests whose latch turned on (steering applied to at least one token)."""
+        return float(np.mean([f > 0 for f, t in zip(self.fired, self.targeted) if t]))
+
+    @property
+    def steered_targeted(self) -> float:
+        """Share of complaint requests whose reply changed."""
+        return float(np.mean([b != s for b, s, t in zip(self.baseline, self.steered, self.targeted) if t]))
+
+    @property
+    def identical_others(self) -> float:
+        """Share of praise requests whose reply is byte-identical to the unsteered one."""
+        return float(np.mean([b == s for b, s, t in zip(self.baseline, self.steered, self.targeted) if not t]))
+
+
+def load_requests(split: str) -> tuple[list[str], np.ndarray]:
+    """``examples/data/sentiment_requests.jsonl``'s ``train`` or ``held_out`` requests and labels (0: asks for a
+    complaint, 1: asks for praise)."""
+    import json
+
+    rows = [json.loads(line) for line in REQUESTS.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["split"] == split]
+    return [r["prompt"] for r in rows], np.array([0 if r["label"] == "negative" else 1 for r in rows])
+
+
+def _token_estimator() -> LogisticProbe:
+    return LogisticProbe(Cs=[0.001, 0.01, 0.1], cv=3, max_iter=300)
+
+
+def train_token_monitor(steerer: dynsteer.Steerer, path: Path) -> LatchCalibration:
+    """Fit the per-token probe on the training replies, calibrate the EMA latch on its out-of-fold scores, and save
+    the probe (``path``), the steering direction (``.vec.npy``) and the calibration (``.latch.json``)."""
+    import json
+
+    from sklearn.model_selection import GroupKFold
+
+    prompts, labels = load_requests("train")
+    acts = collect_generated(steerer, prompts, labels, layers=[TOKEN_LAYER], max_tokens=REPLY_TOKENS,
+                             batch_size=64, progress=False)
+    X, y, replies = acts.X[TOKEN_LAYER], acts.y, acts.groups
+    logit_negative = np.zeros(len(y))  # out-of-fold: each reply scored by a probe that never saw it
+    for fit, held in GroupKFold(5).split(X, y, replies):
+        logit_negative[held] = -_token_estimator().fit(X[fit], y[fit]).decision_function(X[held])
+    cal = calibrate_ema_latch(logit_negative, replies, y == 0, alpha=TOKEN_ALPHA)
+    save_probe(path, _token_estimator().fit(X, y), model_id=steerer.shape.model_id, layer=TOKEN_LAYER,
+               site="post_block", method=f"LogisticProbe, generated tokens of {len(prompts)} replies, chat template")
+    np.save(path.with_suffix(".vec.npy"), X[y == 1].mean(0) - X[y == 0].mean(0))
+    path.with_suffix(".latch.json").write_text(json.dumps(cal.__dict__))
+    return cal
+
+
+def token_policy(steerer: dynsteer.Steerer, probe_path: Path, cal: LatchCalibration) -> DynamicSteeringPolicy:
+    """Steer towards praise once the EMA of the in-graph P(complaint) crosses the calibrated ``on``."""
+    from dynsteer.dose import residual_norms
+
+    monitor = ProbeGate.from_probe_file(probe_path, name="negative", target_class=0)
+    direction = np.load(probe_path.with_suffix(".vec.npy")).astype(np.float32)
+    mean_h = residual_norms(steerer, [(TOKEN_LAYER, "post_block")])[(TOKEN_LAYER, "post_block")]
+    towards_positive = direction * np.float32(TOKEN_DOSE * mean_h / np.linalg.norm(direction))
+    return DynamicSteeringPolicy(
+        monitors=[monitor],
+        rules=[Rule(monitor="negative", actions=[Action(kind="add", layer=TOKEN_LAYER, vector=towards_positive)])],
+        controller=SyncControllerSpec(kind="ema_latch", alpha=TOKEN_ALPHA, on=cal.on, off=1e-6, scale=1.0,
+                                      units="probability"))
 
 
 def make_engine(model: Path, sync_tier: str = "device", layers: tuple[int, ...] = (LAYER,), max_num_seqs: int = 16):
@@ -105,40 +187,47 @@ def sentiment_policy(probe_path: Path) -> DynamicSteeringPolicy:
         controller=SyncControllerSpec(kind="ema_latch", alpha=0.3, on=2.0, off=0.0, scale=1.0))
 
 
-def run(max_tokens: int = 40, sync_tier: str = "device", probe_path: Path | None = None) -> DemoResult:
-    """Train the probe (unless ``probe_path`` names one already trained) and compare gated steering with the
-    baseline. ``sync_tier``: where the EMA-latch controller runs (``"device"``, the default, or ``"host"``)."""
+def run(max_tokens: int = REPLY_TOKENS, sync_tier: str = "device", probe_path: Path | None = None,
+        limit: int | None = None) -> DemoResult:
+    """Part one: train the per-token monitor (unless ``probe_path`` names one trained by :func:`train_token_monitor`)
+    and compare gated steering with unsteered replies on the held-out requests (the first ``limit`` of them).
+    ``sync_tier``: where the EMA-latch controller runs (``"device"``, the default, or ``"host"``)."""
+    import json
+
     from vllm import SamplingParams
 
-    llm = make_engine(smollm2(), sync_tier)
+    llm = make_engine(smollm2(), sync_tier, layers=(TOKEN_LAYER,), max_num_seqs=64)
     try:
         steerer = dynsteer.attach(llm)
         if probe_path is None:
-            probe_path = Path(tempfile.mkdtemp()) / "sentiment-L20.safetensors"
-            train_probe(steerer, probe_path)
-        policy = sentiment_policy(probe_path)
+            probe_path = Path(tempfile.mkdtemp()) / f"sentiment-tokens-L{TOKEN_LAYER}.safetensors"
+            train_token_monitor(steerer, probe_path)
+        cal = LatchCalibration(**json.loads(probe_path.with_suffix(".latch.json").read_text()))
+        policy = token_policy(steerer, probe_path, cal)
 
-        prompts = COMPLAINTS + PRAISE
+        prompts, labels = load_requests("held_out")
+        prompts, labels = prompts[:limit], labels[:limit]
         convs = [[{"role": "user", "content": p}] for p in prompts]
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        baseline = llm.chat(convs, params)
-        steered = steerer.chat(convs, params, policy=policy,
-                               capture=CaptureSpec(sites=["post_block"], layers=[LAYER], positions="all_generated"))
+        baseline = llm.chat(convs, params, use_tqdm=False)
+        steered = steerer.chat(convs, params, policy=policy, use_tqdm=False,
+                               capture=CaptureSpec(sites=["post_block"], layers=[TOKEN_LAYER],
+                                                   positions="all_generated"))
     finally:
         llm.llm_engine.engine_core.shutdown()
 
     probe = load_probe(probe_path)
     gate_error = 0.0
     for out in steered:
-        x, at = align(out.capture, out.trace, (LAYER, "post_block"))  # the traced positions' residuals
+        x, at = align(out.capture, out.trace, (TOKEN_LAYER, "post_block"))  # the traced positions' residuals
         want = probe.predict_proba(x)[:, 0]  # P(negative): the negative class opens the gate
         gate_error = max(gate_error, float(np.abs(out.trace.gates("negative")[at] - want).max()))
     return DemoResult(
-        prompts=prompts, targeted=[True] * len(COMPLAINTS) + [False] * len(PRAISE),
+        prompts=prompts, targeted=[bool(v == 0) for v in labels],
         baseline=[list(o.outputs[0].token_ids) for o in baseline],
         steered=[list(o.outputs[0].token_ids) for o in steered],
         texts=[(b.outputs[0].text, s.outputs[0].text) for b, s in zip(baseline, steered)],
-        fired=[int(np.count_nonzero(o.trace.scale)) for o in steered], gate_error=gate_error,
+        fired=[int(np.count_nonzero(o.trace.scale)) for o in steered], gate_error=gate_error, calibration=cal,
         probe_path=probe_path, scales=[list(o.trace.scale) for o in steered])
 
 
@@ -256,14 +345,22 @@ def main() -> DemoResult:
     from rich.table import Table
 
     res = run()
-    table = Table(title=f"SmolLM2-135M, sentiment monitor at layer {LAYER}, EMA-latched positive steering",
-                  show_lines=True)
-    for col in ("prompt", "steered tokens", "unsteered", "dynamic"):
+    cal = res.calibration
+    print(f"per-token monitor (layer {TOKEN_LAYER}, EMA latch alpha {cal.alpha}, on at P(complaint) {cal.on:.3f}; "
+          f"on the training replies' out-of-fold scores: recall {cal.recall:.1%}, specificity {cal.specificity:.1%})")
+    print(f"  held-out complaints steered:            {res.latched_targeted:.1%} of {sum(res.targeted)} "
+          f"(replies changed: {res.steered_targeted:.1%})")
+    n_praise = len(res.targeted) - sum(res.targeted)
+    print(f"  held-out praise byte-identical:         {res.identical_others:.1%} of {n_praise}")
+    print(f"  max |in-graph gate - probe predict_proba| = {res.gate_error:.2e}")
+    table = Table(title="a few held-out requests", show_lines=True)
+    for col in ("request", "steered tokens", "unsteered", "dynamic"):
         table.add_column(col, overflow="fold")
-    for prompt, fired, (before, after) in zip(res.prompts, res.fired, res.texts):
-        table.add_row(prompt, str(fired), before, after if after != before else "(identical)")
+    shown = [i for i, t in enumerate(res.targeted) if t][:3] + [i for i, t in enumerate(res.targeted) if not t][:2]
+    for i in shown:
+        before, after = res.texts[i]
+        table.add_row(res.prompts[i], str(res.fired[i]), before, after if after != before else "(identical)")
     Console().print(table)
-    print(f"max |in-graph gate - probe predict_proba| = {res.gate_error:.2e}")
 
     pg = run_prompt_gate()
     print(f"\nprompt-level gate (reads='prompt_last', layer {PROMPT_LAYER}) on {pg.n_negative + pg.n_positive} "

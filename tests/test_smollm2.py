@@ -47,8 +47,13 @@ def test_smollm2_sentiment_steering_changes_output_and_restores(smollm2_path, se
         assert np.linalg.norm(sentiment_vector) > 1.0
 
 
-def test_smollm2_probe_gated_steering_targets_one_class():
-    """examples/dynamic_sentiment.py: complaints are steered, praise is byte-identical, gate == predict_proba."""
+def test_smollm2_token_monitor_on_held_out_requests():
+    """examples/dynamic_sentiment.py part one: a per-token probe trained on the model's own replies to the training
+    requests, aggregated over each reply by an EMA latch on the device whose threshold was calibrated on the training
+    replies' out-of-fold scores. On the 180 held-out requests (15 topics never trained on): >= 90 % of complaints
+    steered (latch on; >= 85 % of their replies changed: a latch that turns on near the end of a reply may leave it
+    as it was), >= 90 % of praise replies byte-identical, every reply whose latch never turned on byte-identical, and
+    the in-graph gate equals the probe file's predict_proba within 1e-6."""
     import sys
     from pathlib import Path
 
@@ -56,13 +61,14 @@ def test_smollm2_probe_gated_steering_targets_one_class():
     import dynamic_sentiment
 
     res = dynamic_sentiment.run()
-    for prompt, targeted, base, steered, fired in zip(res.prompts, res.targeted, res.baseline, res.steered,
-                                                       res.fired):
-        if targeted:
-            assert fired > 0 and steered != base, prompt
-        else:
-            assert fired == 0 and steered == base, prompt
-    assert res.gate_error < 1e-3
+    assert sum(res.targeted) == 90 and len(res.targeted) == 180
+    assert res.latched_targeted >= 0.9, res.latched_targeted
+    assert res.steered_targeted >= 0.85, res.steered_targeted
+    assert res.identical_others >= 0.9, res.identical_others
+    for prompt, base, steered, fired in zip(res.prompts, res.baseline, res.steered, res.fired):
+        if fired == 0:
+            assert steered == base, prompt
+    assert res.gate_error < 1e-6
     # the controller moved to the device decides as the Python controller on the host did: same tokens, same scales
     host = dynamic_sentiment.run(sync_tier="host", probe_path=res.probe_path)
     assert host.steered == res.steered and host.scales == res.scales and host.baseline == res.baseline
