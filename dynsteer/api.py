@@ -15,8 +15,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 import uuid
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -25,7 +27,7 @@ from dynsteer.capture.spec import CaptureSpec
 from dynsteer.engine import keys
 from dynsteer.engine.frontend import state_of
 from dynsteer.request.payload import PAYLOAD_KEY, ReportKind, encode_payload, with_tag
-from dynsteer.policy import DynamicSteeringPolicy
+from dynsteer.policy import DynamicSteeringPolicy, RelativeDoseLimit
 from dynsteer.spec import (AddVector, Ablation, ModelShape, ProjectionClamp, Site, SteeringSpec,
                            SteeringValidationError, Tier, VectorSource, check_name, check_vector)
 from dynsteer.trace import DynamicTrace
@@ -59,6 +61,7 @@ class Steerer:
         info = self._rpc(keys.RPC_DESCRIBE)
         self.shape = ModelShape.model_validate(info["shape"])
         self._front = state_of(llm)
+        self._dose_limit: RelativeDoseLimit | None = None
 
     # ---- introspection --------------------------------------------------------------------------------------------
     def describe(self) -> list[dict[str, Any]]:
@@ -94,6 +97,38 @@ class Steerer:
         Probe-file monitors are loaded here. Requests already running switch to the new policy at their next step.
         """
         self._set_global(self._front.global_spec, None if policy is None else self._dose_checked(policy.resolved()))
+
+    def set_dose_limit(self, limit: RelativeDoseLimit | float | str | os.PathLike[str] | Any | None, *,
+                       mode: str = "clip") -> RelativeDoseLimit | None:
+        """The ``max_relative_dose`` of every policy this steerer sends without one of its own (``None`` removes it).
+
+        ``limit``: a relative dose (a number, with ``mode`` ``clip`` or ``reject``), a :class:`RelativeDoseLimit`, or
+        a dose recommendation: the JSON file ``dynsteer dose recommend --out`` writes, or the
+        :class:`~dynsteer.sweep.dose_search.DoseRecommendation` ``recommend_dose`` returns (its recommended dose).
+        A policy's own ``max_relative_dose`` wins. Returns the limit now in force.
+
+        Raises:
+            ValueError: a recommendation without a dose (no dose it tried kept replies fluent), or a file that is not
+                one.
+        """
+        if limit is None or isinstance(limit, RelativeDoseLimit):
+            self._dose_limit = limit
+            return limit
+        if isinstance(limit, (str, os.PathLike)):
+            import json
+
+            try:
+                limit = json.loads(Path(limit).read_text())["dose"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"limit: {limit} is not a dose recommendation file ({exc})") from None
+            if limit is None:
+                raise ValueError("limit: the recommendation has no dose (no dose it tried kept replies fluent)")
+        elif hasattr(limit, "dose") and hasattr(limit, "steps"):
+            if limit.dose is None:
+                raise ValueError("limit: the recommendation has no dose (no dose it tried kept replies fluent)")
+            limit = limit.dose
+        self._dose_limit = RelativeDoseLimit.model_validate({"limit": limit, "mode": mode})
+        return self._dose_limit
 
     def export_policy(self) -> DynamicSteeringPolicy | None:
         """The current global policy."""
@@ -314,10 +349,15 @@ class Steerer:
         return dict(self._front.named)
 
     def _dose_checked(self, policy: DynamicSteeringPolicy | None) -> DynamicSteeringPolicy | None:
-        """``policy`` after its ``max_relative_dose`` guardrail (:func:`dynsteer.dose.admit_dose`): unchanged
-        without one, clipped (with a warning naming each action) or rejected (``SteeringValidationError``)."""
-        if policy is None or policy.max_relative_dose is None:
+        """``policy`` after its ``max_relative_dose`` guardrail (its own, else :meth:`set_dose_limit`'s;
+        :func:`dynsteer.dose.admit_dose`): unchanged without one, clipped (with a warning naming each action) or
+        rejected (``SteeringValidationError``)."""
+        if policy is None:
             return policy
+        if policy.max_relative_dose is None:
+            if self._dose_limit is None:
+                return policy
+            policy = policy.model_copy(update={"max_relative_dose": self._dose_limit})
         import warnings
 
         from dynsteer.dose import admit_dose

@@ -25,7 +25,7 @@ import dynsteer
 from dynsteer import AddVector, DynamicSteeringPolicy, DynsteerConfig, SteeringSpec, SteeringValidationError
 from dynsteer.sweep import SweepConfig, SweepInterrupted, run_sweep
 from dynsteer.sweep import metrics as M
-from tests.conftest import console_script, make_llm
+from tests.conftest import console_script, make_llm, token_ids
 from tests.report_check import CHROMIUM, Tables, check_report_shows_csv, layout, screenshot
 from tests.test_sweep_units import example_command
 
@@ -258,6 +258,49 @@ def test_relative_dose_guardrail_rejects_or_clips(rig, monkeypatch):
         policy.rules[0].actions[0].model_copy(update={"scale": 0.5}),)}),)})
     assert list(clipped[0].outputs[0].token_ids) == list(st.chat(conv, params, policy=half)[0].outputs[0].token_ids)
     st.chat(conv, params, policy=guarded(dose * 1.01))  # under the limit: admitted unchanged
+
+
+def test_steerer_dose_limit_from_a_recommendation(rig, tmp_path):
+    """Steerer.set_dose_limit: a recommendation file's dose becomes the max_relative_dose (clip) of every policy sent
+    without its own, exactly as if the policy carried it; a policy's own limit wins; None removes it."""
+    import warnings
+
+    from vllm import SamplingParams
+
+    from dynsteer.dose import residual_norms
+
+    st = rig["steerer"]
+    policy = rig["policy"].resolved()
+    mean_h = residual_norms(st, [(ds.LAYER, "post_block")])[(ds.LAYER, "post_block")]
+    dose = float(np.linalg.norm(np.asarray(policy.rules[0].actions[0].vector, np.float64))) / mean_h
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    conv = [[{"role": "user", "content": ds.COMPLAINTS[0]}]]
+    half = policy.model_copy(update={"rules": (policy.rules[0].model_copy(update={"actions": (
+        policy.rules[0].actions[0].model_copy(update={"scale": 0.5}),)}),)})
+    rec = tmp_path / "rec.json"
+    rec.write_text(json.dumps({"layer": ds.LAYER, "site": "post_block", "dose": dose / 2, "steps": []}))
+    empty = tmp_path / "none.json"
+    empty.write_text(json.dumps({"dose": None, "steps": []}))
+    try:
+        limit = st.set_dose_limit(rec)
+        assert limit.limit == pytest.approx(dose / 2) and limit.mode == "clip"
+        with pytest.warns(UserWarning, match="clipped from 1 to 0.5"):
+            clipped = st.chat(conv, params, policy=policy)
+        assert token_ids(clipped) == token_ids(st.chat(conv, params, policy=half))
+        own = DynamicSteeringPolicy.model_validate({**policy.model_dump(), "max_relative_dose": dose * 2})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # its own, looser limit: admitted unchanged
+            st.chat(conv, params, policy=own)
+        with pytest.raises(ValueError, match="no dose"):
+            st.set_dose_limit(empty)
+        with pytest.raises(ValueError, match="not a dose recommendation file"):
+            st.set_dose_limit(tmp_path / "missing.json")
+        assert st.set_dose_limit(None) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            st.chat(conv, params, policy=policy)
+    finally:
+        st.set_dose_limit(None)
 
 
 def test_spec_sweep_with_seeded_sampling(rig, monkeypatch):
