@@ -6,6 +6,8 @@
 #
 # It registers a vector "joy" and a preset "joy" (PUT /v1/steering/presets/joy; a server's config can declare presets
 # too: DynsteerConfig.presets), steers with them, and sets and clears a global spec. Every call prints its JSON reply.
+# The vector is a placeholder and its scales show the mechanics; for a real vector, take the scale from
+# `dynsteer dose recommend` (the strongest dose that keeps replies fluent; past it replies loop).
 set -euo pipefail
 
 URL="${1:?usage: $0 BASE_URL (e.g. http://127.0.0.1:8000); the API key in \$KEY if the server has one}"

@@ -4,7 +4,8 @@
 //   KEY=... node examples/node/steer.mjs http://127.0.0.1:8000 VECTOR_NAME LAYER [SCALE]
 //
 // The steering object rides in the request body next to the OpenAI fields (the SDK sends unknown fields as given);
-// VECTOR_NAME is a vector registered on the server (POST /v1/steering/vectors, or DynsteerConfig.vectors).
+// VECTOR_NAME is a vector registered on the server (POST /v1/steering/vectors, or DynsteerConfig.vectors); take SCALE
+// from `dynsteer dose recommend` for that vector and model (the strongest dose that keeps replies fluent).
 import OpenAI from "openai";
 
 const [baseURL, vector, layer, scale = "8"] = process.argv.slice(2);
