@@ -62,19 +62,18 @@ def main() -> int:
         ids = prompt_ids(st, prompts)
         arms = {"unsteered": None, "steered": policy, "random control": random_control(policy, seed=args.seed)}
         report: dict[str, dict[str, float]] = {}
-        for name, pol in arms.items():
+        unsteered: list[list[int]] = []
+        for name, pol in arms.items():  # "unsteered" first: the others' replies are compared with its
             outs = st.chat(convs, params, policy=pol, use_tqdm=False)
             toks = [list(o.outputs[0].token_ids) for o in outs]
+            unsteered = unsteered or toks
             ppl = [p for p in perplexities(st, list(zip(ids, toks)), SamplingParams) if p is not None]
             report[name] = {"word_score": sentiment_score([o.outputs[0].text for o in outs]),
                             "perplexity": float(np.mean(ppl)),
                             "repeat_4gram": float(np.mean([M.repeated_ngram_rate(t, 4) for t in toks])),
-                            "changed": float(np.mean([t != u for t, u in zip(toks, report.get("_u", toks))]))}
-            if name == "unsteered":
-                report["_u"] = toks  # type: ignore[assignment]
+                            "changed": float(np.mean([t != u for t, u in zip(toks, unsteered)]))}
     finally:
         llm.llm_engine.engine_core.shutdown()
-    report.pop("_u")
     base = report["unsteered"]["perplexity"]
     for arm in report.values():
         arm["perplexity_ratio"] = arm["perplexity"] / base

@@ -21,6 +21,7 @@ import dynsteer
 from dynsteer import steer_params
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.config import DynsteerConfig, MonitorConfig, StreamSpec
+from tests.stream_collector import StreamCollector
 from tests.conftest import make_llm, token_ids
 
 PROMPTS = ["the quick brown fox", "once upon a time there was", "in the beginning"]
@@ -59,41 +60,13 @@ def engine(request, tiny_llama_path):
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
 
 
-class _Collector(threading.Thread):
-    """An in-process subscriber (the engine runs in this process too: generate blocks the main thread)."""
-
-    def __init__(self, cfg: DynsteerConfig, name: str = "collector") -> None:
-        super().__init__(daemon=True)
-        from dynsteer.monitor.client import MonitorClient
-
-        self.mon = MonitorClient(cfg.monitor.endpoint, cfg.monitor.command_endpoint, name=name, streams=["resid"],
-                           policy="drop", max_pending=100000)
-        self.frames: list = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            frame = self.mon.recv(timeout_s=0.1)
-            if frame is not None:
-                self.frames.append(frame)
-
-    def finish(self, expect: int, timeout_s: float = 10.0) -> list:
-        deadline = time.monotonic() + timeout_s
-        while sum(len(f.positions) for f in self.frames) < expect and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.stop.set()
-        self.join()
-        self.mon.close()
-        return self.frames
-
-
 @pytest.fixture(scope="module")
 def baseline(engine):
     """Unmonitored outputs, the stream's frames of the same run and the target's capture."""
     llm, cfg = engine
     st = dynsteer.attach(llm)
     st.set_capture(CaptureSpec(layers=(1,), positions="all_generated"))
-    col = _Collector(cfg)
+    col = StreamCollector(cfg)
     col.start()
     time.sleep(0.5)  # subscribed before the run starts
     outs = llm.generate(PROMPTS, _params())
@@ -255,7 +228,7 @@ def test_stream_accounting_is_exported_as_prometheus_metrics(engine):
     from prometheus_client.parser import text_string_to_metric_families
 
     llm, cfg = engine
-    col = _Collector(cfg, name="metrics-sub")
+    col = StreamCollector(cfg, name="metrics-sub")
     col.start()
     time.sleep(0.5)
     llm.generate(PROMPTS, _params())

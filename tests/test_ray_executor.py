@@ -20,7 +20,6 @@ import os
 import pickle
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from dynsteer import SyncControllerSpec, steer_params
 from dynsteer.commands import SteerCommand, ThresholdCommand
 from dynsteer.config import MonitorConfig, StreamSpec
 from dynsteer.spec import AddVector, SteeringSpec
+from tests.stream_collector import StreamCollector
 from tests.conftest import ON_GPU, env, gpu_count, make_llm, token_ids, with_inprocess_engine_core
 
 pytest.importorskip("ray")
@@ -98,34 +98,6 @@ def _trace(t: Any) -> dict[str, list]:
     return {"score": t.score, "gate": t.gate, "applied": t.applied, "scale": t.scale, "position": t.position}
 
 
-class _Collector(threading.Thread):
-    """A subscriber of the ``resid`` stream in the session's process (generate blocks its main thread)."""
-
-    def __init__(self, cfg: DynsteerConfig) -> None:
-        super().__init__(daemon=True)
-        from dynsteer.monitor.client import MonitorClient
-
-        self.mon = MonitorClient(cfg.monitor.endpoint, cfg.monitor.command_endpoint, name="ray-test",
-                                 streams=["resid"], policy="drop", max_pending=100000)
-        self.frames: list = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            frame = self.mon.recv(timeout_s=0.1)
-            if frame is not None:
-                self.frames.append(frame)
-
-    def finish(self, expect: int, timeout_s: float = 30.0) -> list:
-        deadline = time.monotonic() + timeout_s
-        while sum(len(f.positions) for f in self.frames) < expect and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.stop.set()
-        self.join()
-        self.mon.close()
-        return self.frames
-
-
 def _session(path: str, executor: str) -> dict[str, Any]:
     """Every run on one TP=2 engine of ``executor``; plain values back (the caller may be another process)."""
     backend, variables, engine_args = EXECUTORS[executor]
@@ -161,12 +133,12 @@ def _runs(path: str, backend: str, engine_args: dict[str, Any]) -> dict[str, Any
         res["capture_positions"] = [np.asarray(o.capture.positions) for o in cap]
         # the stream (TP rank 0 publishes), and the same request's capture for the stream to equal
         st.set_capture(CaptureSpec(layers=(1,), positions="all_generated"))
-        col = _Collector(cfg)
+        col = StreamCollector(cfg, name="ray-test")
         col.start()
         time.sleep(0.5)  # subscribed before the run starts
         streamed = llm.generate(PROMPTS, [steer_params(params, None, tag="target-0"), params, params],
                                 use_tqdm=False)
-        frames = col.finish(expect=MAX_TOKENS - 1)
+        frames = col.finish(expect=MAX_TOKENS - 1, timeout_s=30.0)
         st.set_capture(None)
         target = st.take_captures(["target-0"])["target-0"]
         res["stream_tokens"] = token_ids(streamed)
