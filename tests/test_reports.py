@@ -61,6 +61,27 @@ def check_summary(summary: dict, trace) -> None:
         assert rule["last_score"] == pytest.approx(trace.scores(g)[-1], abs=1e-6)
 
 
+def test_report_fields_are_the_traces_fields():
+    """What a report request's worker computes every step equals the trace's fields (NaN score of a prompt-level
+    slot included), read-back values that are not float32-exact in float64 too."""
+    from types import SimpleNamespace
+
+    from dynsteer.steering.dynamic.state import DynState
+
+    rng = np.random.default_rng(0)
+    for prompt_slots in ([False, False], [False, True]):
+        slots = [SimpleNamespace(prompt=p) for p in prompt_slots]
+        st = SimpleNamespace(slots=slots, params=np.ones((3, 2), np.float32), retunes=[], retune_pending=None,
+                             prompt_level=any(prompt_slots))
+        st.params_at = lambda p, st=st: DynState.params_at(st, p)
+        positions = np.arange(7, 12)
+        values = rng.standard_normal((5, 4 * 3 + 1)).astype(np.float32)  # G = 3 slots read back, 2 used
+        got, want = DynState.report_fields(st, positions, values), DynState.trace(st, positions, values)
+        assert set(got) == {"position", "score", "applied"}
+        for key in got:
+            np.testing.assert_array_equal(np.array(got[key], np.float64), np.array(want[key], np.float64))
+
+
 # ---- payload ---------------------------------------------------------------------------------------------------------
 def test_payload_report_field_round_trips_and_is_checked():
     assert decode_payload(dynsteer.encode_payload(report="tokens")).report == "tokens"

@@ -2,8 +2,8 @@
 sent to the engine core as they land, a delta at a time.
 
 A report reads the same record as the request's trace (the driver's :class:`~dynsteer.device.readback.ReadbackStore`,
-which the request keeps once it asks for a report) through the same function (``DynState.trace``), so its values equal
-the trace's. Nothing here waits for the device: the values are those of the read-backs landed so far (the driver
+which the request keeps once it asks for a report) into the trace's own fields (``DynState.report_fields``), so its
+values equal the trace's. Nothing here waits for the device: the values are those of the read-backs landed so far (the driver
 polls without blocking), so a token's values may arrive a step or so after the token itself; a request's last delta
 says ``done`` once its last read-back has landed (after it finished). A request without a dynamic state (no policy,
 or stopped) sends one delta, ``done`` at once, with no slots.
@@ -65,7 +65,7 @@ class ReportCursors:
         if st is not None and st.record is not None and records is not None:
             n = int(records.count[st.record])
             if n > sent:
-                fields = st.trace(records.positions[st.record, sent:n].copy(), records.values[st.record, sent:n])
+                fields = st.report_fields(records.positions[st.record, sent:n], records.values[st.record, sent:n])
                 for key in ("position", "score", "applied"):
                     delta.setdefault(key, []).extend(fields[key])
                 sent = n

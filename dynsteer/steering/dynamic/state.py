@@ -165,6 +165,17 @@ class DynState:
             self.scale = float(scale)
         self.steps += 1
 
+    def report_fields(self, positions: np.ndarray, values: np.ndarray) -> dict[str, list]:
+        """The fields of :meth:`trace` a report carries (``position``, ``score``, ``applied``), without the raw gate
+        and scale it does not send: a report request pays this every step."""
+        g = len(self.slots)
+        G = (values.shape[1] - 1) // 4
+        scores = values[:, :g].astype(np.float64)
+        if self.prompt_level:  # as in trace: a prompt-level slot has no per-token score
+            scores[:, [i for i, slot in enumerate(self.slots) if slot.prompt]] = np.nan
+        return {"position": positions.tolist(), "score": scores.tolist(),
+                "applied": values[:, G:G + g].astype(np.float64).tolist()}
+
     def trace(self, positions: np.ndarray, values: np.ndarray) -> dict[str, list]:
         """The trace fields (see :class:`dynsteer.trace.DynamicTrace`) from the request's record: ``positions [T]``
         and read-back ``values [T, 4G+1]``."""
