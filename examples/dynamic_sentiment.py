@@ -188,10 +188,11 @@ def sentiment_policy(probe_path: Path) -> DynamicSteeringPolicy:
 
 
 def run(max_tokens: int = REPLY_TOKENS, sync_tier: str = "device", probe_path: Path | None = None,
-        limit: int | None = None) -> DemoResult:
+        limit: int | None = None, unsteered: bool = True) -> DemoResult:
     """Part one: train the per-token monitor (unless ``probe_path`` names one trained by :func:`train_token_monitor`)
     and compare gated steering with unsteered replies on the held-out requests (the first ``limit`` of them).
-    ``sync_tier``: where the EMA-latch controller runs (``"device"``, the default, or ``"host"``)."""
+    ``sync_tier``: where the EMA-latch controller runs (``"device"``, the default, or ``"host"``); ``unsteered=False``
+    skips the unsteered replies (the result's ``baseline`` is then empty)."""
     import json
 
     from vllm import SamplingParams
@@ -209,7 +210,7 @@ def run(max_tokens: int = REPLY_TOKENS, sync_tier: str = "device", probe_path: P
         prompts, labels = prompts[:limit], labels[:limit]
         convs = [[{"role": "user", "content": p}] for p in prompts]
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        baseline = llm.chat(convs, params, use_tqdm=False)
+        baseline = llm.chat(convs, params, use_tqdm=False) if unsteered else []
         steered = steerer.chat(convs, params, policy=policy, use_tqdm=False,
                                capture=CaptureSpec(sites=["post_block"], layers=[TOKEN_LAYER],
                                                    positions="all_generated"))
