@@ -41,6 +41,17 @@ def test_the_history_check_catches_what_it_is_for():
     assert not HISTORY.search("run-to-run A/A noise")
 
 
+def test_the_design_is_cited_in_the_repository():
+    """Code and docs cite the design the repository holds (docs/architecture.md), never a file outside it."""
+    texts = [ROOT / "README.md", *DOCS, *sorted((ROOT / "dynsteer").rglob("*.py")),
+             *sorted((ROOT / "tests").glob("*.py")), *sorted((ROOT / "examples").rglob("*.py")),
+             *sorted((ROOT / "benchmarks").glob("*.py"))]
+    stale = re.compile(r"DESIGN(\.md| §)|\.\./shared/")
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in texts if p != Path(__file__)
+            for i, line in enumerate(p.read_text().splitlines(), 1) if stale.search(line)]
+    assert not hits, f"citations of a design outside the repository: {hits}"
+
+
 @pytest.mark.parametrize("path", [ROOT / "README.md", *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(path):
     broken = [target for target, _ in LINK.findall(path.read_text())
@@ -72,3 +83,8 @@ def test_every_docs_page_is_in_the_nav_and_the_site_builds_strictly(tmp_path):
 
     missing = [n for n in dynsteer.__all__ if n not in ("SITES", "TIERS") and f'id="dynsteer.{n}"' not in python]
     assert not missing, f"public names without a reference entry: {missing}"
+    # a monitor service's API (dynsteer.monitor) and its commands' ack
+    import dynsteer.monitor
+
+    missing = [n for n in dynsteer.monitor.__all__ if f'id="dynsteer.monitor.{n}"' not in python]
+    assert not missing and 'id="dynsteer.commands.CommandAck"' in python, f"monitor names without an entry: {missing}"
