@@ -246,7 +246,7 @@ def test_malformed_forms_are_400s_naming_the_field(server, extra, field):
 
 def test_bad_presets_are_400s_naming_the_field(server):
     for body, field in (({"spec": {"vectors": [{"layer": 1, "vector": JOY, "scale": "$x"}]}}, "$x"),
-                        ({"spec": {"vectors": [{"layer": 9, "vector": JOY}]}}, "presets.bad.spec.vectors[0].layer"),
+                        ({"spec": {"vectors": [{"layer": 9, "vector": JOY}]}}, "body.spec.vectors[0].layer"),
                         ({"spec": {"vectors": [{"layer": 1, "vector": JOY}]}, "params": {"p": {"default": 1}}},
                          "body.params.p: no '$p' placeholder"),
                         ({"spec": {"vectors": [{"layer": 1, "vector": JOY, "scale": "$p"}]},
@@ -263,7 +263,7 @@ _BAD = [
     ("POST", "/v1/steering/vectors", {"name": "v1"}, "body.vector: field required"),
     ("POST", "/v1/steering/vectors", {"name": "v1", "vector": [1.0, "x"]}, "body.vector[1]:"),
     ("POST", "/v1/steering/vectors", {"name": "bad name!", "vector": JOY}, "body.name:"),
-    ("POST", "/v1/steering/vectors", {"name": "v1", "vector": [1.0] * 3}, "vector:"),
+    ("POST", "/v1/steering/vectors", {"name": "v1", "vector": [1.0] * 3}, "body.vector:"),
     ("POST", "/v1/steering/vectors", {"name": "v1", "vector": JOY, "norm": 1}, "body.norm: unknown field"),
     ("POST", "/v1/steering/vectors", b"{not json", "body: malformed JSON"),
     ("POST", "/v1/steering/vectors", [1, 2], "body:"),
@@ -281,7 +281,7 @@ _BAD = [
     ("PUT", "/v1/steering/presets/p1", {"spec": {}, "params": {"s": {"default": "x"}}}, "body.params.s.default:"),
     ("PUT", "/v1/steering/presets/p1", {"spec": {}, "parms": {}}, "body.parms: unknown field"),
     ("PUT", "/v1/steering/presets/p1", {"spec": {"vectors": [{"layer": 9, "vector": JOY}]}},
-     "presets.p1.spec.vectors[0].layer:"),
+     "body.spec.vectors[0].layer:"),
     ("POST", "/v1/steering/validate", {"spec": {"vectors": [{"layer": "x", "vector": JOY}]}},
      "steering.spec.vectors[0].layer:"),
     ("POST", "/v1/steering/validate", {"preset": "joy", "params": {"scale": 99}}, "steering.params.scale:"),

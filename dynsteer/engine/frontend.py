@@ -139,17 +139,19 @@ class FrontendState:
             return None
         return self.presets_version, b"o" + hashlib.blake2b(text, digest_size=32).digest(), field
 
-    def set_preset(self, name: str, preset: Any, fit: bool = True) -> None:
+    def set_preset(self, name: str, preset: Any, fit: bool = True, field: str | None = None) -> None:
         """Register (or replace, or with None remove) a preset after checking it with its default parameters
         against the payload schema and (``fit``) the model as it is now: its vectors registered, its layers there.
-        Raises :class:`SteeringValidationError` naming the field."""
+        Raises :class:`SteeringValidationError` naming the field under ``field`` (default ``presets.<name>``, as in
+        the config; the preset route's body is ``body``)."""
         if preset is not None:
-            check_preset(name, preset, self.limits)
+            field = field or f"presets.{name}"
+            check_preset(name, preset, self.limits, field)
             try:
                 if fit:
-                    self.admit_uncached(pack_json({"preset": name}, f"presets.{name}", {name: preset}, self.limits))
+                    self.admit_uncached(pack_json({"preset": name}, field, {name: preset}, self.limits))
             except SteeringValidationError as exc:
-                raise renamed(exc, f"presets.{name}") from None
+                raise renamed(exc, field) from None
         presets = {k: v for k, v in self.presets.items() if k != name}
         if preset is not None:
             presets[name] = preset

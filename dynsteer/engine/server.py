@@ -138,7 +138,8 @@ class SteeringEndpoints:
             """Register (or replace) a named vector; a replaced vector the global steering uses is a 409."""
             engine = self._engine(request)
             front = self.front(engine)
-            arr = checked(lambda: check_vector(as_vector(body.vector), front.shape.hidden_size, "vector"), "vector")
+            arr = checked(lambda: check_vector(as_vector(body.vector), front.shape.hidden_size, "body.vector"),
+                          "body.vector")
             async with self._lock:
                 try:
                     front.check_register(body.name)  # over max_named_vectors: nothing changes anywhere

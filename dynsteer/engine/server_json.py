@@ -53,7 +53,7 @@ def add_json_routes(router: APIRouter, endpoints: Any) -> None:
         """Register (or replace) a preset, checked against the model."""
         front = endpoints.front(endpoints._engine(request))
         checked(lambda: check_name(name, "preset name"), "name", FIELD)
-        checked(lambda: front.set_preset(name, body), "preset", FIELD)
+        checked(lambda: front.set_preset(name, body, field="body"), "body", FIELD)
         return {"name": name, "preset": body.model_dump(mode="json")}
 
     @router.delete("/presets/{name}")

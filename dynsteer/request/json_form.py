@@ -143,7 +143,8 @@ def pack_json(payload: Any, field: str, presets: Mapping[str, Preset] | None = N
     return pack_decoded(decode_payload(body, field, limits), field)
 
 
-def check_preset(name: str, preset: Preset, limits: Limits = DEFAULT_LIMITS, field: str = "presets") -> None:
+def check_preset(name: str, preset: Preset, limits: Limits = DEFAULT_LIMITS, field: str | None = None) -> None:
     """Validate ``preset`` with its default parameters against the payload schema (its fit to the model is
-    checked where a frontend registers it). Raises :class:`SteeringValidationError` naming the field."""
-    pack_json({"preset": name}, f"{field}.{name}", {name: preset}, limits)
+    checked where a frontend registers it). Raises :class:`SteeringValidationError` naming the field under
+    ``field`` (default ``presets.<name>``, as in the config)."""
+    pack_json({"preset": name}, field or f"presets.{name}", {name: preset}, limits)
