@@ -173,6 +173,34 @@ def test_the_probe_monitor_summary_names_frames_commands_and_user_ids():
     assert stats.summary().endswith("steered: 32, 1_7")
 
 
+def test_the_safety_monitor_example_reports_as_frames_come_and_exits_with_a_summary(hub, tmp_path):
+    """examples/safety_monitor.py as a user runs it: it says it subscribed, prints counts while frames come, stops
+    once no frame came for ``--idle`` seconds and prints the summary."""
+    import threading
+
+    from dynsteer.probefile.fileformat import save_probe
+
+    h, mon = hub
+    save_probe(tmp_path / "p.safetensors", np.ones(4), bias=-1e9, model_id="tiny", layer=3, site="post_block")
+
+    def publish() -> None:
+        wait_for_subscribers([mon.endpoint], "resid", timeout_s=60)
+        for step in range(3):
+            h.publish("resid", {"step": step, "req_ids": ["9-0123abcd"], "places": ["3.post_block"]},
+                      [np.zeros(1, np.int32), np.zeros(1, np.int64), np.ones((1, 4), np.float32)])
+
+    threading.Thread(target=publish, daemon=True).start()
+    example = ROOT / "examples" / "safety_monitor.py"
+    proc = subprocess.run([sys.executable, str(example), str(tmp_path / "p.safetensors"), mon.endpoint,
+                           mon.command_endpoint, "--idle", "2"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "safety monitor: subscribed; waiting for the engine's first frame"
+    assert lines[1] == "safety monitor: 1 frames, 0 commands"  # the first frame's progress line
+    assert lines[-1] == "3 frames, 3 rows; 0 commands (0 applied, 0 rejected); aborted: none"
+
+
 def test_the_monitor_cli_says_it_subscribed_prints_counts_while_frames_come_and_a_summary(hub, tmp_path):
     import threading
 
