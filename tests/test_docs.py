@@ -41,6 +41,45 @@ def test_the_history_check_catches_what_it_is_for():
     assert not HISTORY.search("run-to-run A/A noise")
 
 
+def _block(page: str, lang: str, index: int = 0) -> str:
+    import mktestdocs
+
+    return mktestdocs.grab_code_blocks((ROOT / "docs" / page).read_text(), lang=lang)[index]
+
+
+def test_the_yaml_and_json_blocks_are_what_dynsteer_reads(tmp_path):
+    """The data blocks (not executed by test_docs_run) load as the files and bodies they show: the sweeps guide's
+    policy file (with the files it names beside it), the vectors guide's pairs, the serving guide's preset."""
+    import json
+
+    import numpy as np
+
+    from dynsteer import DynamicSteeringPolicy
+    from dynsteer.config import Preset
+    from dynsteer.probefile.fileformat import save_probe
+    from dynsteer.sweep.config import load_target
+    from dynsteer.vectors import save_vector
+    from dynsteer.vectors.pairs import read_pairs
+
+    (tmp_path / "policy.yaml").write_text(_block("guides/sweeps.md", "yaml"))
+    save_probe(tmp_path / "sentiment-probe.safetensors", np.ones(8), bias=0.0, model_id="m", layer=20)
+    save_vector(tmp_path / "positive.safetensors", {20: np.arange(8, dtype=np.float32)})
+    policy = load_target(tmp_path / "policy.yaml")
+    assert isinstance(policy, DynamicSteeringPolicy) and policy.controller.on == 2.0 and policy.controller.off == 0.0
+    np.testing.assert_array_equal(np.asarray(policy.rules[0].actions[0].vector), np.arange(8))
+
+    text, objs, at = _block("guides/vectors.md", "json"), [], 0
+    while text[at:].strip():  # one object per line in a file; the page wraps the second
+        at += len(text[at:]) - len(text[at:].lstrip())
+        obj, at = json.JSONDecoder().raw_decode(text, at)
+        objs.append(obj)
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(o) + "\n" for o in objs))
+    assert len(read_pairs(tmp_path / "pairs.jsonl")) == 2
+
+    preset = Preset.model_validate_json(_block("guides/serving.md", "json"))
+    assert preset.params["scale"].default == 4.0
+
+
 def test_the_design_is_cited_in_the_repository():
     """Code and docs cite the design the repository holds (docs/architecture.md), never a file outside it."""
     texts = [ROOT / "README.md", *DOCS, *sorted((ROOT / "dynsteer").rglob("*.py")),

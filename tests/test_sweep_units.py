@@ -383,6 +383,27 @@ def test_report_layout_at_1280px(tmp_path):
     assert box["scroll_width"] <= 1280, box
 
 
+def test_report_legends_sit_outside_the_data(tmp_path, monkeypatch):
+    """Every legend of the report's plots lies right of its axes, never over the data."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from dynsteer.sweep import report
+
+    figs = []
+    monkeypatch.setattr(report, "_png", lambda fig: figs.append(fig) or "")
+    cfg, res = synthetic_result(tmp_path)
+    report.render_report(res, cfg)
+    legends = 0
+    for fig in figs:
+        fig.canvas.draw()
+        for ax in fig.axes:
+            if (leg := ax.get_legend()) is not None:
+                legends += 1
+                assert leg.get_window_extent().x0 >= ax.get_window_extent().x1, ax.get_title()
+    assert legends >= 2
+
+
 def test_random_control_variants_same_norm_place_scale_and_gates():
     """Each steered variant gets a control: every added vector replaced by a seeded random direction of its norm,
     everything else (layer, site, tier, scale, monitors, gates) unchanged; none for a variant that adds nothing."""
