@@ -106,6 +106,25 @@ def test_report_values_align_tokens_with_the_forward_that_produced_them():
     assert rv.json(0, 2, final=False) is None and set(rv.json(0, 3, final=True)) == {"report", "summary"}
 
 
+def test_the_relays_coverage_agrees_with_the_report_values():
+    """The engine core keeps only how far a request's values arrived; it answers covered() as the values would."""
+    from dynsteer.engine.reports import _Coverage
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        prompt_len, at = int(rng.integers(1, 6)), 0
+        full, light = ReportValues(prompt_len), _Coverage(prompt_len)
+        for _ in range(int(rng.integers(1, 6))):
+            n = int(rng.integers(0, 4))
+            delta = {"position": list(range(prompt_len - 1 + at, prompt_len - 1 + at + n)),
+                     "score": [[0.5]] * n, "applied": [[1.0]] * n}
+            if rng.random() < 0.2:
+                delta["done"] = True
+            at += n
+            full.add(delta), light.add(delta)
+            assert [full.covered(t) for t in range(12)] == [light.covered(t) for t in range(12)]
+
+
 def test_engine_core_relay_holds_a_final_output_until_its_values_arrive():
     from types import SimpleNamespace
 

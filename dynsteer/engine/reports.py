@@ -36,16 +36,34 @@ from dynsteer.trace import ReportValues, merge_reports
 
 # ---- engine core ---------------------------------------------------------------------------------------------------
 @dataclass
+class _Coverage:
+    """How far a request's values have arrived: what :meth:`ReportValues.covered` reads, without the values (the
+    engine core forwards them; it keeps none)."""
+
+    prompt_len: int
+    upto: int = 0  # every position below has arrived (positions arrive in order)
+    done: bool = False
+
+    def add(self, delta: dict) -> None:
+        positions = delta.get("position")
+        if positions:
+            self.upto = max(self.upto, int(positions[-1]) + 1)
+        self.done = self.done or bool(delta.get("done"))
+
+    covered = ReportValues.covered
+
+
+@dataclass
 class _Buffer:
     prompt_len: int
-    values: ReportValues = field(init=False)  # only for coverage: upto and done
+    values: _Coverage = field(init=False)
     pending: dict[str, Any] = field(default_factory=dict)  # values not yet sent to the frontend
     tokens: int = 0  # output tokens sent so far
     held: tuple[int, Any] | None = None  # (client index, final EngineCoreOutput) waiting for its values
     freed: bool = False
 
     def __post_init__(self) -> None:
-        self.values = ReportValues(self.prompt_len)
+        self.values = _Coverage(self.prompt_len)
 
 
 class ReportRelay:
