@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from lib.engines import LLAMA3_8B, gpu_memory
+from lib.engines import LLAMA3_8B, gpu_memory, kv_bytes_per_token, weight_bytes
 from lib.report import git_sha, host_facts, save_json, utc_now
 from lib.serve import CPU_ARGS, CPU_ENV, Server, VanillaServer, http_json
 from lib.stats import paired, quantile
@@ -62,6 +62,29 @@ def shaped_model(shape: str, tokenizer: Path, dest: Path) -> Path:
         if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
             shutil.copy(f, dest / f.name)
     return dest
+
+
+# ---- memory ---------------------------------------------------------------------------------------------------------
+SERVERS, SHARE, OVERHEAD = 3, 0.3, 3 << 30  # resident servers, each one's share of the GPU, its activations/graphs
+
+
+def kv_budget(cfg: dict, total: int, kv_gib: float | None, tokens_per_request: int,
+              concurrency: int) -> tuple[int, str | None]:
+    """KV bytes per server for ``SERVERS`` servers resident on a GPU of ``total`` bytes, each held to ``SHARE`` of it
+    (bf16 weights + KV + ``OVERHEAD`` must fit): ``kv_gib`` if given (``ValueError`` naming ``--kv-gib`` when it
+    cannot fit), else the most that fits, at most 16 GiB. The note says when ``concurrency`` requests cannot all hold
+    their KV at once (they queue, which changes what is measured)."""
+    room = int(SHARE * total) - weight_bytes(cfg, 2) - OVERHEAD
+    if room <= 0:
+        raise ValueError(f"the model does not fit {SERVERS} servers on a GPU of {total / 2**30:.0f} GiB")
+    kv = min(room, 16 << 30) if kv_gib is None else int(kv_gib * 2**30)
+    if kv > room:
+        raise ValueError(f"--kv-gib: {kv_gib} GiB per server does not fit {SERVERS} servers on a GPU of "
+                         f"{total / 2**30:.0f} GiB (at most {room / 2**30:.1f})")
+    need = concurrency * tokens_per_request * kv_bytes_per_token(cfg, 2)
+    note = (f"KV of {kv / 2**30:.1f} GiB per server holds {kv // (tokens_per_request * kv_bytes_per_token(cfg, 2))} "
+            f"requests, fewer than concurrency {concurrency}: the rest queue") if need > kv else None
+    return kv, note
 
 
 # ---- the mixes -------------------------------------------------------------------------------------------------------
@@ -281,7 +304,8 @@ def main() -> int:
     ap.add_argument("--input-tokens", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=MIXES)
-    ap.add_argument("--kv-gib", type=float, default=16.0, help="KV cache per server (GPU)")
+    ap.add_argument("--kv-gib", type=float, help="KV cache per server (GPU; default: the most that fits three "
+                    "servers, at most 16)")
     ap.add_argument("--budget-min", type=float, default=8.5, help="start no round that would end after this")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--label", default="")
@@ -311,8 +335,14 @@ def main() -> int:
         args.input_tokens, args.output_tokens = min(args.input_tokens, 64), min(args.output_tokens, 16)
     else:
         model = args.model or str(shaped_model(args.shape, args.tokenizer, work / "model"))
+        gpu = gpu_memory()
+        kv, note = (kv_budget(json.loads((Path(model) / "config.json").read_text()), gpu[1], args.kv_gib,
+                              args.input_tokens + args.output_tokens, max(args.concurrency))
+                    if gpu else (int((args.kv_gib or 16.0) * 2**30), None))
+        if note:
+            print(f"[serve] {note}", flush=True)
         base = ["--max-model-len", str(max(1024, args.input_tokens + args.output_tokens)),
-                "--kv-cache-memory-bytes", str(int(args.kv_gib * 2**30)), "--gpu-memory-utilization", "0.3"]
+                "--kv-cache-memory-bytes", str(kv), "--gpu-memory-utilization", str(SHARE)]
         base += [] if args.model else ["--load-format", "dummy"]
         env = {}
         device = (gpu_memory() or ("cuda",))[0]

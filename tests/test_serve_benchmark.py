@@ -1,0 +1,32 @@
+"""benchmarks/serve.py's sizing of three resident servers on one GPU (no GPU needed)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import serve  # noqa: E402
+from lib.engines import LLAMA3_8B, kv_bytes_per_token, weight_bytes  # noqa: E402
+
+CFG = dict(LLAMA3_8B, vocab_size=49152)  # the benchmark's 8B shape with SmolLM2's tokenizer
+H100, H200 = 81559 << 20, 143771 << 20  # what nvidia-smi reports
+
+
+def test_the_kv_cache_is_the_most_three_servers_fit():
+    kv, note = serve.kv_budget(CFG, H200, None, 384, 256)
+    assert kv == 16 << 30 and note is None  # an H200 holds the default at every concurrency
+    kv, note = serve.kv_budget(CFG, H100, None, 384, 64)
+    assert weight_bytes(CFG, 2) + kv + serve.OVERHEAD <= serve.SHARE * H100 < weight_bytes(CFG, 2) + (16 << 30)
+    assert note is None and kv >= 64 * 384 * kv_bytes_per_token(CFG, 2)
+    kv, note = serve.kv_budget(CFG, H100, None, 384, 256)  # c256 does not fit an H100's share: said, not hidden
+    assert note is not None and "fewer than concurrency 256" in note
+
+
+def test_a_kv_size_that_cannot_fit_names_the_option():
+    with pytest.raises(ValueError, match=r"^--kv-gib: 16.0 GiB per server does not fit 3 servers on a GPU of 80 GiB"):
+        serve.kv_budget(CFG, H100, 16.0, 384, 64)
+    assert serve.kv_budget(CFG, H100, 5.0, 384, 64)[0] == 5 << 30
