@@ -178,8 +178,11 @@ def served(command: Callable[[int, list[str]], list[str]], log: Any, timeout_s: 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # on GPU a server takes the engines' share of memory too: a module's in-process engine may still hold its own
-    args = (["--dtype", "bfloat16", "--gpu-memory-utilization", str(ENGINE_DEFAULTS["gpu_memory_utilization"])]
+    # on GPU a server takes the engines' share of memory (and their fixed KV cache, which skips the memory profiling
+    # that fails while another process frees memory) too: a module's in-process engine may still hold its own
+    args = (["--dtype", "bfloat16", "--gpu-memory-utilization", str(ENGINE_DEFAULTS["gpu_memory_utilization"]),
+             *(["--kv-cache-memory-bytes", str(ENGINE_DEFAULTS["kv_cache_memory_bytes"])]
+               if "kv_cache_memory_bytes" in ENGINE_DEFAULTS else [])]
             if ON_GPU else ["--dtype", "float32", "--enforce-eager"])
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     proc = subprocess.Popen(command(port, args), env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
