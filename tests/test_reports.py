@@ -74,6 +74,7 @@ def test_report_fields_are_the_traces_fields():
         st = SimpleNamespace(slots=slots, params=np.ones((3, 2), np.float32), retunes=[], retune_pending=None,
                              prompt_level=any(prompt_slots))
         st.params_at = lambda p, st=st: DynState.params_at(st, p)
+        st.report_fields = lambda p, v, st=st: DynState.report_fields(st, p, v)
         positions = np.arange(7, 12)
         values = rng.standard_normal((5, 4 * 3 + 1)).astype(np.float32)  # G = 3 slots read back, 2 used
         got, want = DynState.report_fields(st, positions, values), DynState.trace(st, positions, values)

@@ -171,7 +171,7 @@ class DynState:
         g = len(self.slots)
         G = (values.shape[1] - 1) // 4
         scores = values[:, :g].astype(np.float64)
-        if self.prompt_level:  # as in trace: a prompt-level slot has no per-token score
+        if self.prompt_level:  # a prompt-level slot has no per-token score
             scores[:, [i for i, slot in enumerate(self.slots) if slot.prompt]] = np.nan
         return {"position": positions.tolist(), "score": scores.tolist(),
                 "applied": values[:, G:G + g].astype(np.float64).tolist()}
@@ -181,14 +181,11 @@ class DynState:
         and read-back ``values [T, 4G+1]``."""
         g = len(self.slots)
         G = (values.shape[1] - 1) // 4
-        scores = values[:, :g].copy()
-        gate = raw_gates(scores, self.params_at(positions)) if len(values) else scores
+        gate = raw_gates(values[:, :g], self.params_at(positions)) if len(values) else values[:, :g].copy()
         prompt = [i for i, slot in enumerate(self.slots) if slot.prompt]
         if prompt and len(values):  # no per-token score: the gate is the held prompt decision (what was applied)
-            scores[:, prompt] = np.nan
             gate[:, prompt] = values[:, G:G + g][:, prompt]
-        return {"position": positions.tolist(), "score": scores.astype(np.float64).tolist(),
-                "gate": gate.astype(np.float64).tolist(), "applied": values[:, G:G + g].astype(np.float64).tolist(),
+        return {**self.report_fields(positions, values), "gate": gate.astype(np.float64).tolist(),
                 "scale": values[:, 4 * G].astype(np.float64).tolist()}
 
 
