@@ -81,9 +81,9 @@ def kv_budget(cfg: dict, total: int, kv_gib: float | None, tokens_per_request: i
     if kv > room:
         raise ValueError(f"--kv-gib: {kv_gib} GiB per server does not fit {SERVERS} servers on a GPU of "
                          f"{total / 2**30:.0f} GiB (at most {room / 2**30:.1f})")
-    need = concurrency * tokens_per_request * kv_bytes_per_token(cfg, 2)
-    note = (f"KV of {kv / 2**30:.1f} GiB per server holds {kv // (tokens_per_request * kv_bytes_per_token(cfg, 2))} "
-            f"requests, fewer than concurrency {concurrency}: the rest queue") if need > kv else None
+    per_request = tokens_per_request * kv_bytes_per_token(cfg, 2)
+    note = (f"KV of {kv / 2**30:.1f} GiB per server holds {kv // per_request} requests, fewer than concurrency "
+            f"{concurrency}: the rest queue") if concurrency * per_request > kv else None
     return kv, note
 
 
