@@ -173,23 +173,29 @@ def test_the_probe_monitor_summary_names_frames_commands_and_user_ids():
     assert stats.summary().endswith("steered: 32, 1_7")
 
 
+def publish_once_subscribed(h: StreamHub, mon: MonitorConfig, row: np.ndarray, steps: int = 3) -> None:
+    """In a thread: once a monitor is subscribed to ``resid``, one frame per step holding ``row`` of request
+    ``9`` at place ``3.post_block``."""
+    import threading
+
+    def publish() -> None:
+        wait_for_subscribers([mon.endpoint], "resid", timeout_s=60)
+        for step in range(steps):
+            h.publish("resid", {"step": step, "req_ids": ["9-0123abcd"], "places": ["3.post_block"]},
+                      [np.zeros(1, np.int32), np.zeros(1, np.int64), row])
+
+    threading.Thread(target=publish, daemon=True).start()
+
+
 def test_the_safety_monitor_example_reports_as_frames_come_and_exits_with_a_summary(hub, tmp_path):
     """examples/safety_monitor.py as a user runs it: it says it subscribed, prints counts while frames come, stops
     once no frame came for ``--idle`` seconds and prints the summary."""
-    import threading
-
     from dynsteer.probefile.fileformat import save_probe
 
     h, mon = hub
     save_probe(tmp_path / "p.safetensors", np.ones(4), bias=-1e9, model_id="tiny", layer=3, site="post_block")
 
-    def publish() -> None:
-        wait_for_subscribers([mon.endpoint], "resid", timeout_s=60)
-        for step in range(3):
-            h.publish("resid", {"step": step, "req_ids": ["9-0123abcd"], "places": ["3.post_block"]},
-                      [np.zeros(1, np.int32), np.zeros(1, np.int64), np.ones((1, 4), np.float32)])
-
-    threading.Thread(target=publish, daemon=True).start()
+    publish_once_subscribed(h, mon, np.ones((1, 4), np.float32))
     example = ROOT / "examples" / "safety_monitor.py"
     proc = subprocess.run([sys.executable, str(example), str(tmp_path / "p.safetensors"), mon.endpoint,
                            mon.command_endpoint, "--idle", "2"], cwd=ROOT, capture_output=True, text=True,
@@ -202,8 +208,6 @@ def test_the_safety_monitor_example_reports_as_frames_come_and_exits_with_a_summ
 
 
 def test_the_monitor_cli_says_it_subscribed_prints_counts_while_frames_come_and_a_summary(hub, tmp_path):
-    import threading
-
     from typer.testing import CliRunner
 
     from dynsteer.cli.app import app
@@ -212,13 +216,7 @@ def test_the_monitor_cli_says_it_subscribed_prints_counts_while_frames_come_and_
     h, mon = hub
     save_probe(tmp_path / "p.safetensors", np.ones(4), bias=0.0, model_id="tiny", layer=3, site="post_block")
 
-    def publish() -> None:
-        wait_for_subscribers([mon.endpoint], "resid", timeout_s=60)
-        for step in range(3):
-            h.publish("resid", {"step": step, "req_ids": ["9-0123abcd"], "places": ["3.post_block"]},
-                      [np.zeros(1, np.int32), np.zeros(1, np.int64), np.zeros((1, 4), np.float32)])
-
-    threading.Thread(target=publish, daemon=True).start()
+    publish_once_subscribed(h, mon, np.zeros((1, 4), np.float32))
     res = CliRunner().invoke(app, ["monitor", str(tmp_path / "p.safetensors"), "--endpoint", mon.endpoint,
                                    "--command-endpoint", mon.command_endpoint, "--threshold", "1e9",
                                    "--start-timeout", "60", "--timeout", "2", "--progress-every", "0"])
