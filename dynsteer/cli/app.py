@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -172,4 +173,20 @@ def _installed(dist: str) -> bool:
 
 
 def main() -> None:
-    app()
+    """The ``dynsteer`` console script. A command that ran an engine ends the process without interpreter teardown
+    (:mod:`dynsteer.cli.engine` says why); others exit as usual."""
+    from dynsteer.cli.engine import end_process, engine_ran
+
+    try:
+        app()
+    except SystemExit as exc:
+        if engine_ran():
+            end_process(exc.code)
+        raise
+    except BaseException:
+        if not engine_ran():
+            raise
+        sys.excepthook(*sys.exc_info())
+        end_process(130 if isinstance(sys.exc_info()[1], KeyboardInterrupt) else 1)
+    if engine_ran():
+        end_process(0)
