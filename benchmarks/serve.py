@@ -10,7 +10,8 @@ and generates exactly ``--output-tokens`` tokens (``ignore_eos``).
 
 Traffic mixes (``--mixes``) on ``dynsteer``: ``none`` (nothing steered), ``registered`` (half the requests name a
 registered vector), ``inline`` (half carry the vector as a JSON list), ``dynamic`` (half carry a per-request dynamic
-policy, direction and action as JSON lists), ``global`` (a global dynamic policy set over HTTP steers every request),
+policy, direction and action as JSON lists), ``dynamic-b64`` (the same policy with its vectors as ``{"b64": ...}``:
+what the body's JSON parsing on the API server's event loop adds to ``dynamic``), ``global`` (a global dynamic policy set over HTTP steers every request),
 ``preset`` (half name a registered preset with a parameter), ``reports`` (half carry the dynamic policy and ask for a
 per-token report).
 
@@ -29,10 +30,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import random
 import shutil
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -44,7 +47,7 @@ from lib.report import git_sha, host_facts, save_json, utc_now
 from lib.serve import CPU_ARGS, CPU_ENV, Server, VanillaServer, http_json
 from lib.stats import paired, quantile
 
-MIXES = ("none", "registered", "inline", "dynamic", "global", "preset", "reports")
+MIXES = ("none", "registered", "inline", "dynamic", "dynamic-b64", "global", "preset", "reports")
 METRICS = ("tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99")
 NAME = "bench"  # the served model name, the registered vector's and the preset's
 
@@ -87,6 +90,17 @@ def kv_budget(cfg: dict, total: int, kv_gib: float | None, tokens_per_request: i
     return kv, note
 
 
+def b64_vectors(obj: Any) -> Any:
+    """``obj`` with every list of numbers longer than 16 (a vector) as ``{"b64": little-endian float32}``."""
+    if isinstance(obj, dict):
+        return {k: b64_vectors(v) for k, v in obj.items()}
+    if isinstance(obj, list) and len(obj) > 16 and all(isinstance(x, (int, float)) for x in obj):
+        return {"b64": base64.b64encode(struct.pack(f"<{len(obj)}f", *obj)).decode("ascii")}
+    if isinstance(obj, list):
+        return [b64_vectors(v) for v in obj]
+    return obj
+
+
 # ---- the mixes -------------------------------------------------------------------------------------------------------
 class Mixes:
     """Each mix's set-up and tear-down on the dynsteer server and the ``steering`` object of request ``i``."""
@@ -106,6 +120,7 @@ class Mixes:
             "registered": {"spec": {"vectors": [{"layer": self.layer, "vector": NAME, "scale": 1.0}]}},
             "inline": {"spec": {"vectors": [{"layer": self.layer, "vector": self.vector, "scale": 1.0}]}},
             "dynamic": {"policy": self.policy},
+            "dynamic-b64": {"policy": b64_vectors(self.policy)},
             "preset": {"preset": NAME, "params": {"scale": 2.0}},
             "reports": {"policy": self.policy, "report": "tokens"}}
 

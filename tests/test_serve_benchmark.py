@@ -30,3 +30,19 @@ def test_a_kv_size_that_cannot_fit_names_the_option():
     with pytest.raises(ValueError, match=r"^--kv-gib: 16.0 GiB per server does not fit 3 servers on a GPU of 80 GiB"):
         serve.kv_budget(CFG, H100, 16.0, 384, 64)
     assert serve.kv_budget(CFG, H100, 5.0, 384, 64)[0] == 5 << 30
+
+
+def test_the_b64_mix_sends_the_dynamic_policy_with_its_vectors_packed():
+    """``dynamic-b64`` is ``dynamic`` with each vector as little-endian float32 base64: the same policy to dynsteer."""
+    import numpy as np
+
+    from dynsteer.policy import DynamicSteeringPolicy
+
+    mixes = serve.Mixes(hidden=64, layers=4)
+    lists, packed = mixes.steering("dynamic", 0)["policy"], mixes.steering("dynamic-b64", 0)["policy"]
+    assert set(packed["monitors"][0]["direction"]) == {"b64"} and len(str(packed)) < len(str(lists))
+    a, b = DynamicSteeringPolicy.model_validate(lists), DynamicSteeringPolicy.model_validate(packed)
+    assert np.array_equal(a.monitors[0].direction, b.monitors[0].direction)
+    assert np.array_equal(a.rules[0].actions[0].vector, b.rules[0].actions[0].vector)
+    assert a.monitors[0].threshold == b.monitors[0].threshold == 0.0
+    assert mixes.steering("dynamic-b64", 1) is None  # every other request unsteered, as in the other half mixes
