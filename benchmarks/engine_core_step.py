@@ -7,10 +7,12 @@ forward is vLLM's own and its timings differ from ``absent`` only by the engine-
 dynsteer's sites (on CPU the reference ops, which slow everything around them through the caches: compare it with
 care); ``dynamic`` gives every request its own dynamic policy (a probe gate acting on some tokens, prefix caching
 on: the workers report where it acted and the engine core holds back and folds block hashing; what it adds over
-``idle`` is the per-request host work of dynamic steering). Each (mode, batch) runs in a fresh process, the modes
-alternating, ``--rounds`` times; a process times ``--calls`` generate calls after one warm-up call and reports the
-median over its decode steps (the first 4 and the last step of a call left out). ``--clock cpu`` times by the
-engine thread's CPU time instead of the wall clock (steadier on a shared box).
+``idle`` is the per-request host work of dynamic steering); ``reports`` is ``dynamic`` with a per-token report asked
+by every request (``update`` then includes the engine core's relay of the values, and ``take_reports`` times the
+worker's collection of each step's landed values, the runtime's ``take_reports``). Each (mode, batch) runs in a fresh
+process, the modes alternating, ``--rounds`` times; a process times ``--calls`` generate calls after one warm-up call
+and reports the median over its decode steps (the first 4 and the last step of a call left out). ``--clock cpu``
+times by the engine thread's CPU time instead of the wall clock (steadier on a shared box).
 
     .venv/bin/python benchmarks/engine_core_step.py --batch 1 16 64 --rounds 3
     .venv/bin/python benchmarks/engine_core_step.py --pythonpath /tmp/old   # another checkout's dynsteer (A/B)
@@ -31,7 +33,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("absent", "bare", "idle", "dynamic")
+MODES = ("absent", "bare", "idle", "dynamic", "reports")
 
 
 def worker(mode: str, batch: int, calls: int, tokens: int, clock: str = "wall") -> dict:
@@ -49,7 +51,7 @@ def worker(mode: str, batch: int, calls: int, tokens: int, clock: str = "wall") 
     llm = LLM(model=str(tiny_model("llama")), dtype="float32", enforce_eager=True, max_model_len=256,
               max_num_seqs=max(batch, 1), seed=0, kv_cache_memory_bytes=256 << 20, **extra)
     sched = llm.llm_engine.engine_core.engine_core.scheduler
-    times: dict[str, list[float]] = {"schedule": [], "update": []}
+    times: dict[str, list[float]] = {"schedule": [], "update": [], "take_reports": []}
     now = time.perf_counter if clock == "wall" else time.thread_time  # cpu: this thread's CPU time (a shared box)
     orig_schedule, orig_update = sched.schedule, sched.update_from_output
 
@@ -66,10 +68,24 @@ def worker(mode: str, batch: int, calls: int, tokens: int, clock: str = "wall") 
         return out
 
     sched.schedule, sched.update_from_output = schedule, update
+    if mode == "reports":  # the worker's part: in this in-process engine, the runtime's take_reports of each step
+        from dynsteer.steering.runtime import SteeringRuntime
+
+        orig_take = SteeringRuntime.take_reports
+
+        def take_reports(self, *a, **k):
+            t = now()
+            out = orig_take(self, *a, **k)
+            times["take_reports"].append(now() - t)
+            return out
+
+        SteeringRuntime.take_reports = take_reports
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
     generate, kwargs = llm.generate, {}
-    if mode == "dynamic":
+    if mode in ("dynamic", "reports"):
         generate, kwargs = dynsteer.attach(llm).generate, {"policy": _policy(llm)}
+        if mode == "reports":
+            kwargs["report"] = "tokens"
     per_call = []
     for c in range(calls + 1):
         for v in times.values():
@@ -78,8 +94,8 @@ def worker(mode: str, batch: int, calls: int, tokens: int, clock: str = "wall") 
         prompts = [{"prompt_token_ids": [5 + (i * 7 + j + c * 13) % 700 for j in range(32)]} for i in range(batch)]
         generate(prompts, params, use_tqdm=False, **kwargs)
         if c:
-            per_call.append({k: statistics.median(v[4:-1]) * 1e6 for k, v in times.items()})
-    return {k: round(statistics.median(x[k] for x in per_call), 1) for k in ("schedule", "update")}
+            per_call.append({k: statistics.median(v[4:-1]) * 1e6 for k, v in times.items() if len(v) > 5})
+    return {k: round(statistics.median(x[k] for x in per_call), 1) for k in per_call[0]}
 
 
 def _policy(llm):
@@ -130,7 +146,7 @@ def main() -> None:
                     sys.exit(f"{mode} batch {b} failed:\n{proc.stderr[-3000:]}")
                 runs[mode][str(b)].append(json.loads(proc.stdout.strip().splitlines()[-1]))
                 print(f"round {r + 1} batch {b} {mode}: {runs[mode][str(b)][-1]}", flush=True)
-    summary = {m: {b: {k: round(statistics.median(x[k] for x in v), 1) for k in ("schedule", "update")}
+    summary = {m: {b: {k: round(statistics.median(x[k] for x in v), 1) for k in v[0]}
                    for b, v in per.items()} for m, per in runs.items()}
     print("\nµs per decode step, median over rounds: schedule / update_from_output (difference from absent)")
     for m, per in summary.items():
@@ -138,7 +154,8 @@ def main() -> None:
         for b, s in per.items():
             base = summary.get("absent", {}).get(b)
             diff = f" ({s['schedule'] - base['schedule']:+.1f} / {s['update'] - base['update']:+.1f})" if base else ""
-            cells.append(f"batch {b}: {s['schedule']:.1f} / {s['update']:.1f}{diff}")
+            take = f", take_reports {s['take_reports']:.1f}" if "take_reports" in s else ""
+            cells.append(f"batch {b}: {s['schedule']:.1f} / {s['update']:.1f}{diff}{take}")
         print(f"{m:7s} " + "; ".join(cells))
     if args.out:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.pythonpath or REPO,

@@ -11,9 +11,9 @@ and generates exactly ``--output-tokens`` tokens (``ignore_eos``).
 Traffic mixes (``--mixes``) on ``dynsteer``: ``none`` (nothing steered), ``registered`` (half the requests name a
 registered vector), ``inline`` (half carry the vector as a JSON list), ``dynamic`` (half carry a per-request dynamic
 policy, direction and action as JSON lists), ``dynamic-b64`` (the same policy with its vectors as ``{"b64": ...}``:
-what the body's JSON parsing on the API server's event loop adds to ``dynamic``), ``global`` (a global dynamic policy set over HTTP steers every request),
-``preset`` (half name a registered preset with a parameter), ``reports`` (half carry the dynamic policy and ask for a
-per-token report).
+what the body's JSON parsing on the API server's event loop adds to ``dynamic``), ``global`` (a global dynamic policy
+set over HTTP steers every request), ``preset`` (half name a registered preset with a parameter), ``reports`` (half
+carry the dynamic policy and ask for a per-token report).
 
 Per entry and round: output tokens per second over the batch, TTFT, TPOT (per request: time from the first to the
 last token over the tokens after the first) and inter-token latency (gaps between streamed chunks), p50 and p99;

@@ -61,6 +61,61 @@ def check_summary(summary: dict, trace) -> None:
         assert rule["last_score"] == pytest.approx(trace.scores(g)[-1], abs=1e-6)
 
 
+def test_reports_of_a_step_gathered_at_once_equal_each_requests_own():
+    """The worker's step flush (``ReportCursors.flush_all``: every report request's landed values gathered from the
+    records at once) sends exactly what flushing each request by itself sends: requests with different slot counts,
+    a prompt-level slot, a step landing 0 to 3 values per request, records that grow, a request whose header is not
+    sent yet, one without a state and one without a record."""
+    from types import SimpleNamespace
+
+    from dynsteer.device.readback import ReadbackStore
+    from dynsteer.steering.dynamic.reports import ReportCursors
+    from dynsteer.steering.dynamic.state import DynState
+
+    rng = np.random.default_rng(1)
+    G = 3
+    store = ReadbackStore(4 * G + 1, slots=2, length=2)  # small: both grow while the test runs
+
+    def state(prompt_slots, record=True):
+        st = SimpleNamespace(slots=[SimpleNamespace(prompt=p, monitor=f"m{i}", scope="this_token", acts=True)
+                                    for i, p in enumerate(prompt_slots)],
+                             record=store.acquire() if record else None, prompt_level=any(prompt_slots))
+        st.report_fields = lambda p, v, st=st: DynState.report_fields(st, p, v)
+        return st
+
+    states = {"a": state([False, False]), "b": state([False, True, False]), "c": state([False]),
+              "none": None, "norecord": state([False], record=False), "late": state([True, False])}
+    one, batched = ReportCursors(), ReportCursors()
+    for cursors in (one, batched):
+        for req_id, st in states.items():
+            if req_id != "late":
+                cursors.start(req_id, "tokens", st, store)
+    last = {r: 9 for r in states}
+    for step in range(12):
+        if step == 3:
+            for cursors in (one, batched):
+                cursors.start("late", "tokens", states["late"], store)
+        slot, position = [], []
+        for req_id, st in states.items():
+            if st is None or st.record is None:
+                continue
+            for _ in range(int(rng.integers(0, 4))):
+                last[req_id] += 1
+                slot.append(st.record)
+                position.append(last[req_id])
+        block = rng.standard_normal((4 * G + 1, len(slot))).astype(np.float32)
+        store.append(np.array(slot, np.int64), np.array(position, np.int64), block)
+        for req_id in list(one.sent):
+            if states[req_id] is not None:
+                one.flush(req_id, states[req_id], store)
+        batched.flush_all(states.get, store)
+        want, got = one.take(), batched.take()
+        assert sorted(got) == sorted(want), (step, sorted(got), sorted(want))
+        np.testing.assert_equal(got, want)
+        assert one.sent == batched.sent
+    assert sum(len(v) for v in want.values()) > 0
+
+
 def test_report_fields_are_the_traces_fields():
     """What a report request's worker computes every step equals the trace's fields (NaN score of a prompt-level
     slot included), read-back values that are not float32-exact in float64 too."""

@@ -83,6 +83,9 @@ class ReportRelay:
                     continue  # gone (aborted by its client): nobody reads it
                 buf = self.buffers[req_id] = _Buffer(int(request.num_prompt_tokens))
             buf.values.add(delta)
+            if not buf.pending:  # the usual case (all sent with the last output): the delta is the pending values
+                buf.pending = delta  # (the workers hand each step's deltas over and keep none)
+                continue
             for key, value in delta.items():
                 if isinstance(value, list) and key in buf.pending and key in ("position", "score", "applied"):
                     buf.pending[key].extend(value)

@@ -195,11 +195,7 @@ class DynamicTier:
         self.driver.poll(self.state_of)
         if self.finishing:
             self.complete_traces()
-        records = self.driver.records
-        for req_id in list(self.reports.sent):
-            st = self.state_of(req_id)
-            if st is not None:
-                self.reports.flush(req_id, st, records)
+        self.reports.flush_all(self.state_of, self.driver.records)
         return self.reports.take()
 
     def take_traces(self, tags: Iterable[str], entries: Mapping[str, RequestEntry]) -> list[dict[str, Any]]:
