@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import random
 import shutil
 import statistics
-import struct
 import sys
 import tempfile
 import time
@@ -90,39 +88,36 @@ def kv_budget(cfg: dict, total: int, kv_gib: float | None, tokens_per_request: i
     return kv, note
 
 
-def b64_vectors(obj: Any) -> Any:
-    """``obj`` with every list of numbers longer than 16 (a vector) as ``{"b64": little-endian float32}``."""
-    if isinstance(obj, dict):
-        return {k: b64_vectors(v) for k, v in obj.items()}
-    if isinstance(obj, list) and len(obj) > 16 and all(isinstance(x, (int, float)) for x in obj):
-        return {"b64": base64.b64encode(struct.pack(f"<{len(obj)}f", *obj)).decode("ascii")}
-    if isinstance(obj, list):
-        return [b64_vectors(v) for v in obj]
-    return obj
-
-
 # ---- the mixes -------------------------------------------------------------------------------------------------------
 class Mixes:
     """Each mix's set-up and tear-down on the dynsteer server and the ``steering`` object of request ``i``."""
 
     def __init__(self, hidden: int, layers: int, seed: int = 0) -> None:
+        import numpy as np
+
+        from dynsteer.vectors.values import pack_vector
+
         rng = random.Random(seed)
         self.vector = [round(rng.gauss(0, 1) / hidden ** 0.5, 6) for _ in range(hidden)]
         self.direction = [round(rng.gauss(0, 1) / hidden ** 0.5, 6) for _ in range(hidden)]
         self.layer, self.monitor_layer = layers // 2, max(0, layers // 2 - 2)
-        # threshold 0 on a random direction: the gate is open on some tokens and shut on others, as a real one is
-        self.policy = {"monitors": [{"name": "m", "layer": self.monitor_layer, "direction": self.direction,
-                                     "sharpness": 4.0, "threshold": 0.0}],
-                       "rules": [{"monitor": "m", "actions": [{"kind": "add", "layer": self.layer,
-                                                               "vector": self.vector}]}]}
+        self.policy = self.dynamic_policy(self.direction, self.vector)
         # the steered half's object per mix, built once (the client sends the same one with every request)
         self.objects = {
             "registered": {"spec": {"vectors": [{"layer": self.layer, "vector": NAME, "scale": 1.0}]}},
             "inline": {"spec": {"vectors": [{"layer": self.layer, "vector": self.vector, "scale": 1.0}]}},
             "dynamic": {"policy": self.policy},
-            "dynamic-b64": {"policy": b64_vectors(self.policy)},
+            "dynamic-b64": {"policy": self.dynamic_policy(*(pack_vector(np.asarray(v, np.float32))
+                                                             for v in (self.direction, self.vector)))},
             "preset": {"preset": NAME, "params": {"scale": 2.0}},
             "reports": {"policy": self.policy, "report": "tokens"}}
+
+    def dynamic_policy(self, direction: Any, vector: Any) -> dict:
+        """The dynamic mixes' policy with these direction and action vectors (lists or ``{"b64": ...}``)."""
+        # threshold 0 on a random direction: the gate is open on some tokens and shut on others, as a real one is
+        return {"monitors": [{"name": "m", "layer": self.monitor_layer, "direction": direction, "sharpness": 4.0,
+                              "threshold": 0.0}],
+                "rules": [{"monitor": "m", "actions": [{"kind": "add", "layer": self.layer, "vector": vector}]}]}
 
     def setup(self, mix: str, call: Callable[[str, str, dict | None], Any]) -> None:
         if mix in ("registered", "preset"):
