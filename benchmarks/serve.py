@@ -188,7 +188,7 @@ async def batch(url: str, n: int, concurrency: int, n_in: int, n_out: int, vocab
             if st is not None:
                 body["steering"] = st
             async with sem:
-                return await one_request(s, url, body, n_out)
+                return {**await one_request(s, url, body, n_out), "steered": st is not None}
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(run(i) for i in range(n)))
@@ -204,6 +204,11 @@ async def batch(url: str, n: int, concurrency: int, n_in: int, n_out: int, vocab
                 "ttft_p50": ms(quantile(ttft, .5)), "ttft_p99": ms(quantile(ttft, .99)),
                 "tpot_p50": ms(quantile(tpot, .5)), "tpot_p99": ms(quantile(tpot, .99)),
                 "itl_p50": ms(quantile(itl, .5)), "itl_p99": ms(quantile(itl, .99))}
+        # a half mix's cost may sit on its steered requests or on every request of their steps: both halves' p50s
+        halves = {"steered": [r for r in ok if r["steered"]], "plain": [r for r in ok if not r["steered"]]}
+        if all(halves.values()):
+            out["halves"] = {k: {"ttft_p50": ms(quantile([r["ttft"] for r in rs], .5)),
+                                 "tpot_p50": ms(quantile([r["tpot"] for r in rs], .5))} for k, rs in halves.items()}
     return out
 
 
@@ -418,7 +423,8 @@ def main() -> int:
                     res = run_entry(server, mix, conc, n, args.output_tokens)
                     report["rounds"][str(conc)].setdefault(key, []).append(res)
                     print(f"[serve] round {r} c={conc} {key}: {res.get('tok_s')} tok/s, TTFT p50 "
-                          f"{res.get('ttft_p50')} ms, TPOT p50 {res.get('tpot_p50')} ms, errors {res['errors']}",
+                          f"{res.get('ttft_p50')} ms, TPOT p50 {res.get('tpot_p50')} ms, errors {res['errors']}"
+                          + (f", halves {res['halves']}" if "halves" in res else ""),
                           flush=True)
             round_s.append(time.monotonic() - t_round)
             report["summary"] = summarise(report)
