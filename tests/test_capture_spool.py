@@ -12,6 +12,7 @@ import torch
 
 from dynsteer.capture import result as result_mod
 from dynsteer.capture import spool as spool_mod
+from dynsteer.capture import step_runs
 from dynsteer.capture import store as store_mod
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.capture.store import CaptureCollector
@@ -90,15 +91,18 @@ def test_spooled_records_equal_in_memory_ones_and_cross_the_hop_without_a_copy()
 def test_a_spool_that_fails_midway_falls_back_to_memory_and_loses_nothing(monkeypatch):
     before = _spool_files()
     _, plain = _drive(False, SPECS, seed=3)
-    real, calls = os.pwrite, [0]
+    calls = [0]
 
-    def flaky(fd, data, offset):
-        calls[0] += 1
-        if calls[0] > 4:  # the prefill and a decode step land, then /dev/shm is full
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, data, offset)
+    def flaky(real):
+        def write(fd, data, offset):
+            calls[0] += 1
+            if calls[0] > 4:  # the prefill and some decode rows land, then /dev/shm is full
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(fd, data, offset)
+        return write
 
-    monkeypatch.setattr(spool_mod.os, "pwrite", flaky)
+    monkeypatch.setattr(spool_mod.os, "pwrite", flaky(os.pwrite))  # single chunks
+    monkeypatch.setattr(spool_mod.os, "pwritev", flaky(os.pwritev))  # runs of decode steps
     _, spooled = _drive(True, SPECS, seed=3)
     for req in SPECS:
         assert spooled[req].spool is None and not spooled[req].spooled
@@ -107,6 +111,63 @@ def test_a_spool_that_fails_midway_falls_back_to_memory_and_loses_nothing(monkey
     packed = result_mod.pack_records(list(spooled.values()), result_mod.host_id())
     for cap, req in zip(result_mod.unpack_records(packed), SPECS):
         np.testing.assert_array_equal(cap[(1, "post_block")], plain[req].arrays()[1][(1, "post_block")])
+
+
+def test_steady_decode_steps_are_written_once_per_run_per_request_and_equal_memory(monkeypatch):
+    # Runs of two steps, so a request's rows cross runs; requests join (a prefill beside decodes: a step off the
+    # batched path) and finish (the writer drains a held run) midway: each change ends the run it interrupts.
+    monkeypatch.setattr(step_runs, "MAX_STEPS", 2)
+    writes: list[tuple[str, int]] = []
+
+    def counted(name, real):
+        def write(fd, data, offset):
+            writes.append((name, len(data) if name == "pwritev" else 1))
+            return real(fd, data, offset)
+        return write
+
+    def drive(spool: bool) -> dict:
+        stages = {p: torch.zeros(16, H) for p in PLACES}
+        col = CaptureCollector(stages, engine_places=set(PLACES), spool=spool)
+        gen = torch.Generator().manual_seed(11)
+        prompt, computed, live, done = {"a": 5, "b": 3, "c": 4}, {}, [], {}
+        specs = {"a": SPECS["a"], "b": SPECS["b"], "c": CaptureSpec(layers=(2,), sites=("post_attn",), positions="all")}
+        plan = {0: ["a", "b"], 4: ["c"]}  # step -> requests that join (their whole prompt that step)
+        for step in range(12):
+            joining = plan.get(step, [])
+            for req in joining:
+                col.begin(req, req, specs[req], prompt[req])
+                computed[req] = 0
+            live += joining
+            counts = [prompt[r] if r in joining else 1 for r in live]
+            col.plan(live, np.cumsum([0] + counts), np.array([computed[r] for r in live]))
+            for buf in stages.values():
+                buf.copy_(torch.randn(buf.shape, generator=gen))
+            col.after_forward()
+            for r, n in zip(live, counts):
+                computed[r] += n
+            if step == 8:  # b finishes while a and c decode on
+                live.remove("b")
+                done["b"] = col.finish("b")
+        done |= {r: col.finish(r) for r in live}
+        return done
+
+    plain = drive(False)
+    monkeypatch.setattr(spool_mod.os, "pwrite", counted("pwrite", os.pwrite))
+    monkeypatch.setattr(spool_mod.os, "pwritev", counted("pwritev", os.pwritev))
+    spooled = drive(True)
+    for req in plain:
+        assert spooled[req].spooled
+        _same(spooled[req], plain[req])
+    assert spooled["a"].arrays()[0].tolist() == list(range(5 + 11))  # prompt, then 11 decode steps
+    assert spooled["b"].arrays()[0].tolist() == list(range(3, 3 + 8))  # generated only: 8 decode steps
+    assert spooled["c"].arrays()[0].tolist() == list(range(4 + 7))  # joined at step 4
+    # The batched steps went out in runs, one pwritev per request and place (a: 2 places, b and c: 1): steps 2-3
+    # for a, b; 5-6 and 7-8 for a, b, c; 9-10 and 11 (ended by the last finish) for a, c. Steps 0 and 4 hold a
+    # prefill and step 1 is b's first generated position: those take the per-request path, one pwrite per chunk.
+    # A row written outside its run, or twice, changes these.
+    runs = [n for name, n in writes if name == "pwritev"]
+    assert runs == [2] * 3 + [2] * 4 + [2] * 4 + [2] * 3 + [1] * 3
+    assert [name for name, _ in writes].count("pwrite") == 2 + 3 + 4
 
 
 def test_dropped_and_inline_delivered_spools_leave_no_files():

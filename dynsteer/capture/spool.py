@@ -27,7 +27,7 @@ import uuid
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 import numpy as np
 
@@ -73,6 +73,25 @@ class SpoolError(OSError):
         self.cause, self.written, self.unwritten = cause, written, unwritten
 
 
+class RowList:
+    """Rows of one place that lie in separate arrays (a request's row of consecutive steps): the writer writes them
+    with one ``pwritev``, never copying them into one array. Shaped like the ``[rows, hidden]`` arrays a spool
+    takes; slicing it stacks the rows (a copy)."""
+
+    ndim = 2
+
+    def __init__(self, rows: list[np.ndarray]) -> None:
+        self.rows = rows
+        self.dtype = rows[0].dtype
+        self.shape = (len(rows), rows[0].shape[-1])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        return np.stack(self.rows[span])
+
+
 class SpoolWriter:
     """One daemon thread writing every spool's chunks in submission order (so a spool's file grows in order)."""
 
@@ -87,10 +106,12 @@ class SpoolWriter:
         self._lock = threading.Lock()
         self.landed = threading.Condition()  # notified after each queue item
 
-    def submit(self, entries: list[tuple] | Callable[[], list[tuple]]) -> None:
-        """Queue the chunks :meth:`Spool.reserve` counted (one step's chunks of many spools: one queue item), or a
+    def submit(self, entries: list[tuple] | Callable[[], list[tuple]] | Any) -> None:
+        """Queue the chunks :meth:`Spool.reserve` counted (one step's chunks of many spools: one queue item), a
         job that returns such entries when the thread reaches it (it reserves them there: a capture step's split
-        per request runs off the host path; see ``CaptureCollector``)."""
+        per request runs off the host path; see ``CaptureCollector``), or a batched decode step
+        (:class:`~dynsteer.capture.step_runs.BatchedStep`), held with the steps after it and written per request
+        once per run."""
         if not entries:
             return
         if self._thread is None or not self._thread.is_alive():
@@ -113,8 +134,24 @@ class SpoolWriter:
         return done.wait(timeout)
 
     def _run(self) -> None:
+        held = None  # a run of batched steps (dynsteer.capture.step_runs) not written yet
         while True:
             item = self._queue.get()
+            if hasattr(item, "gather"):  # a batched decode step: joins the held run, or ends it and starts one
+                try:
+                    if held is not None and not held.absorb(item):
+                        held = self._write_run(held)
+                    if held is None:
+                        held = item.gather()
+                    if held.full:
+                        held = self._write_run(held)
+                except BaseException:  # noqa: BLE001 - the thread must live on
+                    logger.exception("dynsteer spool writer: a batched step failed")
+                    held = None
+                del item
+                continue
+            if held is not None:  # anything else comes after the held run's rows (order per spool, drain waits)
+                held = self._write_run(held)
             if isinstance(item, threading.Event):
                 item.set()
                 continue
@@ -125,31 +162,49 @@ class SpoolWriter:
                 except BaseException:  # noqa: BLE001 - a job reports its own failures; the thread must live on
                     logger.exception("dynsteer spool writer: a job failed")
                     entries = []
-            for spool, arrays, start, end, targets in entries:
-                # Each counter below is written by this thread only (the queued count by whoever reserves the
-                # spool's chunks: the host path, or this thread for a job's), so no lock per chunk: waiters are
-                # woken once per queue item, under `landed`.
-                failed = spool._error is not None  # nothing after a failed chunk is written
-                if not failed:
-                    try:
-                        for place, fd, offset in targets:
-                            data = np.ascontiguousarray(arrays[place][start:end])  # row slices: already so
-                            done = os.pwrite(fd, data, offset)
-                            if done < data.nbytes:  # pwrite may write less than asked
-                                view = memoryview(data).cast("B")
-                                while done < len(view):
-                                    done += os.pwrite(fd, view[done:], offset + done)
-                        spool._written += end - start
-                    except BaseException as exc:  # noqa: BLE001 - handed to the spool's owner at flush
-                        spool._error, failed = exc, True
-                if failed:
-                    spool._unwritten.append({p: arrays[p][start:end] for p, _, _ in targets})
-                spool._landed += 1
-            with self.landed:
-                self.landed.notify_all()
+            self._write(entries)
             # while waiting for the next item, hold no spool alive (its finalizer unlinks its files)
             del entries, item
-            spool = arrays = None
+
+    def _write_run(self, run: Any) -> None:  # a StepRun (dynsteer.capture.step_runs imports this module)
+        try:
+            self._write(run.entries())
+        except BaseException:  # noqa: BLE001 - the thread must live on
+            logger.exception("dynsteer spool writer: a run of batched steps failed")
+        finally:
+            run.release()
+
+    def _write(self, entries: list[tuple]) -> None:
+        for spool, arrays, start, end, targets in entries:
+            # Each counter below is written by this thread only (the queued count by whoever reserves the
+            # spool's chunks: the host path, or this thread for a job's), so no lock per chunk: waiters are
+            # woken once per queue item, under `landed`.
+            failed = spool._error is not None  # nothing after a failed chunk is written
+            if not failed:
+                try:
+                    for place, fd, offset in targets:
+                        src = arrays[place]
+                        if isinstance(src, RowList):  # one system call for rows that lie apart
+                            row = src.rows[0].nbytes
+                            done = os.pwritev(fd, src.rows[start:end], offset)
+                            if done == (end - start) * row:
+                                continue
+                            data = src[start:end]  # short: the rest from one stacked copy
+                        else:
+                            data = np.ascontiguousarray(src[start:end])  # row slices: already so
+                            done = os.pwrite(fd, data, offset)
+                        if done < data.nbytes:  # pwrite may write less than asked
+                            view = memoryview(data).cast("B")
+                            while done < len(view):
+                                done += os.pwrite(fd, view[done:], offset + done)
+                    spool._written += end - start
+                except BaseException as exc:  # noqa: BLE001 - handed to the spool's owner at flush
+                    spool._error, failed = exc, True
+            if failed:
+                spool._unwritten.append({p: arrays[p][start:end] for p, _, _ in targets})
+            spool._landed += 1
+        with self.landed:
+            self.landed.notify_all()
 
 
 WRITER = SpoolWriter()

@@ -13,9 +13,9 @@ copy-out per place and dtype.
 A steady decode step (one token per request, every capturing request at its next position, selectors ``all`` or
 ``all_generated``) is planned with array operations over the batch's capturing requests
 (:class:`~dynsteer.capture.step.BatchCapture`, rebuilt when the batch or the records change), and its landed rows go
-to the spool writer thread as one job that splits them per request (:func:`~dynsteer.capture.record.split_step`;
-records the memory consumer delivers through a spool, without a streaming consumer): the host path does no
-per-request Python in such a step. Other steps (prefill chunks, joins, recomputed positions after a preemption,
+to the spool writer thread as one item (records the memory consumer delivers through a spool, without a streaming
+consumer), which holds consecutive such steps together and writes each request's rows once per run of steps
+(:mod:`dynsteer.capture.step_runs`): neither the host path nor the writer does per-request work per step. Other steps (prefill chunks, joins, recomputed positions after a preemption,
 explicit or prompt selectors) take the per-request path, as do records delivered otherwise.
 """
 
@@ -33,6 +33,7 @@ from dynsteer.capture.select import select_positions
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.capture.spool import WRITER, Spool, spool_dir
 from dynsteer.capture.step import BatchCapture, PendingCopy, StreamSelection
+from dynsteer.capture.step_runs import BatchedStep
 from dynsteer.device.staging import StagingRing
 
 # The collector, and (re-exported) the names callers have always imported from here.
@@ -291,12 +292,12 @@ class CaptureCollector:
             for (place, dtype), t in pend.host.items():
                 arr = t.numpy()
                 by_dtype.setdefault(dtype, {})[place] = arr.copy() if self._cuda and keep else arr
-            recs, starts, ends = [seg[0] for seg in split], [seg[1] for seg in split], [seg[2] for seg in split]
-            if batch is not None and batch.split_recs:
-                first = (base + batch.split).tolist()
-                recs, starts, ends = recs + batch.split_recs, starts + first, ends + [x + 1 for x in first]
-            if recs:
-                WRITER.submit(functools.partial(split_step, pend.positions, by_dtype, recs, starts, ends))
+            if split:
+                WRITER.submit(functools.partial(split_step, pend.positions, by_dtype, [seg[0] for seg in split],
+                                                [seg[1] for seg in split], [seg[2] for seg in split]))
+                self._jobs += 1
+            if batch is not None and batch.split_recs:  # held with the next steps, written per request once per run
+                WRITER.submit(BatchedStep(batch, base + batch.split, pend.positions, by_dtype))
                 self._jobs += 1
             spooled: list = []  # the step's spool writes, handed to the writer thread as one item
             try:
