@@ -25,8 +25,10 @@ from dynsteer.capture.spool import RowList
 if TYPE_CHECKING:
     from dynsteer.capture.step import BatchCapture
 
-RUN_BYTES = 64 << 20  # a run holds the arrays of at most this many bytes of steps ...
-MAX_STEPS = 32  # ... and at most this many steps (a request's rows are written at least this often)
+# A run holds at most this many bytes of steps' arrays and this many steps. Its requests' last run is written when
+# they finish, after their last step: the bound keeps that wait to a few milliseconds.
+RUN_BYTES = 16 << 20
+MAX_STEPS = 16
 
 
 @dataclass
