@@ -15,7 +15,9 @@ policies spread over the batch; HTTP-like: nobody keeps the trace), ``per-reques
 engine with prefix caching, vLLM's default: every dynamic token is read back and where steering acted is reported
 to the engine core), ``per-request dynamic traced`` (the same, each request's trace kept, as the offline API does),
 ``sync`` (per-request + EMA-latch controller, device tier), ``capture`` (every generated token at one place).
-``after`` is ``after_forward`` plus the runner glue's ``take_acts`` of the step's output.
+``after`` is ``after_forward`` plus the runner glue's ``take_acts`` of the step's output; ``other threads`` is the CPU
+time per step of the process's other threads (the capture spool's writer), which competes with the host path for the
+GIL and the memory bus.
 
     .venv/bin/python benchmarks/host_step.py --batches 128 256 --churn 1 --modes idle "per-request dynamic cached"
 """
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dynsteer import Action, DynamicSteeringPolicy, ProbeGate, Rule, SyncControllerSpec  # noqa: E402
 from dynsteer.capture.consumers import MemoryConsumer  # noqa: E402
 from dynsteer.capture.spec import CaptureSpec  # noqa: E402
+from dynsteer.capture.spool import WRITER  # noqa: E402
 from dynsteer.capture.store import CaptureCollector  # noqa: E402
 from dynsteer.request.payload import encode_payload  # noqa: E402
 from dynsteer.spec import ModelShape, SteeringSpec  # noqa: E402
@@ -100,6 +103,7 @@ def run(rt: SteeringRuntime, mode: str, batch: int, steps: int, churn: int, laye
     rt.after_forward()
     times, fwd = [], []
     qsl = np.arange(batch + 1, dtype=np.int64)
+    proc0, own0 = time.process_time(), time.thread_time()
     for step in range(steps):
         if churn and step and step % churn == 0:  # one request finishes, a new one takes its place (decoding)
             done = live.pop(0)
@@ -120,12 +124,15 @@ def run(rt: SteeringRuntime, mode: str, batch: int, steps: int, churn: int, laye
         fwd.append(t2 - t1)
         for r in live:
             computed[r] += 1
+    WRITER.drain()  # the capture spool's writes of these steps, before its CPU time is read
+    others = (time.process_time() - proc0) - (time.thread_time() - own0)
     rt.release(live)
     if rt.dynamic is not None:
         rt.dynamic.poll(rt.dynamic_tier.state_of, block=True)
     skip = steps // 10
     return {"plan_us": statistics.median(times[skip:]) * 1e6, "after_forward_us": statistics.median(fwd[skip:]) * 1e6,
-            "mean_total_us": (sum(times[skip:]) + sum(fwd[skip:])) / (steps - skip) * 1e6}
+            "mean_total_us": (sum(times[skip:]) + sum(fwd[skip:])) / (steps - skip) * 1e6,
+            "other_threads_cpu_us": others / steps * 1e6}
 
 
 def main() -> None:
@@ -146,7 +153,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     results: dict[str, dict[str, dict[str, float]]] = {}
-    print("| mode | " + " | ".join(f"batch {b}: plan / after / mean total µs" for b in args.batches) + " |")
+    print("| mode | " + " | ".join(f"batch {b}: plan / after / mean total / other threads µs" for b in args.batches)
+          + " |")
     print("|---" * (len(args.batches) + 1) + "|")
     for mode in args.modes:
         results[mode] = {}
@@ -155,7 +163,8 @@ def main() -> None:
                        report_acts=mode.endswith("cached"))
             results[mode][str(batch)] = run(rt, mode, batch, args.steps, args.churn, args.layers, args.hidden,
                                             clock=args.clock)
-        cells = [f"{r['plan_us']:.0f} / {r['after_forward_us']:.0f} / {r['mean_total_us']:.0f}"
+        cells = [f"{r['plan_us']:.0f} / {r['after_forward_us']:.0f} / {r['mean_total_us']:.0f} / "
+                 f"{r['other_threads_cpu_us']:.0f}"
                  for r in results[mode].values()]
         print(f"| {mode} | " + " | ".join(cells) + " |", flush=True)
     if args.json:
