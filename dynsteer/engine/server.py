@@ -338,6 +338,11 @@ def install(allow_remote: bool = False) -> SteeringEndpoints:
 
     patching.patch(plugins, "load_endpoint_plugins", load_endpoint_plugins,
                    why="vLLM's API server loads dynsteer's steering endpoints (dynsteer serve only)")
+    import starlette.requests
+
+    from dynsteer.engine.request_json import patch_request_json
+
+    patch_request_json(starlette.requests.Request)
     return endpoints
 
 
