@@ -264,6 +264,15 @@ def summarise(report: dict) -> dict:
                     pairs = [(r[m], b[m]) for r, b in zip(runs, base) if m in r and m in b]
                     if pairs:
                         row[f"{m}_vs_vllm_pct"] = paired([x for x, _ in pairs], [y for _, y in pairs])["median"]
+            halves = {}  # a half mix: its steered and its plain requests apart, each against vllm's requests
+            for half in ("steered", "plain"):
+                for m in ("ttft_p50", "tpot_p50"):
+                    pairs = [(r["halves"][half][m], b[m]) for r, b in zip(runs, base) if "halves" in r and m in b]
+                    if pairs:
+                        halves.setdefault(half, {})[m] = round(statistics.median(x for x, _ in pairs), 3)
+                        halves[half][f"{m}_vs_vllm_pct"] = paired([x for x, _ in pairs], [y for _, y in pairs])["median"]
+            if halves:
+                row["halves"] = halves
             out[conc][entry] = row
     return out
 
@@ -278,6 +287,14 @@ def print_summary(summary: dict) -> None:
             cells = [f"{row[f'{m}_vs_vllm_pct']:+.1f}" if f"{m}_vs_vllm_pct" in row else
                      (f"{row[m]:.1f}" if m in row else "-") for m in METRICS]
             print(f"| {entry} | {row['errors']} | " + " | ".join(cells) + " |")
+        halves = {entry: row["halves"] for entry, row in rows.items() if "halves" in row}
+        if halves:
+            print("\nhalf mixes: each half's p50 against vllm's requests (%)")
+            print("| entry | steered TTFT | plain TTFT | steered TPOT | plain TPOT |\n|---|---|---|---|---|")
+            for entry, h in halves.items():
+                cells = [f"{h[half][f'{m}_vs_vllm_pct']:+.1f}" if f"{m}_vs_vllm_pct" in h.get(half, {}) else "-"
+                         for m in ("ttft_p50", "tpot_p50") for half in ("steered", "plain")]
+                print(f"| {entry} | " + " | ".join(cells) + " |")
 
 
 def plot(report: dict, path: str) -> None:

@@ -46,3 +46,28 @@ def test_the_b64_mix_sends_the_dynamic_policy_with_its_vectors_packed():
     assert np.array_equal(a.rules[0].actions[0].vector, b.rules[0].actions[0].vector)
     assert a.monitors[0].threshold == b.monitors[0].threshold == 0.0
     assert mixes.steering("dynamic-b64", 1) is None  # every other request unsteered, as in the other half mixes
+
+
+def test_a_half_mixs_steered_and_plain_requests_are_summarised_apart(capsys):
+    """Each half's p50 against vllm's, paired by round: a cost on the steered requests alone shows on that half."""
+    def run(ttft, tpot, halves=None):
+        out = {"errors": 0, "tok_s": 1000.0, "ttft_p50": ttft, "ttft_p99": ttft, "tpot_p50": tpot, "tpot_p99": tpot,
+               "itl_p50": tpot, "itl_p99": tpot}
+        return out | ({"halves": halves} if halves else {})
+
+    rounds = {"16": {
+        "vllm": [run(100.0, 10.0), run(200.0, 10.0)],
+        "dynsteer:dynamic": [run(125.0, 10.0, {"steered": {"ttft_p50": 150.0, "tpot_p50": 10.2},
+                                               "plain": {"ttft_p50": 100.0, "tpot_p50": 10.0}}),
+                             run(250.0, 10.0, {"steered": {"ttft_p50": 300.0, "tpot_p50": 10.2},
+                                               "plain": {"ttft_p50": 200.0, "tpot_p50": 10.0}})],
+        "dynsteer:none": [run(100.0, 10.0), run(200.0, 10.0)]}}
+    summary = serve.summarise({"rounds": rounds})
+    halves = summary["16"]["dynsteer:dynamic"]["halves"]
+    assert halves["steered"]["ttft_p50_vs_vllm_pct"] == pytest.approx(50.0)
+    assert halves["plain"]["ttft_p50_vs_vllm_pct"] == pytest.approx(0.0)
+    assert halves["steered"]["tpot_p50_vs_vllm_pct"] == pytest.approx(2.0)
+    assert halves["steered"]["ttft_p50"] == 225.0  # the median over rounds
+    assert "halves" not in summary["16"]["dynsteer:none"]
+    serve.print_summary(summary)
+    assert "| dynsteer:dynamic | +50.0 | +0.0 | +2.0 | +0.0 |" in capsys.readouterr().out
