@@ -170,6 +170,22 @@ def test_steady_decode_steps_are_written_once_per_run_per_request_and_equal_memo
     assert [name for name, _ in writes].count("pwrite") == 2 + 3 + 4
 
 
+def test_a_run_the_writer_fails_on_marks_its_records_and_the_writer_lives_on(monkeypatch):
+    def broken(self):
+        raise RuntimeError("boom")
+
+    with monkeypatch.context() as m:
+        m.setattr(step_runs.StepRun, "entries", broken)
+        _, lost = _drive(True, SPECS)
+    for rec in lost.values():  # every record of the run says so; none claims to be whole
+        assert rec.status == "partial" and any("lost in the spool writer" in e and "boom" in e for e in rec.errors)
+    _, plain = _drive(False, SPECS)
+    _, spooled = _drive(True, SPECS)  # the same writer thread, still serving
+    for req in SPECS:
+        assert spooled[req].status == "ok"
+        _same(spooled[req], plain[req])
+
+
 def test_dropped_and_inline_delivered_spools_leave_no_files():
     # Earlier tests' spools (engines in this process) may be released at any time: the test follows the files its
     # own collectors create, not the process's whole set.

@@ -145,8 +145,11 @@ class SpoolWriter:
                         held = item.gather()
                     if held.full:
                         held = self._write_run(held)
-                except BaseException:  # noqa: BLE001 - the thread must live on
+                except BaseException as exc:  # noqa: BLE001 - the thread must live on; the records say what they lost
                     logger.exception("dynsteer spool writer: a batched step failed")
+                    for lost in (held, item):
+                        if lost is not None:
+                            lost.lost(exc)
                     held = None
                 del item
                 continue
@@ -169,8 +172,9 @@ class SpoolWriter:
     def _write_run(self, run: Any) -> None:  # a StepRun (dynsteer.capture.step_runs imports this module)
         try:
             self._write(run.entries())
-        except BaseException:  # noqa: BLE001 - the thread must live on
+        except BaseException as exc:  # noqa: BLE001 - the thread must live on; the records say what they lost
             logger.exception("dynsteer spool writer: a run of batched steps failed")
+            run.lost(exc)
         finally:
             run.release()
 

@@ -49,6 +49,11 @@ class BatchedStep:
         """A run that starts with this step."""
         return StepRun(self)
 
+    def lost(self, exc: BaseException) -> None:
+        """The writer failed on this step: its records say their rows are incomplete (never a silent loss)."""
+        for rec in self.batch.split_recs:
+            rec.fail(f"capture: rows of a decode step were lost in the spool writer ({exc!r})")
+
 
 class StepRun:
     """Consecutive batched steps of one batch composition (the same records at the same rows)."""
@@ -100,3 +105,8 @@ class StepRun:
     def release(self) -> None:
         """The run's entries are written: it holds no step's arrays any more."""
         self.steps = []
+
+    def lost(self, exc: BaseException) -> None:
+        """The writer failed on this run: its records say their rows are incomplete (never a silent loss)."""
+        for rec in self.batch.split_recs:
+            rec.fail(f"capture: rows of a run of decode steps were lost in the spool writer ({exc!r})")
