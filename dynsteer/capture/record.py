@@ -172,15 +172,7 @@ def split_step(positions: np.ndarray, by_dtype: dict[str, dict[Place, np.ndarray
         arrays = by_dtype[rec.spec.dtype]
         rec.positions.append(positions[start:end])
         rec.chunks += 1
-        spool = rec.spool
-        if spool._error is None:
-            try:
-                entry = spool.reserve(arrays, start, end, rec.places)
-            except (OSError, ValueError) as exc:
-                spool._error = exc
-            else:
-                if entry is not None:
-                    entries.append(entry)
-                continue
-        spool._unwritten.append({place: arrays[place][start:end] for place in rec.places})
+        entry = rec.spool.take(arrays, start, end, rec.places)
+        if entry is not None:
+            entries.append(entry)
     return entries

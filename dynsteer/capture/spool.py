@@ -274,6 +274,19 @@ class Spool:
         self.rows += end - start
         return self, arrays, start, end, targets
 
+    def take(self, arrays: Mapping[Hashable, np.ndarray], start: int, end: int,
+             places: tuple[Hashable, ...]) -> tuple | None:
+        """Writer thread: :meth:`reserve` rows ``[start, end)`` as the next chunk and return its entry, or, once this
+        spool has failed (now or before), keep them in memory for the owner (``_unwritten``, found at flush) and
+        return None: nothing after a failed chunk is written."""
+        if self._error is None:
+            try:
+                return self.reserve(arrays, start, end, places)
+            except (OSError, ValueError) as exc:
+                self._error = exc
+        self._unwritten.append({place: arrays[place][start:end] for place in places})
+        return None
+
     def flush(self) -> None:
         """Wait until every queued chunk is written. Raises :class:`SpoolError` if one failed (nothing after a
         failed chunk is written)."""

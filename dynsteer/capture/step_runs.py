@@ -77,8 +77,8 @@ class StepRun:
 
     def entries(self) -> list[tuple]:
         """Land each record's rows of the run (positions, and its spool's next chunk, whose write entry is
-        returned). A spool that cannot take a chunk keeps it, and every later one, in memory, as
-        :func:`~dynsteer.capture.record.split_step` does."""
+        returned); a spool that cannot take a chunk keeps it, and every later one, in memory
+        (:meth:`~dynsteer.capture.spool.Spool.take`)."""
         steps, rows = self.steps, self.rows.tolist()
         positions = np.stack([step.positions[self.rows] for step in steps], axis=1)  # [records, steps]
         out = []
@@ -88,18 +88,9 @@ class StepRun:
             rec.chunks += 1
             arrays = {place: RowList([step.by_dtype[rec.spec.dtype][place][r] for step in steps])
                       for place in rec.places}
-            spool = rec.spool
-            if spool is not None and spool._error is None:
-                try:
-                    entry = spool.reserve(arrays, 0, len(steps), rec.places)
-                except (OSError, ValueError) as exc:
-                    spool._error = exc
-                else:
-                    if entry is not None:
-                        out.append(entry)
-                    continue
-            if spool is not None:
-                spool._unwritten.append({place: rows_[:] for place, rows_ in arrays.items()})
+            entry = rec.spool.take(arrays, 0, len(steps), rec.places) if rec.spool is not None else None
+            if entry is not None:
+                out.append(entry)
         return out
 
     def release(self) -> None:
