@@ -195,6 +195,15 @@ class Bench:
                     mon = MonitorConfig.private(streams={"resid": {"places": [f"{layer}.post_block"]}})
                     dyn.update(capture_sites=["post_block"], capture_layers=[layer],
                                monitor=mon.model_dump(mode="json"))
+                if e == "dynsteer-stream":
+                    from dynsteer.config import MonitorConfig
+
+                    # capture buffers at every layer; a monitor subscribes to 8 of them (mode stream8) or to all
+                    every = list(range(self.num_layers))
+                    mon = MonitorConfig.private(streams={
+                        "resid8": {"places": [f"{l}.post_block" for l in spread_layers(8, self.num_layers)]},
+                        "residall": {"places": [f"{l}.post_block" for l in every]}})
+                    dyn.update(capture_sites=["post_block"], capture_layers=every, monitor=mon.model_dump(mode="json"))
             self.cfgs[e] = dict(base, engine=e, kind=ENGINE_KIND[e], dynsteer=dyn,
                                 profile_dir=str(self.work_dir / "profile" / e) if args.profile else None)
         failed = self.farm.start({e: self.cfgs[e] for e in self.engines}, self.envs, CLONES, args.start_timeout,

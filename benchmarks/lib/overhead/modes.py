@@ -46,6 +46,10 @@ MODES = [
     Mode("capidle", "capture-enabled idle", "dynsteer-capture", False),
     Mode("capture", "capture every generated token, 1 layer", "dynsteer-capture", False, 2.0),
     Mode("stream", "stream every generated token, 1 layer, to a monitor", "dynsteer-capture", False, 3.0),
+    # stream bandwidth: capture buffers at post_block of every layer, a monitor reading 8 of them or all of them
+    Mode("s_idle", "stream engine idle (capture buffers at every layer)", "dynsteer-stream", False),
+    Mode("stream8", "stream every generated token, 8 layers, to a monitor", "dynsteer-stream", False, 5.0),
+    Mode("streamall", "stream every generated token, every layer, to a monitor", "dynsteer-stream", False),
     # the same default config with forward="inline" (site work traced into the compiled graph, fusable by inductor)
     Mode("i_idle", "idle, forward=inline", "dynsteer-inline", False, 0.3),
     Mode("i_static1", "static global, 1 layer, forward=inline", "dynsteer-inline", True, 0.5),
@@ -66,24 +70,28 @@ BY_KEY = {m.key: m for m in MODES}
 # the same engine's idle mode: an engine process can sit a point or two off another for a whole run (same code, same
 # GPU), which every "vs absent" figure carries and a comparison within one engine does not.
 EXTRA_PAIRS = [("aa3", "aa"), ("idle2", "idle"), ("idle3", "idle"), ("hwsteered", "hwidle"), ("hook", "eager"),
-               ("capture", "capidle"), ("stream", "capidle"),
+               ("capture", "capidle"), ("stream", "capidle"), ("stream8", "s_idle"), ("streamall", "s_idle"),
                *((k, "idle") for k in ("static1", "static8", "pr1", "pr16", "pr64", "pr64n", "gate", "prdyn",
                                        "hwload")),
                *((k, "i_idle") for k in ("i_static1", "i_pr64", "i_prdyn")), ("l_static1", "l_idle"),
                ("l_idle", "b_idle"), ("idle", "b_idle")]
-ENGINES = ["absent", "absent2", "dynsteer", "hotwire", "hook", "dynsteer-capture",
+ENGINES = ["absent", "absent2", "dynsteer", "hotwire", "hook", "dynsteer-capture", "dynsteer-stream",
            "dynsteer-inline", "dynsteer-bare", "dynsteer-1layer", "absent3", "dynsteer2", "dynsteer3"]  # priority
 # started once the engine they copy is up: they read its compile cache rather than race to write it
 CLONES = {"absent2": "absent", "absent3": "absent", "dynsteer2": "dynsteer", "dynsteer3": "dynsteer"}
 ENGINE_KIND = {"absent": "absent", "absent2": "absent", "absent3": "absent", "dynsteer": "dynsteer",
                "dynsteer2": "dynsteer", "dynsteer3": "dynsteer",
-               "dynsteer-capture": "dynsteer",
+               "dynsteer-capture": "dynsteer", "dynsteer-stream": "dynsteer",
                "dynsteer-inline": "dynsteer", "dynsteer-bare": "dynsteer", "dynsteer-1layer": "dynsteer",
                "hotwire": "hotwire", "hook": "hook"}
 REDUCED_MODES = ["absent", "aa", "idle", "static1", "static8", "pr64", "gate", "prdyn", "sync", "hwload", "hwidle",
                  "hwsteered", "capidle", "capture", "stream"]
 ABSENT_MODES = ("absent", "aa", "aa3")
 IDLE_MODES = ("idle", "idle2", "idle3")  # the same idle mode on engines alike
+
+
+# the streams of the stream-bandwidth engine, by mode (``stream`` reads the capture engine's one-layer stream)
+STREAM_OF_MODE = {"stream": "resid", "stream8": "resid8", "streamall": "residall"}
 
 
 # ---- where the modes steer (the worker builds its workloads there; the report lists them) -----------------------

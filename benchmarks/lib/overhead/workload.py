@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from lib.overhead.modes import HOTWIRE_VECTOR_ID, N_POLICIES, TIMED_STD, gate_places, spread_layers, steer_layer
+from lib.overhead.modes import (HOTWIRE_VECTOR_ID, N_POLICIES, STREAM_OF_MODE, TIMED_STD, gate_places, spread_layers,
+                                steer_layer)
 
 
 class Workload:
@@ -35,6 +36,7 @@ class Workload:
         self.prompts = {b: self.prompts_for(b, None) for b in cfg["batches"]}
         self.kind = cfg["kind"]
         self.steerer = None
+        self.stream_bytes = 0  # bytes of every frame the stream modes' monitor received (GB/s in the report)
         self._payloads: dict = {}
         if self.kind == "dynsteer" and cfg["engine"] != "dynsteer-bare":  # the bare engine has no runtime
             import dynsteer
@@ -159,21 +161,23 @@ class Workload:
                 return outs
 
             return call, None
-        elif key == "stream":
+        elif key in STREAM_OF_MODE:
             import threading
 
             from dynsteer.monitor.client import MonitorClient
 
             mcfg = self.cfg["dynsteer"]["monitor"]
-            mon = MonitorClient(mcfg["endpoint"], mcfg["command_endpoint"], name="bench", streams=["resid"],
-                          policy="drop", max_pending=1 << 20, window=1024)
+            mon = MonitorClient(mcfg["endpoint"], mcfg["command_endpoint"], name="bench",
+                                streams=[STREAM_OF_MODE[key]], policy="drop", max_pending=1 << 20, window=1024)
             rows, stop = [0], threading.Event()
 
-            def read() -> None:  # a monitor that never fires: it reads and scores every frame
+            def read() -> None:  # a monitor that never fires: it reads every value of every frame
                 while not stop.is_set():
                     frame = mon.recv(timeout_s=0.05)
                     if frame is not None:
-                        next(iter(frame.values.values())).sum()
+                        for values in frame.values.values():
+                            values.sum()
+                            self.stream_bytes += values.nbytes
                         rows[0] += len(frame.positions)
 
             reader = threading.Thread(target=read, daemon=True)
@@ -209,7 +213,7 @@ class Workload:
             # capture delivery (the call's tail): time in take_captures and packing in the engine core, the spool
             # writer's queue, and the whole delivery in the caller
             **{k: d["stats"].get(k, 0) for k in ("takes", "take_ms", "take_backlog", "pack_ms")},
-            "deliver_ms": self.deliver_ms}
+            "deliver_ms": self.deliver_ms, "stream_bytes": self.stream_bytes}
 
 
 def install_hook(layer_idx: int, vector: list[float], model) -> int:
