@@ -164,14 +164,16 @@ def print_tables(report: dict) -> None:
             cell += (f" {{take {c['take_ms'] / n:.2f} + pack {c.get('pack_ms', 0) / n:.2f} ms, writer queue "
                      f"{c['take_backlog'] / n:.1f}, caller {c.get('deliver_ms', 0) / n:.2f} ms}}")
         if c and c.get("stream_bytes"):  # what the stream modes' monitor received, over the timed calls
-            cell += f" <{c['stream_bytes'] / sum(xs) / 1e9:.3f} GB/s>"
+            lost = c.get("stream_rows_want", 0) - c.get("stream_rows", 0)
+            cell += (f" <{c['stream_bytes'] / sum(xs) / 1e9:.3f} GB/s"
+                     + (f", {100 * c['stream_rows'] / c['stream_rows_want']:.1f} % of rows" if lost else "") + ">")
         if c and c.get("rows_written"):  # rows rewritten in timed calls: the row pool is too small
             cell += f" ({c['rows_written'] / len(xs):.1f} rows)"
         return cell
 
     print_mode_table("mode: wall ms per step [dynsteer host ms per step: staging / read-back / waiting] {capture per "
                      "call: take_captures + packing ms in the engine core, spool writer queue then, the caller's whole "
-                     "delivery ms} <stream modes: GB/s the monitor received> (table rows written per timed call)", report["seconds"], batches, wall_cell)
+                     "delivery ms} <stream modes: GB/s the monitor received, the share of rows where any were dropped> (table rows written per timed call)", report["seconds"], batches, wall_cell)
     print_mode_table("mode: CPU busy over the call, frontend / engine core (median; max for the engine core)",
                      report.get("cpu_busy_repeats") or {}, batches,
                      lambda k, b, xs: f"{statistics.median(x['front'] for x in xs):.2f} / "
