@@ -406,3 +406,25 @@ def test_memory_consumer_still_bounds_the_record_count(clock):
         mem.on_finish(_record(tag))
     assert list(mem.records) == ["b", "c"] and mem.evicted == 1 and mem.bytes == 2 * HELD
     assert mem.records["c"].deliveries == {"memory": "delivered"}
+
+
+def test_memory_consumer_weighs_a_shared_spec_once_and_each_distinct_spec_by_its_own_weight(clock, monkeypatch):
+    """A batch's records share their spec: it is walked once; a different spec is weighed by its own size, and the
+    charge always equals what each record's spec keeps."""
+    walks = []
+    real = consumers_mod.resident_bytes
+    monkeypatch.setattr(consumers_mod, "resident_bytes", lambda obj: walks.append(obj) or real(obj))
+    light = CaptureSpec(layers=SPEC.layers, sites=SPEC.sites, positions="all_generated")
+    heavy = CaptureSpec(layers=SPEC.layers, sites=SPEC.sites, positions=tuple(range(1000, 3000)))
+    mem = MemoryConsumer()
+    for i in range(5):
+        mem.on_finish(CaptureRecord(tag=f"l{i}", req_id=f"l{i}", spec=light, prompt_len=3))
+    assert walks == [light] and mem.bytes == 5 * real(light)
+    mem.on_finish(CaptureRecord(tag="h", req_id="h", spec=heavy, prompt_len=3))
+    assert walks == [light, heavy] and mem.bytes == 5 * real(light) + real(heavy)
+    for i in range(70):  # more distinct specs than are remembered: the oldest are forgotten, and weighed again
+        mem.on_finish(CaptureRecord(tag=f"d{i}", req_id=f"d{i}", spec=CaptureSpec(
+            layers=SPEC.layers, sites=SPEC.sites, positions=(i,)), prompt_len=3))
+    mem.on_finish(CaptureRecord(tag="l-again", req_id="l-again", spec=light, prompt_len=3))
+    assert walks[-1] is light and len(walks) == 2 + 70 + 1
+    assert mem.bytes == sum(_held(r) for r in mem.records.values())

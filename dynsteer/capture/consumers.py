@@ -114,10 +114,25 @@ class MemoryConsumer:
         self.bytes = 0
         self.evicted = self.evicted_bytes = 0
         self.expired = self.expired_bytes = 0
+        # the weight of the last specs seen: requests of one batch share theirs (a global spec, or one payload
+        # decoded once), and walking one costs tens of microseconds per finishing request; specs are frozen, and
+        # each entry holds its spec so that its id is not reused while cached
+        self._spec_bytes: OrderedDict[int, tuple[Any, int]] = OrderedDict()
+
+    def _weigh_spec(self, spec: Any) -> int:
+        hit = self._spec_bytes.get(id(spec))
+        if hit is not None and hit[0] is spec:
+            self._spec_bytes.move_to_end(id(spec))
+            return hit[1]
+        size = resident_bytes(spec)
+        self._spec_bytes[id(spec)] = (spec, size)
+        if len(self._spec_bytes) > 64:
+            self._spec_bytes.popitem(last=False)
+        return size
 
     def on_finish(self, record: CaptureRecord) -> None:
         self._pop(record.tag)  # a repeated tag replaces the old record, which moves to the back
-        size = record.nbytes + resident_bytes(record.spec)
+        size = record.nbytes + self._weigh_spec(record.spec)
         self.records[record.tag] = record
         self._held[record.tag] = (time.monotonic(), size)
         self.bytes += size
