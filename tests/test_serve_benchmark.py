@@ -71,3 +71,56 @@ def test_a_half_mixs_steered_and_plain_requests_are_summarised_apart(capsys):
     assert "halves" not in summary["16"]["dynsteer:none"]
     serve.print_summary(summary)
     assert "| dynsteer:dynamic | +50.0 | +0.0 | +2.0 | +0.0 |" in capsys.readouterr().out
+
+
+def test_the_client_sends_each_body_encoded_before_the_clock_and_marks_its_half(monkeypatch):
+    """``batch`` encodes every request body before timing (a large JSON body encoded on the client's one event loop
+    would delay every request in flight), and the server gets exactly the JSON each request was built with."""
+    import asyncio
+    import json
+    import random
+
+    from aiohttp import web
+
+    n_out, received, encodes_at_first_request = 3, [], []
+    dumps = serve.json.dumps
+    calls = []
+
+    def counting_dumps(obj, *a, **k):
+        calls.append(1)
+        return dumps(obj, *a, **k)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        if not received:
+            encodes_at_first_request.append(len(calls))
+        assert request.content_type == "application/json"
+        received.append(await request.json())
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for _ in range(n_out):
+            await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+        await resp.write(b'data: {"choices": [], "usage": {"completion_tokens": %d}}\n\ndata: [DONE]\n\n' % n_out)
+        return resp
+
+    async def main() -> dict:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await serve.batch(f"http://127.0.0.1:{port}", 6, 2, 4, n_out, 1000, random.Random(0),
+                                     lambda i: None if i % 2 else {"vector": "v", "scale": float(i)})
+        finally:
+            await runner.cleanup()
+
+    monkeypatch.setattr(serve.json, "dumps", counting_dumps)
+    out = asyncio.run(main())
+    monkeypatch.undo()
+    assert out["errors"] == 0 and out["n"] == 6 and encodes_at_first_request == [6]
+    assert sorted(json.dumps(b.get("steering")) for b in received) == sorted(
+        json.dumps(None if i % 2 else {"vector": "v", "scale": float(i)}) for i in range(6))
+    assert all(len(b["prompt"]) == 4 and b["stream"] for b in received)
+    assert set(out["halves"]) == {"steered", "plain"}
