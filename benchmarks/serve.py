@@ -40,12 +40,21 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import msgspec
+
 from lib.engines import LLAMA3_8B, gpu_memory, kv_bytes_per_token, weight_bytes
 from lib.report import git_sha, host_facts, save_json, utc_now
 from lib.serve import CPU_ARGS, CPU_ENV, Server, VanillaServer, http_json
 from lib.stats import paired, quantile
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def decode_chunk(data: bytes) -> dict:
+    """One streamed chunk's JSON. msgspec, several times faster than ``json.loads``: the client parses every chunk
+    of every request on one event loop, and a chunk that carries a per-token report is larger than a plain one, so
+    a slow parse would be charged to the requests that ask for reports."""
+    return msgspec.json.decode(data)
 MIXES = ("none", "registered", "inline", "dynamic", "dynamic-b64", "global", "preset", "reports")
 METRICS = ("tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99")
 NAME = "bench"  # the served model name, the registered vector's and the preset's
@@ -161,7 +170,7 @@ async def one_request(session: Any, url: str, body: bytes, n_out: int) -> dict:
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     break
-                chunk = json.loads(data)
+                chunk = decode_chunk(data)
                 if chunk.get("choices"):
                     arrivals.append(time.perf_counter())
                 if chunk.get("usage"):
