@@ -25,11 +25,12 @@ own process below it, as vLLM runs by default):
   H200, 9570f43: every per-request-static call rewrote all 64 rows, +3.6 % at batch 64 in a mixed run against
   +1.1 % alone). Rows only size the tables (no per-step cost); the report lists table rows written per timed call.
 * ``dynsteer-capture``: the same plus capture buffers at ``post_block`` of the steered layer.
-* ``dynsteer-stream`` (modes ``s_idle``, ``stream8``, ``streamall``, not in ``--reduced``): stream bandwidth. Capture
-  buffers at ``post_block`` of every layer and two streams, 8 spread layers and every layer; a monitor in the engine's
-  process subscribes to one of them and reads every value of every frame. ``stream8`` checks in every timed call
-  that every generated token's row arrived; ``streamall`` is measured as it comes (subscribed with ``drop``): the
-  mode table gives the GB/s the monitor received and, where rows were dropped, the share that arrived.
+* ``dynsteer-stream`` (modes ``s_idle``, ``stream8``, ``streamall``, ``streamall16``, not in ``--reduced``): stream
+  bandwidth. Capture buffers at ``post_block`` of every layer and three streams: 8 spread layers, every layer, and
+  every layer as bfloat16 (2 bytes a value on the wire); a monitor in the engine's process subscribes to one of them
+  and reads every value of every frame. ``stream8`` checks in every timed call that every generated token's row
+  arrived; the every-layer modes are measured as they come (subscribed with ``drop``): the mode table gives the GB/s
+  the monitor received (as float32 values) and, where rows were dropped, the share that arrived.
 * ``dynsteer-inline``: the default config with ``forward="inline"`` (each site's work as torch ops traced into the
   compiled graph, which inductor may fuse with the neighbouring residual add and norm, instead of one opaque op
   launch per site); modes ``i_idle``, ``i_static1``, ``i_pr64``, ``i_prdyn`` (not in ``--reduced``: on the H200,

@@ -122,7 +122,8 @@ class StreamSpec(BaseModel):
         requests: ``all``; ``tagged`` (requests whose payload has a tag, optionally starting with ``tag_prefix``);
             ``dynamic`` (requests a dynamic policy steers).
         positions: ``generated`` tokens, ``prompt`` tokens, or ``both``.
-        dtype: of the published rows (``bfloat16`` is rounded on the device and sent as float32).
+        dtype: of the published rows. ``bfloat16`` is rounded on the device and travels as 2 bytes per value (half
+            of ``float32``'s bandwidth); monitors get float32 arrays of the rounded values.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

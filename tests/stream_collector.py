@@ -10,13 +10,13 @@ from dynsteer.config import DynsteerConfig
 
 
 class StreamCollector(threading.Thread):
-    """Receives the ``resid`` stream's frames until :meth:`finish`."""
+    """Receives the ``resid`` stream's frames (or those of ``streams``) until :meth:`finish`."""
 
-    def __init__(self, cfg: DynsteerConfig, name: str = "collector") -> None:
+    def __init__(self, cfg: DynsteerConfig, name: str = "collector", streams: tuple[str, ...] = ("resid",)) -> None:
         super().__init__(daemon=True)
         from dynsteer.monitor.client import MonitorClient
 
-        self.mon = MonitorClient(cfg.monitor.endpoint, cfg.monitor.command_endpoint, name=name, streams=["resid"],
+        self.mon = MonitorClient(cfg.monitor.endpoint, cfg.monitor.command_endpoint, name=name, streams=list(streams),
                                  policy="drop", max_pending=100000)
         self.frames: list = []
         self.stop = threading.Event()

@@ -30,8 +30,10 @@ SCRIPT = Path(__file__).with_name("monitor_script.py")
 
 
 def _config() -> DynsteerConfig:
-    mon = MonitorConfig.private(streams={"resid": StreamSpec(places=("1.post_block",), requests="tagged",
-                                                             tag_prefix="target")})
+    mon = MonitorConfig.private(streams={
+        "resid": StreamSpec(places=("1.post_block",), requests="tagged", tag_prefix="target"),
+        # the same rows as bfloat16: 2 bytes per value on the wire
+        "resid16": StreamSpec(places=("1.post_block",), requests="tagged", tag_prefix="target", dtype="bfloat16")})
     return DynsteerConfig(capture_sites=("post_block",), capture_layers=(1,), monitor=mon)
 
 
@@ -90,6 +92,40 @@ def test_stream_frames_hold_the_target_rows_once_in_order_and_equal_its_capture(
     np.testing.assert_array_equal(positions, np.arange(n, n + MAX_TOKENS - 1))
     np.testing.assert_array_equal(capture.positions, positions)
     np.testing.assert_array_equal(capture.arrays[(1, "post_block")], values)
+
+
+def test_a_bfloat16_stream_travels_as_16_bits_and_reaches_the_monitor_as_the_rounded_float32_rows(engine, monkeypatch):
+    """The bfloat16 stream's arrays on the wire are 2 bytes per value; the frames' values are exactly the float32
+    stream's rows rounded to bfloat16, at the same positions."""
+    import torch
+
+    from dynsteer.monitor.client import StreamFrame
+
+    llm, cfg = engine
+    wire: dict[str, set] = {"resid": set(), "resid16": set()}
+    from_wire = StreamFrame.from_wire.__func__
+
+    def recording(cls, raw):
+        wire[raw.stream] |= {(a.dtype.str, a.itemsize) for a in raw.arrays[2:]}
+        return from_wire(cls, raw)
+
+    monkeypatch.setattr(StreamFrame, "from_wire", classmethod(recording))
+    col = StreamCollector(cfg, name="bf16-sub", streams=("resid", "resid16"))
+    col.start()
+    time.sleep(0.5)
+    llm.generate(PROMPTS, _params())
+    frames = col.finish(expect=2 * (MAX_TOKENS - 1))
+    by = {name: [f for f in frames if f.stream == name] for name in ("resid", "resid16")}
+    assert wire["resid"] == {("<f4", 4)} and wire["resid16"] == {("<i2", 2)}
+    assert all(f.dtype == "bfloat16" for f in by["resid16"]) and all(f.dtype == "float32" for f in by["resid"])
+    full = np.concatenate([f.values["1.post_block"] for f in by["resid"]])
+    half = np.concatenate([f.values["1.post_block"] for f in by["resid16"]])
+    assert full.shape == half.shape == (MAX_TOKENS - 1, full.shape[1]) and half.dtype == np.float32
+    np.testing.assert_array_equal(np.concatenate([f.positions for f in by["resid16"]]),
+                                  np.concatenate([f.positions for f in by["resid"]]))
+    rounded = torch.from_numpy(full).to(torch.bfloat16).to(torch.float32).numpy()
+    np.testing.assert_array_equal(half, rounded)
+    assert not np.array_equal(half, full)  # rounding happened: the test sees the difference
 
 
 def _probe_for(frames, prompt_len: int) -> tuple[np.ndarray, float, int]:

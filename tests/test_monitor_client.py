@@ -226,3 +226,22 @@ def test_the_monitor_cli_says_it_subscribed_prints_counts_while_frames_come_and_
     assert [line for line in lines if line.startswith("monitor: ") and "frames" in line] == [
         f"monitor: {n} frames, 0 commands (0 applied, 0 rejected)" for n in (1, 2, 3)]
     assert lines[-1] == "3 frames, 3 rows; 0 commands (0 applied, 0 rejected); aborted: none"
+
+
+def test_a_bfloat16_frame_is_widened_exactly_and_float32_rows_of_such_a_frame_pass_unchanged():
+    """bfloat16 numbers given as their 16 bits become the float32 numbers they are; an engine that sent float32 rows
+    under a bfloat16 header (the older form) is read as it was."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    rounded = torch.from_numpy(rng.standard_normal((3, 8)).astype(np.float32)).to(torch.bfloat16)
+    bits = rounded.view(torch.int16).numpy()
+    meta = {"step": 4, "req_ids": ["r"], "places": ["1.post_block"], "dtype": "bfloat16"}
+    index, positions = np.zeros(3, np.int32), np.arange(3, dtype=np.int64)
+    frame = StreamFrame.from_wire(SimpleNamespace(stream="s", seq=0, meta=meta, arrays=[index, positions, bits]))
+    values = frame.values["1.post_block"]
+    assert values.dtype == np.float32 and frame.dtype == "bfloat16"
+    np.testing.assert_array_equal(values, rounded.to(torch.float32).numpy())
+    widened = rounded.to(torch.float32).numpy()
+    old = StreamFrame.from_wire(SimpleNamespace(stream="s", seq=0, meta=meta, arrays=[index, positions, widened]))
+    assert old.values["1.post_block"] is widened

@@ -15,6 +15,21 @@ if TYPE_CHECKING:
     import torch
 
 
+# numpy has no bfloat16: a bfloat16 stream's rows are rounded on the device and travel as their 16 bits (half the
+# bytes of float32); the monitor client widens them back to float32 (``dynsteer.monitor.client.StreamFrame``).
+BF16_BITS = "bfloat16-bits"
+
+
+def stream_wire_dtype(dtype: str) -> str:
+    """The collector's key for a stream of ``dtype`` (``StreamSpec.dtype``): what its rows are copied out as."""
+    return BF16_BITS if dtype == "bfloat16" else dtype
+
+
+def stream_spec_dtype(wire: str) -> str:
+    """``StreamSpec.dtype`` of a collector key (what a frame's header names)."""
+    return "bfloat16" if wire == BF16_BITS else wire
+
+
 @dataclass
 class StreamSelection:
     """One stream's rows of one step (the async tier): batch tokens ``tokens`` of requests ``req_ids[req]``."""
@@ -22,7 +37,7 @@ class StreamSelection:
     name: str
     step: int
     places: tuple[Place, ...]
-    dtype: str
+    dtype: str  # the collector's key: :func:`stream_wire_dtype` of the stream's dtype
     tokens: np.ndarray  # batch token indices (int64)
     req: np.ndarray  # int32 index into req_ids, per token
     positions: np.ndarray  # int64 absolute positions

@@ -32,7 +32,7 @@ from dynsteer.capture.record import CaptureRecord, split_step
 from dynsteer.capture.select import select_positions
 from dynsteer.capture.spec import CaptureSpec
 from dynsteer.capture.spool import WRITER, Spool, spool_dir
-from dynsteer.capture.step import BatchCapture, PendingCopy, StreamSelection
+from dynsteer.capture.step import BF16_BITS, BatchCapture, PendingCopy, StreamSelection
 from dynsteer.capture.step_runs import BatchedStep
 from dynsteer.device.staging import StagingRing
 
@@ -43,9 +43,10 @@ __all__ = ["CaptureCollector", "CaptureRecord", "MAX_SPOOL_FILES", "Place", "SAF
 # Spool files (one per place of a capturing request) open at once in one worker; later requests keep rows in memory.
 MAX_SPOOL_FILES = 512
 
-# numpy has no bfloat16: bfloat16 captures are rounded to bfloat16 on the device and returned as float32 arrays.
+# numpy has no bfloat16: bfloat16 captures are rounded to bfloat16 on the device and returned as float32 arrays;
+# bfloat16 streams are rounded and copied out as their 16 bits (BF16_BITS), widened by the monitor client.
 _DEVICE_DTYPES = {"float32": (torch.float32,), "bfloat16": (torch.bfloat16, torch.float32),
-                  "float16": (torch.float16,)}
+                  "float16": (torch.float16,), BF16_BITS: (torch.bfloat16,)}
 
 
 class CaptureCollector:
@@ -252,7 +253,8 @@ class CaptureCollector:
             for cast in _DEVICE_DTYPES[dtype]:
                 t = t.to(cast)
             # A fresh tensor on the compute stream: the next forward overwrites the buffer's rows.
-            gathered[(place, dtype)] = rows_at.clone() if t is rows_at else t
+            t = rows_at.clone() if t is rows_at else t
+            gathered[(place, dtype)] = t.view(torch.int16) if dtype == BF16_BITS else t
         if self._cuda:
             done = torch.cuda.Event()
             self._side.wait_stream(torch.cuda.current_stream())

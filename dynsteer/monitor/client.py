@@ -50,6 +50,14 @@ __all__ = ["CommandClient", "CommandError", "MonitorClient", "Pending", "StreamF
 _SAME: Any = object()  # frames(): the first frame's wait is timeout_s too
 
 
+def bfloat16_bits_to_float32(a: np.ndarray) -> np.ndarray:
+    """float32 values of bfloat16 numbers given as their 16 bits (a bfloat16 is a float32's upper half; exact).
+    Arrays that are not 16-bit integers (float32 rows from an engine that widened them itself) pass unchanged."""
+    if a.dtype.itemsize != 2 or a.dtype.kind not in "iu":
+        return a
+    return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
 @dataclass
 class StreamFrame:
     """One engine step of one stream: rows of every published request at the stream's places.
@@ -85,10 +93,13 @@ class StreamFrame:
     def from_wire(cls, frame: Any) -> "StreamFrame":
         meta, arrays = frame.meta, frame.arrays
         places = list(meta.get("places", ()))
+        dtype = str(meta.get("dtype", "float32"))
+        values = arrays[2:]
+        if dtype == "bfloat16":  # the rows' 16 bits on the wire: widened here, exactly
+            values = [bfloat16_bits_to_float32(a) for a in values]
         return cls(stream=frame.stream, seq=frame.seq, step=int(meta.get("step", -1)),
                    req_ids=list(meta.get("req_ids", ())), request=arrays[0], positions=arrays[1],
-                   values=dict(zip(places, arrays[2:])), dtype=str(meta.get("dtype", "float32")),
-                   replica=int(meta.get("replica", 0)))
+                   values=dict(zip(places, values)), dtype=dtype, replica=int(meta.get("replica", 0)))
 
     def rows_of(self, req_id: str) -> np.ndarray:
         """Row indices of ``req_id`` in this frame (empty if absent)."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Collection
 import numpy as np
 
 from dynsteer.capture.names import Place, place_key
-from dynsteer.capture.step import StreamSelection
+from dynsteer.capture.step import StreamSelection, stream_spec_dtype, stream_wire_dtype
 from dynsteer.config import StreamSpec
 from dynsteer.steering.stats import RuntimeStats
 
@@ -67,15 +67,15 @@ class StreamPublisher:
                 keep &= ~is_decode
             tokens = np.flatnonzero(keep)
             if tokens.size:
-                out.append(StreamSelection(name, step, self._places[name], spec.dtype, tokens, req_of_token[tokens],
-                                           position[tokens], ids))
+                out.append(StreamSelection(name, step, self._places[name], stream_wire_dtype(spec.dtype), tokens,
+                                           req_of_token[tokens], position[tokens], ids))
         return out
 
     def publish(self, sel: StreamSelection, values: dict[Place, np.ndarray]) -> None:
         """One stream's rows of one step have landed: one message (header + raw frames)."""
         uniq, inverse = np.unique(sel.req, return_inverse=True)
         meta = {"step": int(sel.step), "req_ids": [sel.req_ids[i] for i in uniq.tolist()],
-                "places": [place_key(p) for p in sel.places], "dtype": sel.dtype, **self.header}
+                "places": [place_key(p) for p in sel.places], "dtype": stream_spec_dtype(sel.dtype), **self.header}
         arrays = [inverse.astype(np.int32), np.ascontiguousarray(sel.positions, np.int64),
                   *(np.ascontiguousarray(values[p]) for p in sel.places)]
         try:

@@ -202,7 +202,8 @@ class Bench:
                     every = list(range(self.num_layers))
                     mon = MonitorConfig.private(streams={
                         "resid8": {"places": [f"{l}.post_block" for l in spread_layers(8, self.num_layers)]},
-                        "residall": {"places": [f"{l}.post_block" for l in every]}})
+                        "residall": {"places": [f"{l}.post_block" for l in every]},
+                        "residall16": {"places": [f"{l}.post_block" for l in every], "dtype": "bfloat16"}})
                     dyn.update(capture_sites=["post_block"], capture_layers=every, monitor=mon.model_dump(mode="json"))
             self.cfgs[e] = dict(base, engine=e, kind=ENGINE_KIND[e], dynsteer=dyn,
                                 profile_dir=str(self.work_dir / "profile" / e) if args.profile else None)

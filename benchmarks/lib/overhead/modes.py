@@ -50,6 +50,8 @@ MODES = [
     Mode("s_idle", "stream engine idle (capture buffers at every layer)", "dynsteer-stream", False),
     Mode("stream8", "stream every generated token, 8 layers, to a monitor", "dynsteer-stream", False, 5.0),
     Mode("streamall", "stream every generated token, every layer, to a monitor", "dynsteer-stream", False),
+    Mode("streamall16", "stream every generated token, every layer, bfloat16, to a monitor", "dynsteer-stream",
+         False),
     # the same default config with forward="inline" (site work traced into the compiled graph, fusable by inductor)
     Mode("i_idle", "idle, forward=inline", "dynsteer-inline", False, 0.3),
     Mode("i_static1", "static global, 1 layer, forward=inline", "dynsteer-inline", True, 0.5),
@@ -71,6 +73,7 @@ BY_KEY = {m.key: m for m in MODES}
 # GPU), which every "vs absent" figure carries and a comparison within one engine does not.
 EXTRA_PAIRS = [("aa3", "aa"), ("idle2", "idle"), ("idle3", "idle"), ("hwsteered", "hwidle"), ("hook", "eager"),
                ("capture", "capidle"), ("stream", "capidle"), ("stream8", "s_idle"), ("streamall", "s_idle"),
+               ("streamall16", "s_idle"),
                *((k, "idle") for k in ("static1", "static8", "pr1", "pr16", "pr64", "pr64n", "gate", "prdyn",
                                        "hwload")),
                *((k, "i_idle") for k in ("i_static1", "i_pr64", "i_prdyn")), ("l_static1", "l_idle"),
@@ -91,7 +94,7 @@ IDLE_MODES = ("idle", "idle2", "idle3")  # the same idle mode on engines alike
 
 
 # the streams of the stream-bandwidth engine, by mode (``stream`` reads the capture engine's one-layer stream)
-STREAM_OF_MODE = {"stream": "resid", "stream8": "resid8", "streamall": "residall"}
+STREAM_OF_MODE = {"stream": "resid", "stream8": "resid8", "streamall": "residall", "streamall16": "residall16"}
 
 
 # ---- where the modes steer (the worker builds its workloads there; the report lists them) -----------------------
