@@ -31,13 +31,14 @@ from dynsteer.capture.spool import SHM_PREFIX, pid_namespace as _pid_namespace, 
 SHM_DIR = spool_mod.SHM_DIR
 _ALIGN = 64
 
+__all__ = ["Capture", "SHM_DIR", "SHM_PREFIX", "host_id", "merge_captures", "pack_records", "sweep_shared",
+           "unpack_records"]
+
 
 @functools.lru_cache(maxsize=64)
 def dtype_name(dtype: np.dtype) -> str:
     """``str(dtype)``, which numpy builds anew on every call (~6 µs: twice per record, hundreds of records a take)."""
     return str(dtype)
-__all__ = ["Capture", "SHM_DIR", "SHM_PREFIX", "host_id", "merge_captures", "pack_records", "sweep_shared",
-           "unpack_records"]
 
 
 @dataclass

@@ -178,6 +178,8 @@ class Bench:
         for e in self.engines:
             dyn = None
             if ENGINE_KIND[e] == "dynsteer":
+                from dynsteer.config import MonitorConfig
+
                 # default DynsteerConfig but for rows: every mode's configurations at once (module docstring)
                 dyn = {"max_rows": max(64, max(args.batches) + 2) + 32}
                 if e == "dynsteer-inline":
@@ -187,8 +189,6 @@ class Bench:
                 if e == "dynsteer-1layer":
                     dyn.update(layers=[steer_layer(self.num_layers)])
                 if e == "dynsteer-capture":
-                    from dynsteer.config import MonitorConfig
-
                     layer = steer_layer(self.num_layers)
                     # the async tier's stream of the same place: costs nothing until a monitor subscribes (mode
                     # "stream" runs one in the engine's process, reading every frame)
@@ -196,8 +196,6 @@ class Bench:
                     dyn.update(capture_sites=["post_block"], capture_layers=[layer],
                                monitor=mon.model_dump(mode="json"))
                 if e == "dynsteer-stream":
-                    from dynsteer.config import MonitorConfig
-
                     # capture buffers at every layer; a monitor subscribes to 8 of them (mode stream8) or to all
                     every = list(range(self.num_layers))
                     mon = MonitorConfig.private(streams={

@@ -173,7 +173,8 @@ def print_tables(report: dict) -> None:
 
     print_mode_table("mode: wall ms per step [dynsteer host ms per step: staging / read-back / waiting] {capture per "
                      "call: take_captures + packing ms in the engine core, spool writer queue then, the caller's whole "
-                     "delivery ms} <stream modes: GB/s the monitor received, the share of rows where any were dropped> (table rows written per timed call)", report["seconds"], batches, wall_cell)
+                     "delivery ms} <stream modes: GB/s the monitor received, the share of rows where any were "
+                     "dropped> (table rows written per timed call)", report["seconds"], batches, wall_cell)
     print_mode_table("mode: CPU busy over the call, frontend / engine core (median; max for the engine core)",
                      report.get("cpu_busy_repeats") or {}, batches,
                      lambda k, b, xs: f"{statistics.median(x['front'] for x in xs):.2f} / "

@@ -198,7 +198,8 @@ class Workload:
                 self.stream_rows += rows[0] - start
                 self.stream_rows_want += want
                 # the every-layer stream is measured as it comes: what it delivers under drop is its result
-                assert key.startswith("streamall") or rows[0] - start == want, f"stream rows {rows[0] - start} != {want}"
+                assert key.startswith("streamall") or rows[0] - start == want, \
+                    f"stream rows {rows[0] - start} != {want}"
                 return outs
 
             def teardown() -> None:
