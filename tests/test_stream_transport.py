@@ -462,6 +462,74 @@ def test_reconnect_without_resume_gets_what_the_hub_held(hubs: Callable[..., Str
         assert (c["published"], c["delivered"], c["dropped"]) == (25, 25, 0)
 
 
+def test_say_hello_errors_for_earlier_messages_start_one_hello_not_two(ipc_dir: Path) -> None:
+    """A hub that lost the connection answers every ack and ping sent meanwhile with "say hello". One hello settles
+    them all: a second hello's welcome, arriving after the first's frames were returned, used to move the position
+    back, so those frames were returned twice."""
+    from dynsteer.transport.wire import encode_error, encode_welcome
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{ipc_dir}/scripted"
+    router.bind(endpoint)
+    hellos: list[dict[str, int] | None] = []
+    got_0_to_3, got_4_to_7, hub_done = threading.Event(), threading.Event(), threading.Event()
+
+    def next_hello(timeout_s: float) -> tuple[bytes, Hello] | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if router.poll(20):
+                identity, body = router.recv_multipart()
+                msg = decode_client(body)
+                if isinstance(msg, Hello):  # acks and pings: this script has no use for them
+                    hellos.append(msg.resume)
+                    return identity, msg
+        return None
+
+    def answer(identity: bytes, hello: Hello, stop: int) -> None:
+        start = (hello.resume or {}).get("a", 0)
+        router.send_multipart([identity, encode_welcome({"a": {"head": stop, "first": 0, "next": start}})])
+        for seq in range(start, stop):
+            router.send_multipart([identity, *encode_frame("a", seq, {}, [np.full(2, seq, np.float32)])])
+
+    def scripted_hub() -> None:
+        try:
+            got = next_hello(10)
+            assert got is not None
+            answer(*got, stop=4)
+            got_0_to_3.wait(10)
+            for _ in range(2):  # two messages sent while the hub had marked the connection lost
+                router.send_multipart([got[0], encode_error("hello", "this connection has not said hello")])
+            got = next_hello(10)
+            assert got is not None
+            answer(*got, stop=8)
+            got_4_to_7.wait(10)
+            extra = next_hello(1.0)
+            if extra is not None:  # a second hello: answered as a hub would, after 4..7 were returned
+                answer(*extra, stop=8)
+        finally:
+            hub_done.set()
+
+    thread = threading.Thread(target=scripted_hub, daemon=True)
+    thread.start()
+    try:
+        with StreamSubscriber(endpoint, "m", ["a"], heartbeat_s=5.0) as sub:
+            seqs = [getattr(sub.recv(timeout_s=5), "seq", None) for _ in range(4)]
+            assert seqs == [0, 1, 2, 3]
+            got_0_to_3.set()
+            seqs = [getattr(sub.recv(timeout_s=5), "seq", None) for _ in range(4)]
+            assert seqs == [4, 5, 6, 7]
+            got_4_to_7.set()
+            assert hub_done.wait(10)
+            again = sub.recv(timeout_s=0.5)
+            assert again is None, f"seq {again.seq} returned twice"
+            assert hellos == [None, {"a": 4}]
+            assert sub.next_seq == {"a": 8}
+    finally:
+        thread.join(10)
+        router.close(0)
+
+
 def test_refusals_name_the_field(hubs: Callable[..., StreamHub]) -> None:
     def on_declare(name: str, spec: dict[str, Any]) -> None:
         if spec.get("layer", 0) > 3:

@@ -91,6 +91,10 @@ class StreamSubscriber:
         self._hello_until = 0.0  # retry a hello refused for a held name until then
         self._retry_at = 0.0  # when to send the refused hello again (0: no retry due)
         self._held: StreamError | None = None  # the last refusal for a held name, raised if no welcome comes
+        # When the hello awaiting its answer was sent (0: none). The hub answers each hello once, so "say hello"
+        # errors answering messages sent before it must not start a second one: its welcome, arriving after the
+        # first's frames were returned, would move the position back and repeat them.
+        self._hello_out = 0.0
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -227,14 +231,19 @@ class StreamSubscriber:
         elif op == "error":
             field, message = str(header.get("field")), str(header.get("message"))
             if field == "hello" and self._welcomed and not self._closed:
+                if self._hello_outstanding():
+                    return  # an answer to a message sent before the hello on its way: that hello settles it
                 logger.info("stream subscriber %s: the hub lost this connection (%s); saying hello again", self.name,
                             message)
                 self._hello_until = time.monotonic() + self.hello_timeout_s
                 self._send_hello(dict(self.next_seq))
             elif field == "hello.name" and message.startswith(NAME_HELD) and time.monotonic() < self._hello_until:
+                self._hello_out = 0.0
                 self._held = StreamError(field, message)
                 self._retry_at = time.monotonic() + HELLO_RETRY_S
             else:
+                if field.startswith("hello"):
+                    self._hello_out = 0.0
                 self._error = StreamError(field, message)
         elif op == "stats":
             self._stats = header.get("stats") if isinstance(header.get("stats"), dict) else {}
@@ -260,11 +269,18 @@ class StreamSubscriber:
         # Frames of the previous connection still buffered come again from the resume point.
         self._buffer = deque(f for f in self._buffer if f.stream not in self._expect)
         self.welcome = {k: v for k, v in streams.items() if isinstance(v, dict)}
-        self._welcomed, self._retry_at = True, 0.0
+        self._welcomed, self._retry_at, self._hello_out = True, 0.0, 0.0
+
+    def _hello_outstanding(self) -> bool:
+        """A hello was sent and not yet answered (within ``hello_timeout_s``), or a refused one is due again."""
+        if self._retry_at:
+            return True
+        return bool(self._hello_out) and time.monotonic() - self._hello_out < self.hello_timeout_s
 
     def _send_hello(self, resume: dict[str, int] | None) -> None:
         self._resumed = resume
         self._buffer.clear()  # what the hub sends after this hello starts again at the resume point
+        self._hello_out = time.monotonic()
         self._send(encode_client(msgspec.structs.replace(self._hello, resume=resume)))
 
     def _flush_acks(self, force: bool) -> None:
