@@ -260,3 +260,47 @@ def test_spool_rejects_rows_that_do_not_match_its_layout(tmp_path):
     np.testing.assert_array_equal(sp.read("p"), np.ones((2, 4), np.float32))
     sp.discard()
     assert not list(tmp_path.iterdir())
+
+
+def test_file_names_are_unique_across_a_fork_and_parse_as_the_sweep_reads_them():
+    """Names come from the creating process's pid, a random part drawn once per process and a counter: a forked
+    child draws its own, so parent and child never hand two files the same name (a rename would replace one)."""
+    ns = spool_mod.pid_namespace()
+    names = [spool_mod.shm_name(ns, 4242) for _ in range(1000)]
+    assert len(set(names)) == 1000
+    for name in names[:3]:
+        namespace, pid, unique = name[len(spool_mod.SHM_PREFIX):].split("-")
+        assert (namespace, pid) == (ns, "4242") and unique and "-" not in unique
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: its next names, to the parent
+        try:
+            os.write(write, "\n".join(spool_mod.shm_name(ns, 4242) for _ in range(100)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        theirs = pipe.read().split("\n")
+    os.waitpid(child, 0)
+    ours = [spool_mod.shm_name(ns, 4242) for _ in range(100)]
+    assert len(theirs) == 100 and not set(theirs) & set(ours + names)
+
+
+def test_the_sweep_judges_each_process_once_and_removes_only_the_gone_ones(monkeypatch):
+    ns = spool_mod.pid_namespace()
+    gone_pid = 2 ** 22 + 17  # above Linux's default pid_max: no such process
+    mine = [result_mod.SHM_DIR / spool_mod.shm_name(ns, os.getpid()) for _ in range(5)]
+    theirs = [result_mod.SHM_DIR / spool_mod.shm_name(ns, gone_pid) for _ in range(5)]
+    for path in mine + theirs:
+        path.write_bytes(b"x")
+    asked: list[int] = []
+    real = result_mod._alive
+    monkeypatch.setattr(result_mod, "_alive", lambda pid: asked.append(pid) or real(pid))
+    try:
+        gone = result_mod.sweep_shared()
+        assert set(theirs) <= set(gone) and not set(mine) & set(gone)
+        assert all(p.exists() for p in mine) and not any(p.exists() for p in theirs)
+        assert asked.count(os.getpid()) == 1 and asked.count(gone_pid) == 1
+    finally:
+        for path in mine + theirs:
+            path.unlink(missing_ok=True)

@@ -142,7 +142,7 @@ class CaptureRecord:
                 that landed in order (the usual case) are copied straight into it, once.
         """
         pos = np.concatenate(self.positions) if self.positions else np.zeros(0, np.int64)
-        in_order = bool((np.diff(pos) > 0).all())
+        in_order = bool((pos[1:] > pos[:-1]).all())
         order = None if in_order else np.argsort(pos, kind="stable")
         positions = into(pos.shape, pos.dtype)
         positions[:] = pos if in_order else pos[order]

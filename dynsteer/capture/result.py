@@ -125,7 +125,7 @@ def _pack_spooled(rec: CaptureRecord, namespace: str, caller_pid: int) -> dict[s
     if not rec.spooled or not rec.spool.rows:
         return None
     positions = np.concatenate(rec.positions)
-    if not bool((np.diff(positions) > 0).all()):
+    if not bool((positions[1:] > positions[:-1]).all()):
         return None  # rows landed out of order (cannot happen with the ledger; kept general)
     n, layout = rec.layout()
     try:
@@ -149,9 +149,15 @@ def sweep_shared() -> list[Path]:
         entries = [e.name for e in os.scandir(SHM_DIR) if e.name.startswith(SHM_PREFIX)]
     except OSError:
         return gone
+    alive: dict[str, bool] = {}  # per pid: a take's hundreds of files name a handful of processes
     for name in entries:
-        parts = name[len(SHM_PREFIX):].split("-")  # <namespace>-<caller pid>-<uuid>
-        if len(parts) != 3 or parts[0] != namespace or not parts[1].isdigit() or _alive(int(parts[1])):
+        parts = name[len(SHM_PREFIX):].split("-")  # <namespace>-<caller pid>-<unique>
+        if len(parts) != 3 or parts[0] != namespace or not parts[1].isdigit():
+            continue
+        pid = parts[1]
+        if pid not in alive:
+            alive[pid] = _alive(int(pid))
+        if alive[pid]:
             continue
         path = SHM_DIR / name
         try:
@@ -227,9 +233,12 @@ def unpack_records(packed: list[dict[str, Any]]) -> list[Capture]:
     fields = [f for obj in packed for f in (obj["positions"], *obj["arrays"].values())]
     for path in [obj.get("shm") for obj in packed] + [f.get("shm") for f in fields]:
         if path is not None and path not in maps:
-            with open(path, "rb") as f:
+            fd = os.open(path, os.O_RDONLY)
+            try:
                 # Private copy-on-write mapping: the caller gets writable arrays that never touch the file.
-                maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            finally:
+                os.close(fd)
             os.unlink(path)
     out = []
     for obj in packed:
