@@ -332,8 +332,13 @@ def test_a_sigkilled_monitor_loses_nothing_the_engine_serves_on_and_a_restart_re
     deadline = time.monotonic() + 30
     while second_log.read_text().count("\n") < want and time.monotonic() < deadline:
         time.sleep(0.02)
-    time.sleep(0.3)  # its acks reach the hub
-    stats = StreamMetricsCollector().query(cfg.monitor.endpoint)  # while it is registered (it says bye on exit)
+    # while it is registered (it says bye on exit), once its acks reached the hub
+    while True:
+        stats = StreamMetricsCollector().query(cfg.monitor.endpoint)
+        held = stats["resid"]["subscribers"].get("killed-mon")
+        if held is None or held["pending"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     resumed.wait(timeout=60)  # it exits after 5 s without a frame
     rest = [json.loads(line)["seq"] for line in second_log.read_text().splitlines()]
     got = seen + rest

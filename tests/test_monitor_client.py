@@ -13,6 +13,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import pytest
+import zmq
 
 import dynsteer.monitor.client as client_module
 from dynsteer.commands import user_request_id
@@ -114,7 +115,8 @@ def test_a_frame_that_reached_the_socket_while_the_caller_was_busy_is_returned_a
     h, mon = hub
     with StreamSubscriber(mon.endpoint, "busy", ["resid"]) as sub:
         h.publish("resid", {"step": 1, "req_ids": ["7-0123abcd"]}, [np.zeros(1, np.int32), np.zeros(1, np.int64)])
-        time.sleep(0.5)  # the caller busy with something else; the frame arrives meanwhile
+        # the caller busy with something else; the frame arrives meanwhile (waited for without reading it)
+        assert sub._sock.poll(10_000, zmq.POLLIN)
         frame = sub.recv(0)
         assert frame is not None and frame.seq == 0
 

@@ -4,6 +4,7 @@ those ids, and two commands sent together for one frame taken at the same step."
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
@@ -83,6 +84,7 @@ def test_frames_show_user_ids_and_commands_sent_together_by_user_id_land_at_one_
                 # sent now, acks collected once the engine stepped (it runs in this thread)
                 pending.extend(mon.send(c) for c in (AbortCommand(request=names[1], reason="flagged"),
                                                      SteerCommand(request=names[0], spec=PUSH)))
+                time.sleep(0.5)  # both reach the engine core's socket before the next step drains it
 
         pending: list = []
         flagged: list = [None]

@@ -283,7 +283,7 @@ def test_resume_past_spilled_messages_settles_them(hubs: Callable[..., StreamHub
         assert [f.seq for f in drain(again)] == [30]
 
 
-def test_block_policy_bounded_wait_then_drop(hubs: Callable[..., StreamHub]) -> None:
+def test_block_policy_bounded_wait_then_drop(hubs: Callable[..., StreamHub], frozen_heap: None) -> None:
     max_delay_ms = 20.0
     hub = hubs(block_subscribers=("blocker",), max_block_delay_ms=max_delay_ms)
     sub = SubscriberThread(hub.endpoint, "blocker", delay_s=0.3, policy="block", max_pending=4, window=2,
@@ -298,8 +298,8 @@ def test_block_policy_bounded_wait_then_drop(hubs: Callable[..., StreamHub]) -> 
     c = counters(stats, "blocker")
     # slack for the OS waking the publisher late on a loaded CI box; a wait for room would take the subscriber's
     # 300 ms per frame
-    assert max(durations) * 1000 <= max_delay_ms + 100, max(durations)
-    assert c["block_waits"] > 0 and c["blocked_ms_max"] <= max_delay_ms + 100, c
+    assert max(durations) * 1000 <= max_delay_ms + 180, max(durations)
+    assert c["block_waits"] > 0 and c["blocked_ms_max"] <= max_delay_ms + 180, c
     assert c["dropped"] > 0  # 300 ms per frame: longer than a publish may wait, so the oldest are dropped
     assert all(a < b for a, b in zip(sub.frames, sub.frames[1:]))
 
@@ -377,13 +377,15 @@ def test_sigkilled_subscriber_resumes_without_gaps(hubs: Callable[..., StreamHub
     first_out, second_out = tmp_path / "first.txt", tmp_path / "second.txt"
     publisher = threading.Thread(target=publish, daemon=True)
     publisher.start()
-    victim = spawn(first_out, None, 64)  # small: while it is dead, messages are dropped
+    # Room for a second's stall of a live subscriber on a loaded box (a gap in its frames would fail the first
+    # check); once it is dead, more than that is published, and the rest is dropped past max_pending.
+    victim = spawn(first_out, None, 1024)
     try:
         wait_until(lambda: len(seqs_in(first_out)) >= 100, timeout_s=60, what="the first subscriber's frames")
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(10)
         at_kill = len(durations)
-        time.sleep(0.3)  # publishing goes on without the subscriber: its messages are dropped past max_pending
+        wait_until(lambda: len(durations) - at_kill > 1100, timeout_s=60, what="publishes past max_pending")
         first = seqs_in(first_out)
         assert first == list(range(first[0], first[0] + len(first)))
         # Room for the live messages that arrive while it works through the replayed backlog (``drop`` would
@@ -439,6 +441,31 @@ def test_resume_counts_each_message_once(hubs: Callable[..., StreamHub]) -> None
         wait_until(lambda: counters(hub.stats(), "late")["pending"] == 0, what="acks")
         c = counters(hub.stats(), "late")
         assert (c["published"], c["delivered"], c["dropped"], c["replayed"]) == (20, 10, 10, 10)
+        assert_identity(hub.stats())
+
+
+def test_a_resume_before_what_was_acked_comes_in_order_with_what_was_in_flight(hubs: Callable[..., StreamHub]) -> None:
+    """A monitor that acked 0..9, had 10..19 in flight and comes back resuming at 5 (its checkpoint lagged its acks)
+    gets 5..19 in order: the re-opened 5..9 before the re-sends of 10..19 (the subscriber drops anything below
+    what it has seen, so re-sends first would lose 5..9 silently)."""
+    hub = hubs(replay_messages=64)
+    first = StreamSubscriber(hub.endpoint, "back", ["a"], window=64)
+    for seq in range(20):
+        hub.publish("a", *message(seq))
+    assert [first.recv(5).seq for _ in range(10)] == list(range(10))  # type: ignore[union-attr]
+    first.ack()
+    wait_until(lambda: counters(hub.stats(), "back")["delivered"] == 10, what="the acks of 0..9")
+    assert counters(hub.stats(), "back")["pending"] == 10  # 10..19: sent, not acked
+    first.close(bye=False)  # gone without a bye: 10..19 are re-sent on its next connection
+    wait_until(lambda: not counters(hub.stats(), "back")["connected"], timeout_s=5, what="the disconnect")
+    with StreamSubscriber(hub.endpoint, "back", ["a"], resume={"a": 5}) as again:
+        frames = drain(again)
+        assert [f.seq for f in frames] == list(range(5, 20))
+        for frame in frames:
+            check_payload(frame)
+        wait_until(lambda: counters(hub.stats(), "back")["pending"] == 0, what="acks")
+        c = counters(hub.stats(), "back")
+        assert (c["published"], c["delivered"], c["dropped"]) == (20, 20, 0)
         assert_identity(hub.stats())
 
 
@@ -528,6 +555,37 @@ def test_say_hello_errors_for_earlier_messages_start_one_hello_not_two(ipc_dir: 
     finally:
         thread.join(10)
         router.close(0)
+
+
+def test_a_subscriber_polled_with_timeout_zero_keeps_its_connection(hubs: Callable[..., StreamHub]) -> None:
+    """``recv(0)`` (how MonitorClient takes turns over replicas) pings when due: a hub that heard nothing for 3 of
+    its heartbeats would mark the subscriber gone and send it nothing more."""
+    hub = hubs(heartbeat_s=0.2)
+    with StreamSubscriber(hub.endpoint, "poller", ["a"], heartbeat_s=0.1) as sub:
+        until = time.monotonic() + 1.5  # more than 3 of the hub's heartbeats
+        while time.monotonic() < until:
+            assert sub.recv(0) is None
+            time.sleep(0.02)
+        assert counters(hub.stats(), "poller")["connected"]
+        hub.publish("a", *message(0))
+        deadline, frame = time.monotonic() + 5, None
+        while frame is None and time.monotonic() < deadline:
+            frame = sub.recv(0)
+            time.sleep(0.01)
+        assert frame is not None and frame.seq == 0
+
+
+def test_a_held_name_is_retried_past_a_heartbeat_without_a_spurious_error(hubs: Callable[..., StreamHub]) -> None:
+    """While a refused hello waits for its retry, pings come back as "say hello" errors: they are not a refusal."""
+    hub = hubs(heartbeat_s=0.2)
+    holder = StreamSubscriber(hub.endpoint, "held", ["a"], heartbeat_s=0.1)
+    releaser = threading.Timer(1.0, holder.close)  # the name frees after 10 of the newcomer's heartbeats
+    releaser.start()
+    try:
+        with StreamSubscriber(hub.endpoint, "held", ["a"], heartbeat_s=0.1, hello_timeout_s=10) as late:
+            assert late.welcome["a"]["head"] == 0
+    finally:
+        releaser.join()
 
 
 def test_refusals_name_the_field(hubs: Callable[..., StreamHub]) -> None:

@@ -183,12 +183,8 @@ class StreamSubscriber:
             if done():
                 return True
             now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                if final or not self._sock.poll(0, zmq.POLLIN):
-                    return False
-                final = True  # what reached the socket by the deadline counts (a caller may have been busy)
-                self._drain()
-                continue
+            # Before the deadline check: a caller polling with timeout 0 (MonitorClient over several replicas)
+            # must still ping, ack and retry, or a hub that heard nothing for 3 heartbeats stops sending to it.
             self._flush_acks(force=True)  # about to wait: the hub may be holding messages back for these acks
             if self._retry_at and now >= self._retry_at:
                 self._retry_at = 0.0
@@ -196,6 +192,12 @@ class StreamSubscriber:
             if now - self._last_sent >= self.heartbeat_s:
                 self._send(encode_client(Ping()))
                 now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                if final or not self._sock.poll(0, zmq.POLLIN):
+                    return False
+                final = True  # what reached the socket by the deadline counts (a caller may have been busy)
+                self._drain()
+                continue
             wait = self._last_sent + self.heartbeat_s - now
             if self._retry_at:
                 wait = min(wait, self._retry_at - now)
@@ -230,9 +232,9 @@ class StreamSubscriber:
             self._on_welcome(header.get("streams"))
         elif op == "error":
             field, message = str(header.get("field")), str(header.get("message"))
+            if field == "hello" and not self._closed and self._hello_outstanding():
+                return  # an answer to a message (a ping) sent before the hello on its way: that hello settles it
             if field == "hello" and self._welcomed and not self._closed:
-                if self._hello_outstanding():
-                    return  # an answer to a message sent before the hello on its way: that hello settles it
                 logger.info("stream subscriber %s: the hub lost this connection (%s); saying hello again", self.name,
                             message)
                 self._hello_until = time.monotonic() + self.hello_timeout_s
@@ -290,9 +292,17 @@ class StreamSubscriber:
         if not force and sum(seq - self._acked.get(s, -1) for s, seq in behind.items()) < self._ack_every:
             return
         for stream, seq in behind.items():
-            self._send(encode_client(StreamAck(stream, seq)))
-            self._acked[stream] = seq
+            if self._send(encode_client(StreamAck(stream, seq))):
+                self._acked[stream] = seq
 
-    def _send(self, frame: bytes) -> None:
-        self._sock.send(frame)  # a DEALER queues while disconnected; HWM reached would block: never with our rates
-        self._last_sent = time.monotonic()
+    def _send(self, frame: bytes) -> bool:
+        """Send without waiting; False if the socket has no room or no connection to queue on (a DEALER whose CURVE
+        handshake was refused has none, and a blocking send would hang the caller). A lost ping or ack is made
+        good by the next; a lost hello by the hello timeout."""
+        try:
+            self._sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        finally:
+            self._last_sent = time.monotonic()  # tried: the next ping waits a heartbeat either way
+        return True

@@ -11,8 +11,8 @@ Where a message that a subscriber still owes an ack for lives, oldest first:
   subscriber's overflow moves from the head of ``mem`` to the tail of the ring, so the ring is always older than
   ``mem``.
 
-Sending takes ``resend`` first, then whichever of ``replay_q``, ring and ``mem`` has the lowest seq, so each
-subscriber sees a stream in strictly increasing seq order. Each queue is sorted, so a cumulative ack settles a
+Sending takes whichever of ``resend``, ``replay_q``, ring and ``mem`` has the lowest seq (a resume can re-open
+messages older than the re-sends), so each subscriber sees a stream in strictly increasing seq order. Each queue is sorted, so a cumulative ack settles a
 prefix of each.
 
 Memory a subscriber holds is tracked in bytes, per subscriber over all its streams: ``inflight_bytes`` are those of
@@ -371,14 +371,20 @@ class SubStream:
         """Which queue the next message to send comes from (``resend``, ``replay_q``, ``ring``, ``mem``), if any."""
         if len(self.inflight) >= self.window:
             return None
-        if self.resend:
-            return "resend"
-        if self.sub.inflight_bytes >= self.sub.max_held_bytes and self.sub.inflight_bytes:
-            return None  # its memory budget is in flight: wait for acks
-        heads = [(q[0].seq, name) for name, q in (("replay_q", self.replay_q), ("mem", self.mem)) if q]
+        heads = [(q[0].seq, name) for name, q in (("resend", self.resend), ("replay_q", self.replay_q),
+                                                   ("mem", self.mem)) if q]
         if self.ring is not None and self.ring.head_seq is not None:
             heads.append((self.ring.head_seq, "ring"))
-        return min(heads)[1] if heads else None
+        if not heads:
+            return None
+        source = min(heads)[1]
+        # Re-sends are charged already. A resume that re-opened messages older than them sends those first (in
+        # seq order, or the subscriber would drop them as seen); with the re-sends filling the budget and nothing
+        # of this stream on the wire, no ack could free it, so they go regardless.
+        if source != "resend" and self.sub.inflight_bytes >= self.sub.max_held_bytes and self.sub.inflight_bytes \
+                and not (self.resend and not self.inflight):
+            return None  # its memory budget is in flight: wait for acks
+        return source
 
     def resume(self, next_seq: int, ledger: LossLedger) -> None:
         """The subscriber processed everything before ``next_seq`` (clamped to the head) and wants the rest again.
