@@ -560,9 +560,9 @@ def test_say_hello_errors_for_earlier_messages_start_one_hello_not_two(ipc_dir: 
 def test_a_subscriber_polled_with_timeout_zero_keeps_its_connection(hubs: Callable[..., StreamHub]) -> None:
     """``recv(0)`` (how MonitorClient takes turns over replicas) pings when due: a hub that heard nothing for 3 of
     its heartbeats would mark the subscriber gone and send it nothing more."""
-    hub = hubs(heartbeat_s=0.2)
+    hub = hubs(heartbeat_s=0.5)
     with StreamSubscriber(hub.endpoint, "poller", ["a"], heartbeat_s=0.1) as sub:
-        until = time.monotonic() + 1.5  # more than 3 of the hub's heartbeats
+        until = time.monotonic() + 2.5  # more than 3 of the hub's heartbeats (a stall below 1.5 s is harmless)
         while time.monotonic() < until:
             assert sub.recv(0) is None
             time.sleep(0.02)
