@@ -2,18 +2,18 @@
 and counters. No sockets and no locking here: :class:`dynsteer.streams.hub.StreamHub` holds its one lock around
 every call, so each transition below keeps the accounting identity of :class:`SubStream` exact at every instant.
 
-Where a message that a subscriber still owes an ack for lives, oldest first:
+Where a message that a subscriber still owes an ack for lives (oldest first, but for a resume's re-opened ones):
 
 * ``inflight``: sent on the current connection, not acked (at most ``window`` of them);
-* ``resend``: sent on an earlier connection (or a send that did not go out), to be sent again first;
+* ``resend``: sent on an earlier connection (or a send that did not go out), to be sent again;
 * ``replay_q``: put back by a ``resume`` (re-sent, exempt from ``max_pending``);
 * the spill ring (``spill`` policy only) and ``mem``: not sent yet. ``mem`` takes every new message; a spilling
   subscriber's overflow moves from the head of ``mem`` to the tail of the ring, so the ring is always older than
   ``mem``.
 
 Sending takes whichever of ``resend``, ``replay_q``, ring and ``mem`` has the lowest seq (a resume can re-open
-messages older than the re-sends), so each subscriber sees a stream in strictly increasing seq order. Each queue is sorted, so a cumulative ack settles a
-prefix of each.
+messages older than the re-sends), so each subscriber sees a stream in strictly increasing seq order. Each queue is
+sorted, so a cumulative ack settles a prefix of each.
 
 Memory a subscriber holds is tracked in bytes, per subscriber over all its streams: ``inflight_bytes`` are those of
 ``inflight`` and ``resend`` (whether or not the replay buffer still holds them; read-back spilled messages
