@@ -133,7 +133,7 @@ def _pack_spooled(rec: CaptureRecord, namespace: str, caller_pid: int) -> dict[s
     except OSError:
         return None
     rec.spool = None
-    arrays = {place_key(p): {"dtype": dtype_name(dtype), "shape": list(shape), "shm": str(paths[p]), "offset": 0}
+    arrays = {place_key(p): {"dtype": dtype_name(dtype), "shape": list(shape), "shm": paths[p], "offset": 0}
               for p, (shape, dtype) in layout.items()}
     pos = {"dtype": dtype_name(positions.dtype), "shape": [n], "data": positions.tobytes()}
     return {**_meta(rec), "positions": pos, "arrays": arrays}
