@@ -23,6 +23,41 @@ from typing import Any
 import numpy as np
 import pytest
 
+# Architectures the suite loads beyond the tiny checkpoints: the unsupported-architecture tests' GPT-2 and OPT.
+FOREIGN_ARCHS = ("GPT2LMHeadModel", "OPTForCausalLM")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Fill vLLM's model-info cache for every architecture the suite loads, in one process. vLLM inspects each
+    architecture the first time a machine loads it, in a subprocess of its own (about 12 s each on the 2-core CI
+    box, some six minutes for the suite on a fresh machine); one process does them all in about 10 s. A stamp beside
+    the cache skips this once done for this vLLM; a failure only costs time (vLLM then inspects as usual)."""
+    import hashlib
+    import importlib.util
+    import subprocess
+    import sys
+
+    from dynsteer.testing.tiny_models import vllm_architectures
+
+    archs = (*vllm_architectures(), *FOREIGN_ARCHS)
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return
+    cache = Path(os.environ.get("VLLM_CACHE_ROOT")
+                 or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm") / "modelinfos"
+    key = hashlib.sha256(repr((spec.origin, os.stat(spec.origin).st_mtime_ns, archs)).encode()).hexdigest()[:16]
+    stamp = cache / f"dynsteer-tests-{key}.done"
+    if stamp.exists():
+        return
+    code = "import sys; from dynsteer.engine.model_info import warm_model_info; warm_model_info(sys.argv[1:])"
+    proc = subprocess.run([sys.executable, "-c", code, *archs], capture_output=True, text=True)
+    if proc.returncode == 0:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.touch()
+    else:
+        sys.stderr.write(f"[conftest] vLLM's model-info cache was not warmed: {proc.stderr[-2000:]}\n")
+
+
 # DYNSTEER_TEST_DEVICE=cuda runs the same integration tests on a GPU the way users run vLLM there: default (v2)
 # runner, torch.compile and CUDA graphs on, bf16 (FlashAttention has no float32 path). DYNSTEER_TEST_GPU_UTIL lowers
 # each engine's share of GPU memory and DYNSTEER_TEST_KV_BYTES fixes its KV cache (skipping vLLM's memory profiling,

