@@ -14,6 +14,15 @@ if ON_GPU:  # tests touch torch in this process (reference forwards); a forked e
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not ON_GPU and "TORCH_COMPILE_DISABLE" not in os.environ:
+    # vLLM's CPU sampler torch.compiles a helper at every engine's warm-up: about 12 s in each new process on the CI
+    # box, inductor's cache warm or not. CPU engines here are eager, so that helper is all there is to compile:
+    # engines in processes of their own (servers, CLI runs, multiprocess engines) run it eagerly. This process keeps
+    # dynamo for the compiled-forward tests: torch reads TORCH_COMPILE_DISABLE once, when torch._dynamo.config is
+    # imported, so it is imported here first and the variable set only for the children.
+    import torch._dynamo.config  # noqa: F401
+
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"
 
 import contextlib
 from collections.abc import Callable, Iterator
