@@ -52,6 +52,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
         return
+    # vLLM's default cache root, spelled out here: importing vllm.envs to read it takes seconds
     cache = Path(os.environ.get("VLLM_CACHE_ROOT")
                  or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm") / "modelinfos"
     key = hashlib.sha256(repr((spec.origin, os.stat(spec.origin).st_mtime_ns, archs)).encode()).hexdigest()[:16]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from dynsteer.engine import patching
+
 __all__ = ["warm_model_info"]
 
 
@@ -26,9 +28,14 @@ def warm_model_info(architectures: Iterable[str]) -> list[str]:
     load_general_plugins()  # as vLLM's inspection subprocess does: plugins may register or wrap model classes
     computed: list[str] = []
     inspected: list[object] = []
-    original = registry._run_in_subprocess
-    # the inspection vLLM would run in a subprocess, here
-    registry._run_in_subprocess = lambda fn: (inspected.append(fn), fn())[1]
+
+    def inspect_here(fn):
+        """The inspection vLLM would run in a subprocess, run in this process."""
+        inspected.append(fn)
+        return fn()
+
+    patching.patch(registry, "_run_in_subprocess", inspect_here,
+                   why="inspect model classes in this process to fill vLLM's model-info cache")
     try:
         for name in architectures:
             model = registry.ModelRegistry.models.get(name)
@@ -38,5 +45,5 @@ def warm_model_info(architectures: Iterable[str]) -> list[str]:
                 if len(inspected) > before:
                     computed.append(name)
     finally:
-        registry._run_in_subprocess = original
+        patching.restore(registry, "_run_in_subprocess")
     return computed

@@ -179,6 +179,7 @@ def vllm_architectures() -> tuple[str, ...]:
     names = (_VLLM_ARCH_NAMES.get(specs[a][0], specs[a][0]) for a in (*TINY_ARCHS, *FAMILY_ARCHS))
     return tuple(dict.fromkeys(names))
 
+
 _CORPUS = """\
 The old lighthouse stood at the edge of the harbor, and every evening the keeper climbed the
 narrow stairs to light the lamp. Ships returning from the north followed its beam through the fog,
