@@ -295,7 +295,8 @@ def late_readbacks(monkeypatch):
                                     "where read-backs really land late (the HTTP tests cover that)")
 def test_late_values_hold_deltas_and_the_final_output(engine, late_readbacks):
     """Streamed deltas wait for their tokens' values and the final output for its last ones; each delta still
-    carries exactly its tokens' values, equal to the trace."""
+    carries exactly its tokens' values, equal to the trace. A step waits for the read-backs before its own, so a
+    token's values come one step after it: each delta is held for one step, and only the last two go out together."""
     from vllm.sampling_params import RequestOutputKind
 
     llm, st = engine
@@ -306,7 +307,11 @@ def test_late_values_hold_deltas_and_the_final_output(engine, late_readbacks):
         sp.output_kind = RequestOutputKind.DELTA
         eng.add_request(f"late-{i}", prompt, sp)
     chunks: dict[str, list] = {}
+    steps = dict.fromkeys((f"late-{i}" for i in range(len(PROMPTS))), 0)  # steps each request was waited on
     while eng.has_unfinished_requests():
+        for req_id in steps:
+            if not chunks.get(req_id) or chunks[req_id][-1].finish_reason is None:
+                steps[req_id] += 1
         for out in eng.step():
             chunks.setdefault(out.request_id, []).append(out.outputs[0])
     for i, prompt in enumerate(PROMPTS):
@@ -316,7 +321,10 @@ def test_late_values_hold_deltas_and_the_final_output(engine, late_readbacks):
             assert len(rep["score"]) == len(rep["gate"]) == len(comp.token_ids)
             score, gate, n = score + rep["score"], gate + rep["gate"], n + len(comp.token_ids)
             sizes.append(len(comp.token_ids))
-        assert n == N and len(sizes) < N  # some deltas waited for their values (went out merged with a later one)
+        # values one step late: no delta waited long enough to be merged with the next, but the final output (held
+        # by the engine core until its values came) carries the token before it, whose values came with it
+        assert n == N and sizes == [1] * (N - 2) + [2]
+        assert steps[f"late-{i}"] > len(sizes)  # but some steps delivered nothing: their delta waited for its values
         whole = {**rep, "score": score, "gate": gate}
         check_against_trace(whole, st.take_traces([f"late-{i}"])[f"late-{i}"], N)
 

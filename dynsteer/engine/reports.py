@@ -12,8 +12,9 @@ The path of a report's values:
    ``CompletionOutput`` it makes (``CompletionOutput.dynsteer``): the whole report on a final-only output, the
    values of the tokens it delivers on a streamed delta.
 
-Read-backs land a step or so after their token. So a report request costs one step of latency where its values are
-late, and only then: the engine core holds a report request's *final* output until its last values have arrived
+On a GPU a token's values reach the engine core with the output of the step after the token's (the workers do not
+wait for the current step's read-back). So a report request's tokens after the first arrive one step late (other
+requests' do not): the engine core holds a report request's *final* output until its last values have arrived
 (running empty steps while it holds one, which is what lets the workers' read-backs land and be sent), and the
 frontend holds a streamed delta until the values of its tokens have arrived, then delivers it (merged with the
 deltas that became ready with it).

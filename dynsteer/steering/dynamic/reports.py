@@ -3,9 +3,10 @@ sent to the engine core as they land, a delta at a time.
 
 A report reads the same record as the request's trace (the driver's :class:`~dynsteer.device.readback.ReadbackStore`,
 which the request keeps once it asks for a report) into the trace's own fields (``DynState.report_fields``), so its
-values equal the trace's. Nothing here waits for the device: the values are those of the read-backs landed so far (the
-driver polls without blocking), so a token's values may arrive a step or so after the token itself; a request's last
-delta says ``done`` once its last read-back has landed (after it finished). A request without a dynamic state (no
+values equal the trace's. The current step's read-back is never waited for: a step takes the values of the read-backs
+before it (the one the device is finishing, whose output the engine core waits for anyway) and of its own where it has
+landed already, so a token's values arrive with its step's output or the next one; a request's last delta says
+``done`` once its last read-back has landed (after it finished). A request without a dynamic state (no
 policy, or stopped) sends one delta, ``done`` at once, with no slots.
 
 What a delta holds (a plain dict, pickled to the engine core): on its first delta ``report`` (the kind asked),

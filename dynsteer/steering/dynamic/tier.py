@@ -188,11 +188,18 @@ class DynamicTier:
         self.reports.start(req_id, kind, st, self.driver.records)
 
     def take_reports(self) -> Deltas:
-        """Report deltas of the requests that asked for one, from the read-backs landed so far (polled without
-        waiting); nothing at all while no request asked for one."""
+        """Report deltas of the requests that asked for one, from the read-backs of every step but the newest;
+        nothing at all while no request asked for one.
+
+        The newest read-back is this step's own, just enqueued: it is not waited for. The one before it belongs to
+        the step the device is finishing, whose output the engine core waits for next in any case (with async
+        scheduling it waits for the step before the one it just sent), so waiting for it costs the device no time.
+        It makes each token's values reach the frontend one step after the token rather than two, and a streamed
+        report request's tokens (held until their values arrive) one step late rather than two or three."""
         if not self.reports:
             return {}
-        self.driver.poll(self.state_of)
+        self.driver.poll(self.state_of, block=True, leave=1)
+        self.driver.poll(self.state_of)  # and this step's own if it has landed already (on CPU: always)
         if self.finishing:
             self.complete_traces()
         self.reports.flush_all(self.state_of, self.driver.records)
