@@ -24,6 +24,9 @@ errors (any non-200, or a stream that ends short) are counted and the first are 
     python benchmarks/serve.py --from-json REPORT --plot fig.png                                  # re-print, plot
 
 ``--budget-min`` stops starting rounds once another would not fit; the report is rewritten after every round.
+``--ramp-s`` spreads each batch's first requests over that many seconds: requests of one length started together
+finish together, so by default a batch runs in waves, each wave's TTFT its whole prefill (which makes TTFT swing with
+anything that shifts when requests finish); spread starts keep prefills inside decode steps, as steady traffic does.
 """
 
 from __future__ import annotations
@@ -181,8 +184,13 @@ async def one_request(session: Any, url: str, body: bytes, n_out: int) -> dict:
 
 
 async def batch(url: str, n: int, concurrency: int, n_in: int, n_out: int, vocab: int, rng: random.Random,
-                steering: Callable[[int], dict | None]) -> dict:
-    """``n`` requests, ``concurrency`` at a time, each with fresh random prompt ids; the batch's metrics."""
+                steering: Callable[[int], dict | None], ramp_s: float = 0.0) -> dict:
+    """``n`` requests, ``concurrency`` at a time, each with fresh random prompt ids; the batch's metrics.
+
+    ``ramp_s``: the first ``concurrency`` requests start evenly spread over this many seconds instead of together.
+    Requests of one length started together finish together, so the batch runs in waves whose TTFT is a whole
+    wave's prefill; spread starts stay spread (each request that ends lets the next one in at its own time), so each
+    prefill shares its step with decodes, as under steady traffic."""
     import aiohttp
 
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(n_in)] for _ in range(n)]
@@ -202,7 +210,9 @@ async def batch(url: str, n: int, concurrency: int, n_in: int, n_out: int, vocab
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), timeout=timeout) as s:
         async def run(i: int) -> dict:
-            async with sem:
+            async with sem:  # (taken in order: the first ``concurrency`` requests hold the slots while they wait)
+                if ramp_s and i < concurrency:
+                    await asyncio.sleep(i * ramp_s / concurrency)
                 return {**await one_request(s, url, bodies[i], n_out), "steered": steered[i]}
 
         t0 = time.perf_counter()
@@ -348,6 +358,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, nargs="+", help="requests per batch, one per concurrency "
                     "(default: 4 x concurrency, at least 64, at most 512)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ramp-s", type=float, default=0.0,
+                    help="spread each batch's first requests' starts over this many seconds (0: all at once, so "
+                         "requests arrive in waves); the batch's wall time and tok/s include the ramp")
     ap.add_argument("--input-tokens", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=MIXES)
@@ -403,7 +416,7 @@ def main() -> int:
     report: dict[str, Any] = {
         "benchmark": "serve", "date": utc_now(), "device": device, "git": git_sha(), "host": host_facts(),
         "model": args.model or (f"{args.shape} shape, dummy weights, vocab {vocab}" if args.shape else "tiny llama"),
-        "input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
+        "input_tokens": args.input_tokens, "output_tokens": args.output_tokens, "ramp_s": args.ramp_s,
         "concurrency": args.concurrency, "requests": requests, "mixes": args.mixes, "server_args": base + common,
         "rounds": {str(c): {} for c in args.concurrency}, "summary": {}}
     name = f"serve-{device.replace(' ', '_')}-{report['date'][:10]}{'-' + args.label if args.label else ''}.json"
@@ -432,7 +445,8 @@ def main() -> int:
                 mixes.setup(mix, call)
             try:
                 return asyncio.run(batch(servers[server].url, n, conc, args.input_tokens, n_out, vocab, rng,
-                                         lambda i: mixes.steering(mix, i) if server == "dynsteer" else None))
+                                         lambda i: mixes.steering(mix, i) if server == "dynsteer" else None,
+                                         args.ramp_s))
             finally:
                 if server == "dynsteer":
                     mixes.teardown(mix, call)

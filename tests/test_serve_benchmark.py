@@ -124,3 +124,54 @@ def test_the_client_sends_each_body_encoded_before_the_clock_and_marks_its_half(
         json.dumps(None if i % 2 else {"vector": "v", "scale": float(i)}) for i in range(6))
     assert all(len(b["prompt"]) == 4 and b["stream"] for b in received)
     assert set(out["halves"]) == {"steered", "plain"}
+
+
+def test_a_ramp_spreads_the_first_requests_starts_and_keeps_the_concurrency():
+    """``ramp_s`` starts the first ``concurrency`` requests evenly over the ramp (a wave started together would stay
+    one), and never has more than ``concurrency`` requests in flight."""
+    import asyncio
+    import random
+    import time
+
+    from aiohttp import web
+
+    n, conc, ramp, n_out = 8, 4, 0.4, 2
+    starts, in_flight, most = {}, [0], [0]
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        t = time.perf_counter()
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        starts[(await request.json())["steering"]["i"]] = t
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for _ in range(n_out):
+            await asyncio.sleep(0.05)
+            await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+        await resp.write(b'data: {"choices": [], "usage": {"completion_tokens": %d}}\n\ndata: [DONE]\n\n' % n_out)
+        in_flight[0] -= 1
+        return resp
+
+    async def main(ramp_s: float) -> dict:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await serve.batch(f"http://127.0.0.1:{port}", n, conc, 4, n_out, 1000, random.Random(0),
+                                     lambda i: {"i": i}, ramp_s)
+        finally:
+            await runner.cleanup()
+
+    out = asyncio.run(main(ramp))
+    first = [starts[i] for i in range(conc)]
+    gaps = [b - a for a, b in zip(first, first[1:])]
+    assert out["errors"] == 0 and len(starts) == n and most[0] <= conc
+    assert min(gaps) > 0.6 * ramp / conc, gaps  # spread, in order: about ramp / concurrency apart
+    starts.clear()
+    asyncio.run(main(0.0))
+    first = [starts[i] for i in range(conc)]
+    assert max(first) - min(first) < 0.6 * ramp / conc  # without a ramp: together
