@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,23 @@ from lib.engines import LLAMA3_8B, kv_bytes_per_token, weight_bytes  # noqa: E40
 
 CFG = dict(LLAMA3_8B, vocab_size=49152)  # the benchmark's 8B shape with SmolLM2's tokenizer
 H100, H200 = 81559 << 20, 143771 << 20  # what nvidia-smi reports
+
+
+@contextlib.asynccontextmanager
+async def completions_server(handler) -> AsyncIterator[str]:
+    """A loopback aiohttp server answering ``/v1/completions`` with ``handler``; yields its base URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
 
 
 def test_the_kv_cache_is_the_most_three_servers_fit():
@@ -103,18 +122,9 @@ def test_the_client_sends_each_body_encoded_before_the_clock_and_marks_its_half(
         return resp
 
     async def main() -> dict:
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            return await serve.batch(f"http://127.0.0.1:{port}", 6, 2, 4, n_out, 1000, random.Random(0),
+        async with completions_server(completions) as url:
+            return await serve.batch(url, 6, 2, 4, n_out, 1000, random.Random(0),
                                      lambda i: None if i % 2 else {"vector": "v", "scale": float(i)})
-        finally:
-            await runner.cleanup()
 
     monkeypatch.setattr(serve.json, "dumps", counting_dumps)
     out = asyncio.run(main())
@@ -153,18 +163,8 @@ def test_a_ramp_spreads_the_first_requests_starts_and_keeps_the_concurrency():
         return resp
 
     async def main(ramp_s: float) -> dict:
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            return await serve.batch(f"http://127.0.0.1:{port}", n, conc, 4, n_out, 1000, random.Random(0),
-                                     lambda i: {"i": i}, ramp_s)
-        finally:
-            await runner.cleanup()
+        async with completions_server(completions) as url:
+            return await serve.batch(url, n, conc, 4, n_out, 1000, random.Random(0), lambda i: {"i": i}, ramp_s)
 
     out = asyncio.run(main(ramp))
     first = [starts[i] for i in range(conc)]
