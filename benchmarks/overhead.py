@@ -173,6 +173,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help="also profile one short call per (engine, mode)")
     ap.add_argument("--profile-tokens", type=int, default=16)
     ap.add_argument("--profile-batch", type=int, nargs="+", help="batch sizes to profile (default: the largest)")
+    ap.add_argument("--py-spy", metavar="EXE", help="py-spy executable: after the repeats, sample every process of "
+                    "each engine over one call per mode at each --profile-batch (summaries in the report's 'stacks')")
+    ap.add_argument("--py-spy-rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--timing-split", action="store_true",
                     help="every engine keeps vLLM's request stats on; each timed call is split into ramp (until "
                          "every first token), decode step and tail, each compared with absent's")
@@ -237,6 +240,8 @@ def main() -> None:
         bench.measure()
         if args.profile:
             bench.profile()
+        if args.py_spy:
+            bench.spy()
         report = bench.report()
         bench.save(report)  # before the engines close: a slow shutdown must not cost the report
         print_tables(report)

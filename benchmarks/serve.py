@@ -46,6 +46,7 @@ from typing import Any, Callable
 import msgspec
 
 from lib.engines import LLAMA3_8B, gpu_memory, kv_bytes_per_token, weight_bytes
+from lib.pyspy import Sampler, print_summaries
 from lib.report import git_sha, host_facts, save_json, utc_now
 from lib.serve import CPU_ARGS, CPU_ENV, Server, VanillaServer, http_json
 from lib.stats import paired, quantile
@@ -235,41 +236,6 @@ async def batch(url: str, n: int, concurrency: int, n_in: int, n_out: int, vocab
             out["halves"] = {k: {"ttft_p50": ms(quantile([r["ttft"] for r in rs], .5)),
                                  "tpot_p50": ms(quantile([r["tpot"] for r in rs], .5))} for k, rs in halves.items()}
     return out
-
-
-class Profiler:
-    """py-spy (``--py-spy PATH``) attached to every process of a server while one batch runs: raw collapsed stacks
-    per process (API server, engine core, workers) under ``out``, for the profile pass after the timed rounds."""
-
-    def __init__(self, exe: str, out: Path) -> None:
-        self.exe, self.out = exe, out
-        self.procs: list[Any] = []
-
-    def start(self, server: Server, tag: str) -> None:
-        import subprocess
-
-        import psutil
-
-        self.out.mkdir(parents=True, exist_ok=True)
-        root = psutil.Process(server.proc.pid)
-        for p in [root, *root.children(recursive=True)]:
-            name = p.name().replace("::", "-").replace(" ", "_") or "proc"
-            self.procs.append(subprocess.Popen(
-                [self.exe, "record", "-p", str(p.pid), "-f", "raw", "-r", "100", "-o",
-                 str(self.out / f"{tag}-{name}-{p.pid}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        time.sleep(1.0)  # attached before the traffic starts
-
-    def stop(self) -> None:
-        import signal
-
-        for p in self.procs:
-            p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-        for p in self.procs:
-            try:
-                p.wait(60)
-            except Exception:  # noqa: BLE001 - a profiler that hangs must not hang the benchmark
-                p.kill()
-        self.procs = []
 
 
 # ---- the report ------------------------------------------------------------------------------------------------------
@@ -477,17 +443,19 @@ def main() -> int:
             report["rounds_done"] = r + 1
             save_json(path, report)
         if args.py_spy:  # not timed: py-spy's sampling slows what it watches
-            profiler = Profiler(args.py_spy, Path(args.out) / f"{path.stem}-profiles")
+            sampler = Sampler(args.py_spy, Path(args.out) / f"{path.stem}-profiles")
             conc, n = args.concurrency[-1], requests[-1]
             for key in args.profile:
                 server, _, mix = key.partition(":")
-                profiler.start(servers[server], key.replace(":", "-"))
+                sampler.start(servers[server].proc.pid, key.replace(":", "-"))
+                stacks: dict = {}
                 try:
                     res = run_entry(server, mix or "none", conc, n, args.output_tokens)
                 finally:
-                    profiler.stop()
-                report.setdefault("profiled", {})[key] = res
+                    stacks = sampler.stop()
+                report.setdefault("profiled", {})[key] = {**res, "stacks": stacks}
                 print(f"[serve] profiled {key} at c={conc}: {res.get('tok_s')} tok/s", flush=True)
+                print_summaries(f"[serve] where {key}'s processes spent their samples", stacks)
     finally:
         for s in servers.values():
             s.stop()

@@ -81,6 +81,7 @@ class Bench:
         self.errors: dict[str, str] = {}
         self.verification: dict[str, dict] = {}
         self.profiles: dict = {}
+        self.stacks: dict = {}  # --py-spy: per (mode, batch), each process's threads
         self.affinity: dict = {}
         self.host_facts = host_facts()
         self.burn_in_calls: dict[str, dict[str, list[dict]]] = {}
@@ -368,6 +369,33 @@ class Bench:
         (dest / "summary.json").write_text(json.dumps(self.profiles, indent=1))
         print(f"profiles: {dest}", flush=True)
 
+    def spy(self) -> None:
+        """py-spy over one call per (engine, mode) at each ``--profile-batch``: where each process's threads spend
+        their samples (``stacks`` in the report; gzipped raw files under the output). Not timed: sampling slows what
+        it watches."""
+        from lib.pyspy import Sampler, print_summaries
+
+        args = self.args
+        dest = self.out_dir / f"{self.json_path.stem}-pyspy"
+        sampler = Sampler(args.py_spy, dest, rate=args.py_spy_rate)
+        for batch in args.profile_batch or [max(args.batches)]:
+            for k in [k for k in self.modes if k not in self.errors]:
+                if self.budget_s and self.elapsed() + 30 > self.budget_s:
+                    print("--py-spy stopped: budget spent", flush=True)
+                    return
+                eng = self.live.get(BY_KEY[k].engine)
+                if eng is None:
+                    continue
+                sampler.start(eng.proc.pid, f"{k}-b{batch}")
+                stacks: dict = {}
+                try:
+                    res = self.run(k, batch, fatal=False)
+                finally:
+                    stacks = sampler.stop()
+                key = f"{k}@b{batch}"
+                self.stacks[key] = {"s": (res or {}).get("s"), "processes": stacks}
+                print_summaries(f"py-spy {key}", stacks)
+
     # -- report -------------------------------------------------------------------------------------------------------
     def report(self) -> dict:
         args = self.args
@@ -416,6 +444,7 @@ class Bench:
             "pooled_step_overhead_pct": pooled(step_lists(self.splits), self.modes, args.batches) if self.splits
             else None,
             "profile": self.profiles or None,
+            "stacks": self.stacks or None,
             "seconds": secs,
             "seconds_by_engine": {e: {k: secs[k] for k in secs if BY_KEY[k].engine == e} for e in self.cfgs},
         }
