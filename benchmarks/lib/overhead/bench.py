@@ -371,12 +371,12 @@ class Bench:
 
     def spy(self) -> None:
         """py-spy over one call per (engine, mode) at each ``--profile-batch``: where each process's threads spend
-        their samples (``stacks`` in the report; gzipped raw files under the output). Not timed: sampling slows what
-        it watches."""
+        their samples (``stacks`` in the report; gzipped raw files in the scratch folder, or beside the report with
+        ``--py-spy-raw``). Not timed: sampling slows what it watches."""
         from lib.pyspy import Sampler, print_summaries
 
         args = self.args
-        dest = self.out_dir / f"{self.json_path.stem}-pyspy"
+        dest = (self.out_dir if args.py_spy_raw else self.work_dir) / f"{self.json_path.stem}-pyspy"
         sampler = Sampler(args.py_spy, dest, rate=args.py_spy_rate)
         for batch in args.profile_batch or [max(args.batches)]:
             for k in [k for k in self.modes if k not in self.errors]:
