@@ -144,6 +144,21 @@ def print_summaries(title: str, summaries: dict[str, Any], threads: int = 3, fra
     for fname, s in summaries.items():
         print(f"- {fname}: {s['samples']} samples")
         for name, t in list(s["threads"].items())[:threads]:
-            print(f"  - {name}: {t['share']:.0%} of the process, {t['focus_share']:.0%} in dynsteer")
+            print(f"  - {name}: {t['share']:.0%} of the process, {t['focus_share']:.1%} in dynsteer")
             for frame, share in t["top_focus"][:frames]:
                 print(f"    - {share:.1%} {frame}")
+
+
+if __name__ == "__main__":  # summarise raw files where they were recorded (a device run returns the summary only)
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="Per-thread summary of py-spy raw files recorded with --threads.")
+    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--json", type=Path, help="also write the summaries here")
+    a = ap.parse_args()
+    sums = {f.name: summary(f, top=a.top) for f in a.files}
+    print_summaries("py-spy", sums, threads=4, frames=a.top)
+    if a.json:
+        a.json.write_text(json.dumps(sums, indent=1))
