@@ -4,8 +4,10 @@ A raw profile of a busy engine at 1 kHz is tens of MB per process; a report (and
 needs a few kB: per process and thread, its share of the samples, how many of them lie in dynsteer's code, and the
 frames they spend most in. The raw files are gzipped beside the report for a flame graph.
 
-py-spy samples only threads that run (``--idle`` off), so a thread's share of a process's samples is its share of
-that process's busy time, and a process's sample count over the call's seconds and the rate is how busy it was.
+py-spy samples only threads that run (``--idle`` off), so a thread's share of a process's samples is roughly its
+share of that process's busy time. py-spy cannot always tell a thread blocked inside a C call from one running it: a
+thread waiting in ``queue.SimpleQueue.get`` (the capture spool writer between items) can show as busy on that line,
+so read a thread's top frames before its share.
 """
 
 from __future__ import annotations
