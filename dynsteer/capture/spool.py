@@ -26,7 +26,7 @@ import queue
 import threading
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Callable, Hashable
 
@@ -203,37 +203,39 @@ class SpoolWriter:
         finally:
             run.release()
 
-    def _write(self, entries: list[tuple]) -> None:
-        for spool, arrays, start, end, targets in entries:
-            # Each counter below is written by this thread only (the queued count by whoever reserves the
-            # spool's chunks: the host path, or this thread for a job's), so no lock per chunk: waiters are
-            # woken once per queue item, under `landed`.
-            failed = spool._error is not None  # nothing after a failed chunk is written
-            if not failed:
-                try:
-                    for place, fd, offset in targets:
-                        src = arrays[place]
-                        if isinstance(src, RowList):  # one system call for rows that lie apart
-                            row = src.rows[0].nbytes
-                            done = os.pwritev(fd, src.rows[start:end], offset)
-                            if done == (end - start) * row:
-                                continue
-                            data = src[start:end]  # short: the rest from one stacked copy
-                        else:
-                            data = np.ascontiguousarray(src[start:end])  # row slices: already so
-                            done = os.pwrite(fd, data, offset)
-                        if done < data.nbytes:  # pwrite may write less than asked
-                            view = memoryview(data).cast("B")
-                            while done < len(view):
-                                done += os.pwrite(fd, view[done:], offset + done)
-                    spool._written += end - start
-                except BaseException as exc:  # noqa: BLE001 - handed to the spool's owner at flush
-                    spool._error, failed = exc, True
-            if failed:
-                spool._unwritten.append({p: arrays[p][start:end] for p, _, _ in targets})
-            spool._landed += 1
-        with self.landed:
-            self.landed.notify_all()
+    def _write(self, entries: Iterable[tuple]) -> None:
+        try:
+            for spool, arrays, start, end, targets in entries:
+                # Each counter below is written by this thread only (the queued count by whoever reserves the
+                # spool's chunks: the host path, or this thread for a job's), so no lock per chunk: waiters are
+                # woken once per queue item, under `landed`.
+                failed = spool._error is not None  # nothing after a failed chunk is written
+                if not failed:
+                    try:
+                        for place, fd, offset in targets:
+                            src = arrays[place]
+                            if isinstance(src, RowList):  # one system call for rows that lie apart
+                                row = src.rows[0].nbytes
+                                done = os.pwritev(fd, src.rows[start:end], offset)
+                                if done == (end - start) * row:
+                                    continue
+                                data = src[start:end]  # short: the rest from one stacked copy
+                            else:
+                                data = np.ascontiguousarray(src[start:end])  # row slices: already so
+                                done = os.pwrite(fd, data, offset)
+                            if done < data.nbytes:  # pwrite may write less than asked
+                                view = memoryview(data).cast("B")
+                                while done < len(view):
+                                    done += os.pwrite(fd, view[done:], offset + done)
+                        spool._written += end - start
+                    except BaseException as exc:  # noqa: BLE001 - handed to the spool's owner at flush
+                        spool._error, failed = exc, True
+                if failed:
+                    spool._unwritten.append({p: arrays[p][start:end] for p, _, _ in targets})
+                spool._landed += 1
+        finally:  # an entry generator that fails mid-way (StepRun.entries) must still wake the waiters
+            with self.landed:
+                self.landed.notify_all()
 
 
 WRITER = SpoolWriter()
