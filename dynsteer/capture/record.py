@@ -4,7 +4,7 @@ are read back in position order."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -163,16 +163,15 @@ class CaptureRecord:
 
 
 def split_step(positions: np.ndarray, by_dtype: dict[str, dict[Place, np.ndarray]], recs: list[CaptureRecord],
-               starts: list[int], ends: list[int]) -> list[tuple]:
+               starts: list[int], ends: list[int]) -> Iterator[tuple]:
     """Spool writer thread: land each record's rows ``[start, end)`` of a step (their positions, and their spool's
-    next chunk, whose write entry is returned). A spool that cannot take a chunk keeps it, and every later one, in
-    memory; the record's owner finds them at ``settle``."""
-    entries = []
+    next chunk, whose write entry is yielded, to be written before the next record is landed: each write releases
+    the GIL). A spool that cannot take a chunk keeps it, and every later one, in memory; the record's owner finds
+    them at ``settle``."""
     for rec, start, end in zip(recs, starts, ends):
         arrays = by_dtype[rec.spec.dtype]
         rec.positions.append(positions[start:end])
         rec.chunks += 1
         entry = rec.spool.take(arrays, start, end, rec.places)
         if entry is not None:
-            entries.append(entry)
-    return entries
+            yield entry

@@ -133,8 +133,8 @@ class SpoolWriter:
 
     def submit(self, entries: list[tuple] | Callable[[], list[tuple]] | Any) -> None:
         """Queue the chunks :meth:`Spool.reserve` counted (one step's chunks of many spools: one queue item), a
-        job that returns such entries when the thread reaches it (it reserves them there: a capture step's split
-        per request runs off the host path; see ``CaptureCollector``), or a batched decode step
+        job that returns or yields such entries when the thread reaches it (it reserves them there: a capture
+        step's split per request runs off the host path; see ``CaptureCollector``), or a batched decode step
         (:class:`~dynsteer.capture.step_runs.BatchedStep`), held with the steps after it and written per request
         once per run."""
         if not entries:
@@ -183,16 +183,12 @@ class SpoolWriter:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            entries = item
-            if callable(item):
-                try:
-                    entries = item()
-                except BaseException:  # noqa: BLE001 - a job reports its own failures; the thread must live on
-                    logger.exception("dynsteer spool writer: a job failed")
-                    entries = []
-            self._write(entries)
+            try:  # a job returns its entries, or yields them (landing each record just before its write)
+                self._write(item() if callable(item) else item)
+            except BaseException:  # noqa: BLE001 - a job reports its own failures; the thread must live on
+                logger.exception("dynsteer spool writer: a job failed")
             # while waiting for the next item, hold no spool alive (its finalizer unlinks its files)
-            del entries, item
+            del item
 
     def _write_run(self, run: Any) -> None:  # a StepRun (dynsteer.capture.step_runs imports this module)
         try:
