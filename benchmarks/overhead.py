@@ -92,6 +92,17 @@ parallel (``absent2`` after ``absent``, to reuse its compile cache). An 8B engin
 takes all six, an H100 (80 GB) four; engines that do not fit (estimated from free memory) are skipped, lowest
 priority first (capture, then the hook peer), and the report says so.
 
+Tensor parallelism: ``--tp N`` gives every engine ``tensor_parallel_size=N`` on the first N GPUs (all engines share
+them, one runs at a time), ``--shape llama3-70b`` the Llama-3-70B shape, ``--layers L`` fewer of its layers. Memory
+and KV cache are counted per rank, so the fit check above keeps the engines whose ranks fit every GPU. Dropping
+layers keeps what tensor parallelism splits (each layer's matrices and all-reduces) and shortens the step and
+dynsteer's per-layer work alike. On four H100s, 32 of Llama-3-70B's layers fit the A/A pair, ``dynsteer`` and
+``dynsteer-capture`` (~16 GiB a rank each); all 80 fit only the A/A pair (four H200s: the pair and ``dynsteer``)::
+
+    python3 benchmarks/overhead.py --tp 4 --shape llama3-70b --layers 32 --modes idle pr64 prdyn capidle stream \
+        --batches 1 16 64 --timing-split --max-minutes 8 --out $OUT
+    .venv/bin/python benchmarks/overhead.py --cpu-smoke --tp 2 --modes idle prdyn   # CPU: two workers per engine
+
 Commands (offline GPU host; ``. scripts/gpu_env.sh`` puts vLLM on ``PYTHONPATH`` and installs dynsteer; pass the
 commit as ``DYNSTEER_GIT_SHA``, taken where the checkout lives: a device copy's ``.git`` may be missing or stale)::
 
@@ -141,7 +152,7 @@ import argparse
 import json
 from pathlib import Path
 
-from lib.engines import pin_spec
+from lib.engines import SHAPES, pin_spec
 from lib.overhead.modes import BY_KEY, ENGINES, MODES, REDUCED_MODES
 
 
@@ -161,7 +172,13 @@ def parse_args() -> argparse.Namespace:
                     "engine cores; hotwire skipped (Triton/CUDA kernel)")
     ap.add_argument("--hotwire-wheel", help="hotwire_vllm-0.1.2 wheel (default: $HOTWIRE_WHEEL, "
                     ".gpu-carry/hotwire_vllm-*.whl, /tmp/hw/hotwire_vllm-*.whl)")
-    ap.add_argument("--model-dir", help="model folder (default: a Llama-3-8B-shaped config.json, dummy weights)")
+    ap.add_argument("--model-dir", help="model folder (default: a config.json of --shape, dummy weights)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b",
+                    help="the dummy model's shape (without --model-dir)")
+    ap.add_argument("--layers", type=int, help="decoder layers of --shape (default: the model's own): the largest "
+                    "shape whose compared engines fit, e.g. Llama-3-70B layers at TP=4 on four H100s")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine (each engine's ranks "
+                    "on the first TP GPUs, shared by all engines; on CPU two workers of one core each)")
     ap.add_argument("--load-format", help="vLLM load_format (default dummy; --cpu-smoke: auto, the tiny weights)")
     ap.add_argument("--dtype")
     ap.add_argument("--eager", action="store_true", help="CUDA graphs and torch.compile off in every engine")
@@ -207,6 +224,8 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.modes = ["absent", "aa"] + [k for k in args.modes if k not in ("absent", "aa")]
+    if args.cpu_smoke and args.tp > 2:
+        ap.error("--cpu-smoke runs at most --tp 2 (one core per CPU worker)")
     return args
 
 

@@ -4,8 +4,8 @@ A worker is ``<script> --worker <config JSON>``: it builds one ``vllm.LLM``, ans
 one ``RESULT {...}`` (or ``ERROR {...}``) line per JSON command read on stdin. The farm starts its engines at once
 (an engine that copies another, e.g. a second ``absent``, once that one is up: it reads its compile cache rather
 than race to write it), pins their processes, reads the CPU time they use around a call, and closes them. Also
-here: the Llama-3-8B shape they run with dummy weights and its memory, the GPU's free memory, and hotwire-vllm's
-private install.
+here: the model shapes they run with dummy weights (Llama-3-8B, Llama-3-70B) and their memory per tensor-parallel
+rank, the GPUs' free memory, and hotwire-vllm's private install.
 """
 
 from __future__ import annotations
@@ -34,31 +34,56 @@ LLAMA3_8B = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
 }
 
+# Llama-3-70B's layer (what tensor parallelism splits); ``shape_config(..., layers=N)`` keeps it and drops layers
+# where the compared engines would not fit otherwise.
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+
+
+def shape_config(shape: str, layers: int | None = None) -> dict:
+    """The ``config.json`` of a named shape, with ``layers`` decoder layers if given."""
+    cfg = dict(SHAPES[shape])
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    return cfg
+
 
 # ---- model memory ---------------------------------------------------------------------------------------------------
-def kv_bytes_per_token(cfg: dict, dtype_bytes: int) -> int:
+def kv_bytes_per_token(cfg: dict, dtype_bytes: int, tp: int = 1) -> int:
+    """KV cache bytes per token on one of ``tp`` ranks (vLLM splits the KV heads, and replicates them where there
+    are fewer heads than ranks)."""
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * dtype_bytes
+    heads = -(-cfg["num_key_value_heads"] // tp)
+    return cfg["num_hidden_layers"] * 2 * heads * head_dim * dtype_bytes
 
 
-def weight_bytes(cfg: dict, dtype_bytes: int) -> int:
+def weight_bytes(cfg: dict, dtype_bytes: int, tp: int = 1) -> int:
+    """Weight bytes on one of ``tp`` ranks (every matrix is split; the norms are small and counted whole)."""
     h, i, v, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
     embed = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    return (n * per_layer + embed + h) * dtype_bytes
+    return (-(-(n * per_layer + embed) // tp) + (2 * n + 1) * h) * dtype_bytes
 
 
-def gpu_memory() -> tuple[str, int, int] | None:
-    """(name, total bytes, free bytes) of the engines' GPU (the first of ``CUDA_VISIBLE_DEVICES``, which
-    nvidia-smi itself ignores) from nvidia-smi, so the parent never opens a CUDA context."""
-    index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
+def gpu_memory(count: int = 1) -> tuple[str, int, int] | None:
+    """(name, total bytes, free bytes) of the engines' GPU, or of the least free of their first ``count`` GPUs
+    (tensor parallelism: every rank holds the same share), from nvidia-smi, so the parent never opens a CUDA
+    context. The GPUs are the first of ``CUDA_VISIBLE_DEVICES``, which nvidia-smi itself ignores. None without a
+    GPU, or with fewer than ``count``."""
+    visible = [i.strip() for i in (os.environ.get("CUDA_VISIBLE_DEVICES") or "").split(",") if i.strip()]
+    indices = visible[:count] if visible else [str(i) for i in range(count)]
+    if len(indices) < count:
+        return None
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.free", "--format=csv,noheader,"
-                              "nounits", "-i", index], capture_output=True, text=True, timeout=30).stdout
-        name, total, free = [x.strip() for x in out.strip().split(",")]
-        return name, int(total) << 20, int(free) << 20
+                              "nounits", "-i", ",".join(indices)], capture_output=True, text=True, timeout=30).stdout
+        rows = [[x.strip() for x in line.split(",")] for line in out.strip().splitlines()]
+        if len(rows) < count:
+            return None
+        name, total, free = min(rows, key=lambda r: int(r[2]))
+        return name + (f" x{count}" if count > 1 else ""), int(total) << 20, int(free) << 20
     except Exception:  # noqa: BLE001 - no GPU, no nvidia-smi
         return None
 

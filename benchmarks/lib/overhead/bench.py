@@ -17,8 +17,8 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from lib.engines import (LLAMA3_8B, EngineDied, EngineFarm, find_wheel, gpu_memory, install_hotwire,
-                         kv_bytes_per_token, visible_plugins, weight_bytes)
+from lib.engines import (EngineDied, EngineFarm, find_wheel, gpu_memory, install_hotwire,
+                         kv_bytes_per_token, shape_config, visible_plugins, weight_bytes)
 from lib.overhead.modes import (BY_KEY, CLONES, ENGINE_KIND, ENGINES, VERIFY_ESCALATION, gate_places, spread_layers,
                                 steer_layer)
 from lib.overhead.report import comparisons, pooled, split_report, step_lists
@@ -48,16 +48,17 @@ class Bench:
 
             self.model_dir = tiny_model("llama")
         else:
-            self.model_dir = self.work_dir / "llama3-8b-shape"
+            self.model_dir = self.work_dir / f"{args.shape}-shape"
             self.model_dir.mkdir()
-            (self.model_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
+            (self.model_dir / "config.json").write_text(json.dumps(shape_config(args.shape, args.layers)))
         self.mcfg = json.loads((self.model_dir / "config.json").read_text())
         self.num_layers = self.mcfg["num_hidden_layers"]
         self.dtype_bytes = 4 if args.dtype in ("float32", "float") else 2
         max_batch = max(args.batches)
         self.max_model_len = -(-(args.prompt_len + args.tokens + 16) // 16) * 16
-        # enough KV for the largest batch (and a margin), whatever the memory left on the device
-        self.kv_bytes = max(int(kv_bytes_per_token(self.mcfg, self.dtype_bytes) * max_batch
+        # enough KV for the largest batch (and a margin), whatever the memory left on the device; per rank (vLLM's
+        # kv_cache_memory_bytes is per GPU)
+        self.kv_bytes = max(int(kv_bytes_per_token(self.mcfg, self.dtype_bytes, args.tp) * max_batch
                                 * (self.max_model_len + 32) * 1.1), 256 << 20)
         self.modes: list[str] = list(args.modes)
         self.engines: list[str] = []
@@ -105,6 +106,8 @@ class Bench:
         env_base = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", "TOKENIZERS_PARALLELISM": "false"}
         if args.cpu_smoke:  # as tests/conftest.py builds CPU engines
             env_base.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+            if args.tp == 2:  # two CPU workers, one core each, spawned (tests/conftest.py's cpu_tp_env)
+                env_base.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
         for e in ENGINES:
             env = dict(env_base)
             path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and "hotwire-site" not in p]
@@ -127,10 +130,13 @@ class Bench:
             self.skipped.setdefault("hotwire", f"its entry point is not visible ({self.plugins.get('hotwire')})")
         print(f"vllm.general_plugins visible per engine: {self.plugins}", flush=True)
         engines = [e for e in engines if e not in self.skipped]
-        gpu = gpu_memory()
-        if gpu is not None:  # keep what fits, in priority order
+        gpu = None if args.cpu_smoke else gpu_memory(args.tp)
+        if gpu is None and not args.cpu_smoke and args.tp > 1:
+            sys.exit(f"--tp {args.tp}: fewer than {args.tp} GPUs visible")
+        if gpu is not None:  # keep what fits, in priority order; every engine's ranks share the same GPUs
             name, total, free = gpu
-            per = weight_bytes(self.mcfg, self.dtype_bytes) + self.kv_bytes + (3 << 30) // 2
+            per = weight_bytes(self.mcfg, self.dtype_bytes, args.tp) + self.kv_bytes + (3 << 30) // 2
+            per += (1 << 30) if args.tp > 1 else 0  # NCCL's and the custom all-reduce's buffers per rank
             room, kept = free * 0.95, []
             for e in engines:
                 need_b = per + ((1 << 30) if ENGINE_KIND[e] == "dynsteer" else 0)  # + dynsteer's tables
@@ -139,7 +145,8 @@ class Bench:
                     room -= need_b
                 else:
                     self.skipped[e] = (f"does not fit in GPU memory ({free / 2**30:.0f} GiB free, ~"
-                                       f"{need_b / 2**30:.0f} GiB per engine; an H200 holds all six)")
+                                       f"{need_b / 2**30:.0f} GiB per engine and GPU; fewer --layers would fit "
+                                       "more engines)")
             engines = kept
             print(f"{name}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free; engines {engines}", flush=True)
         if "absent" not in engines or "absent2" not in engines:
@@ -175,7 +182,7 @@ class Bench:
                     max_model_len=self.max_model_len,
                     max_num_batched_tokens=max(max(args.batches) * args.prompt_len, self.max_model_len, 512),
                     gpu_util=args.gpu_util, kv_bytes=self.kv_bytes, verify_scale=args.verify_scale,
-                    timing_split=args.timing_split)
+                    timing_split=args.timing_split, tp=args.tp)
         for e in self.engines:
             dyn = None
             if ENGINE_KIND[e] == "dynsteer":
@@ -405,14 +412,15 @@ class Bench:
         aa_pct = {b: c["median"] for b, c in aa.items() if c}
         info = self.info0
         model = (str(args.model_dir) if args.model_dir else "tiny random Llama (CPU smoke)" if args.cpu_smoke
-                 else "Llama-3-8B shape")
+                 else f"{args.shape} shape, {self.num_layers} layers")
         return {
             "benchmark": "overhead", "date": self.date, "device": self.device,
             "versions": {"torch": info.get("torch"), "vllm": info.get("vllm"), "triton": info.get("triton"),
                          "dynsteer": git_sha(), "hotwire": self.hotwire_version, "python": sys.version.split()[0]},
             "args": {k: v for k, v in vars(args).items() if k != "worker"},
             "model": f"{model}, load_format={args.load_format}, {args.dtype}, "
-                     + ("eager" if args.eager else "CUDA graphs on"),
+                     + ("eager" if args.eager else "CUDA graphs on") + (f", TP={args.tp}" if args.tp > 1 else ""),
+            "tensor_parallel_size": args.tp,
             "engines": {e: {"kind": ENGINE_KIND[e], "dynsteer_config": self.cfgs[e]["dynsteer"],
                             "plugins_visible": self.plugins.get(e),
                             "startup_s": self.live[e].info.get("startup_s") if e in self.live else None,

@@ -285,6 +285,8 @@ def worker(cfg: dict) -> None:
               max_model_len=cfg["max_model_len"], max_num_seqs=max(cfg["batches"]),
               max_num_batched_tokens=cfg["max_num_batched_tokens"], gpu_memory_utilization=cfg["gpu_util"],
               kv_cache_memory_bytes=cfg["kv_bytes"], seed=0, enforce_eager=cfg["eager"] or cfg["kind"] == "hook")
+    if cfg.get("tp", 1) > 1:
+        kw["tensor_parallel_size"] = cfg["tp"]
     if cfg.get("dynsteer") is not None:
         kw["additional_config"] = {"dynsteer": cfg["dynsteer"]}
     if cfg.get("timing_split"):  # vLLM's per-request timestamps (every engine alike): the call's phases
