@@ -88,7 +88,7 @@ def payloads(mode: str, batch: int, layers: int, hidden: int, rng: np.random.Gen
 
 
 def run(rt: SteeringRuntime, mode: str, batch: int, steps: int, churn: int, layers: int, hidden: int,
-        prompt_len: int = 32, clock: str = "wall") -> dict[str, float]:
+        prompt_len: int = 32, clock: str = "wall", pace_ms: float = 0.0) -> dict[str, float]:
     now = time.perf_counter if clock == "wall" else time.thread_time  # cpu: this thread's CPU time
     rng = np.random.default_rng(0)
     pool = payloads(mode, batch, layers, hidden, rng)
@@ -114,6 +114,7 @@ def run(rt: SteeringRuntime, mode: str, batch: int, steps: int, churn: int, laye
             computed.pop(done)
         view = BatchView(list(live), qsl, np.array([computed[r] for r in live], np.int64),
                          np.full(batch, prompt_len), batch, batch)
+        start = time.perf_counter()
         t0 = now()
         rt.plan(view, payload.__getitem__)
         t1 = now()
@@ -124,14 +125,18 @@ def run(rt: SteeringRuntime, mode: str, batch: int, steps: int, churn: int, laye
         fwd.append(t2 - t1)
         for r in live:
             computed[r] += 1
+        if pace_ms:  # the device's step: the host waits without the GIL, as a runner waiting for its step does
+            time.sleep(max(0.0, start + pace_ms / 1e3 - time.perf_counter()))
     WRITER.drain()  # the capture spool's writes of these steps, before its CPU time is read
     others = (time.process_time() - proc0) - (time.thread_time() - own0)
     rt.release(live)
     if rt.dynamic is not None:
         rt.dynamic.poll(rt.dynamic_tier.state_of, block=True)
     skip = steps // 10
+    total = sorted(a + b for a, b in zip(times[skip:], fwd[skip:]))
     return {"plan_us": statistics.median(times[skip:]) * 1e6, "after_forward_us": statistics.median(fwd[skip:]) * 1e6,
-            "mean_total_us": (sum(times[skip:]) + sum(fwd[skip:])) / (steps - skip) * 1e6,
+            "mean_total_us": sum(total) / len(total) * 1e6,
+            "p90_total_us": total[int(0.9 * (len(total) - 1))] * 1e6, "max_total_us": total[-1] * 1e6,
             "other_threads_cpu_us": others / steps * 1e6}
 
 
@@ -149,11 +154,16 @@ def main() -> None:
                          "on CUDA they are single launches, always run)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="time by the wall clock, or by this thread's CPU time (steadier on a busy box)")
+    ap.add_argument("--pace-ms", type=float, default=0.0,
+                    help="start a step every PACE ms (the device's decode step; the host sleeps out the rest, as a "
+                         "runner waiting for its step does), so background threads see an engine's pace rather "
+                         "than back-to-back steps (0: back to back)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(1)
     results: dict[str, dict[str, dict[str, float]]] = {}
-    print("| mode | " + " | ".join(f"batch {b}: plan / after / mean total / other threads µs" for b in args.batches)
+    print("| mode | " + " | ".join(f"batch {b}: plan / after / mean total / p90 total / other threads µs"
+                                   for b in args.batches)
           + " |")
     print("|---" * (len(args.batches) + 1) + "|")
     for mode in args.modes:
@@ -162,9 +172,9 @@ def main() -> None:
             rt = build(args.layers, args.hidden, max(512, batch * 32), args.device, args.kernels,
                        report_acts=mode.endswith("cached"))
             results[mode][str(batch)] = run(rt, mode, batch, args.steps, args.churn, args.layers, args.hidden,
-                                            clock=args.clock)
+                                            clock=args.clock, pace_ms=args.pace_ms)
         cells = [f"{r['plan_us']:.0f} / {r['after_forward_us']:.0f} / {r['mean_total_us']:.0f} / "
-                 f"{r['other_threads_cpu_us']:.0f}"
+                 f"{r['p90_total_us']:.0f} / {r['other_threads_cpu_us']:.0f}"
                  for r in results[mode].values()]
         print(f"| {mode} | " + " | ".join(cells) + " |", flush=True)
     if args.json:
