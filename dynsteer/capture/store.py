@@ -17,11 +17,18 @@ to the spool writer thread as one item (records the memory consumer delivers thr
 consumer), which holds consecutive such steps together and writes each request's rows once per run of steps
 (:mod:`dynsteer.capture.step_runs`): neither the host path nor the writer does per-request work per step. Other steps (prefill chunks, joins, recomputed positions after a preemption,
 explicit or prompt selectors) take the per-request path, as do records delivered otherwise.
+
+A finished request's record is retired, not waited for: its last rows may still be on their way from the device
+(with asynchronous scheduling the engine learns that a request finished while a later step still runs) and in the
+spool writer's queue. The step path moves it aside (:meth:`CaptureCollector.retire`); a later step's poll hands it to
+``on_finished`` once its copies have landed and the writer has passed a marker queued after its writes. Taking a
+record (the caller knows it is done) or an engine with no request left waits for it instead.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Callable
 
 import numpy as np
@@ -88,6 +95,11 @@ class CaptureCollector:
         self._batch: BatchCapture | None = None  # the last batch composition's capturing requests
         self._step_batch: tuple[BatchCapture, int] | None = None  # this step's batched rows
         self._jobs = 0  # split jobs handed to the spool writer since finish last waited for it
+        # Finished requests' records on their way out: (record, copies queued when it finished, the writer's marker
+        # once queued). Handed to on_finished from poll (None: kept for finish / complete to return).
+        self._retiring: dict[int, list] = {}  # id(record) -> entry, in retiring order
+        self._queued = self._landed = 0  # PendingCopy queued and landed so far
+        self.on_finished: Callable[[CaptureRecord], None] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def begin(self, req_id: str, tag: str | None, spec: CaptureSpec | None, prompt_len: int) -> None:
@@ -267,10 +279,17 @@ class CaptureCollector:
             self._pending.append(PendingCopy(done, host, positions, segments, streams, *(batch or (None, 0))))
         else:  # fresh tensors already: the staging buffers may be overwritten by the next step
             self._pending.append(PendingCopy(None, gathered, positions, segments, streams, *(batch or (None, 0))))
+        self._queued += 1
         self.poll()
 
     def poll(self, block: bool = False) -> None:
-        """Move completed copies into their records (``block``: wait for all)."""
+        """Move completed copies into their records (``block``: wait for all), then hand out retired records whose
+        rows are all written."""
+        self._land(block)
+        if self._retiring:
+            self._advance(block=False)
+
+    def _land(self, block: bool) -> None:
         while self._pending:
             pend = self._pending[0]
             if pend.event is not None and not pend.event.query():
@@ -278,6 +297,7 @@ class CaptureCollector:
                     return  # copies complete in order (one side stream): later ones are not done either
                 pend.event.synchronize()
             self._pending.pop(0)
+            self._landed += 1
             # Copied out of pinned memory at once, so the caching host allocator recycles the pinned blocks
             # instead of growing with everything captured until the requests finish.
             # Only rows that stay referenced (records without a spool, streams) are copied; a spool's write reads the
@@ -304,8 +324,8 @@ class CaptureCollector:
             spooled: list = []  # the step's spool writes, handed to the writer thread as one item
             try:
                 for rec, s, e in main:
-                    if self.records.get(rec.req_id) is not rec:
-                        continue  # finished or dropped meanwhile
+                    if self.records.get(rec.req_id) is not rec and id(rec) not in self._retiring:
+                        continue  # handed out meanwhile
                     arrays = by_dtype[rec.spec.dtype]
                     rec.add_chunk(pend.positions[s:e], arrays, s, e, spooled)
                     if rec.streaming and self.on_chunk is not None:
@@ -320,24 +340,76 @@ class CaptureCollector:
                     pick = slice(int(rows[0]), int(rows[0]) + rows.size) if contiguous else rows
                     self.on_stream(sel, {place: arrays[place][pick] for place in sel.places})
 
-    def finish(self, req_id: str) -> CaptureRecord | None:
-        """The request is done: complete its copies and hand the record out (None if it captured nothing)."""
-        if req_id not in self.records:
-            return None
-        self.poll(block=True)
-        if self._jobs:  # the writer thread has split every landed step into the records
-            WRITER.drain()
-            self._jobs = 0
-        rec = self.records.pop(req_id)
+    def retire(self, req_id: str) -> None:
+        """The request is done: its record takes no more rows and goes to ``on_finished`` once its rows are all
+        landed and written (a later :meth:`poll`, or :meth:`complete`). Never waits."""
+        rec = self.records.pop(req_id, None)
+        if rec is None:
+            return
         if self._batch is not None:  # it holds its records: drop it, or a finished one would outlive delivery
             self._batch.sync()
             self._batch = None
-        self._spooling.pop(req_id, None)  # counted at begin, whatever became of the spool since
+        self._retiring[id(rec)] = [rec, self._queued, None]
+
+    @property
+    def retiring(self) -> list[CaptureRecord]:
+        """Retired records not yet handed out."""
+        return [entry[0] for entry in self._retiring.values()]
+
+    def complete(self, tags: set[str] | None = None) -> None:
+        """Wait for the retired records with these tags (default: all) and hand them to ``on_finished``."""
+        if any(tags is None or entry[0].tag in tags for entry in self._retiring.values()):
+            self._land(block=True)
+            self._advance(block=True, tags=tags)
+
+    def _advance(self, block: bool, tags: set[str] | None = None) -> None:
+        """Hand out retired records whose copies have landed and whose writes the spool writer has passed (``block``:
+        wait for the writer, for the records with ``tags``)."""
+        for key, entry in list(self._retiring.items()):
+            rec, after, written = entry
+            if after > self._landed:
+                continue  # a copy holding its rows has not landed (never so once _land(block=True) ran)
+            if written is None and (rec.spool is not None or rec.split_off):
+                # the writer runs its queue in order: once it sets this, every write and split job of the record's
+                # landed steps is done (a held run of batched steps is written before any other item)
+                entry[2] = written = threading.Event()
+                WRITER.submit(functools.partial(_mark_written, written))
+            if written is not None and not written.is_set():
+                if not block or (tags is not None and rec.tag not in tags):
+                    continue
+                written.wait()
+            del self._retiring[key]
+            self._seal(rec)
+            if self.on_finished is not None:
+                self.on_finished(rec)
+
+    def _seal(self, rec: CaptureRecord) -> None:
+        self._spooling.pop(rec.req_id, None)  # counted at begin, whatever became of the spool since
         rec.settle()  # its queued writes done (or, failed, its rows in memory)
         if rec.spool is not None:
             rec.spool.seal()  # complete: its files need no descriptor until delivery
+
+    def finish(self, req_id: str) -> CaptureRecord | None:
+        """The request is done: wait for its copies and writes and return the record (None if it captured nothing);
+        it does not go to ``on_finished``."""
+        self.retire(req_id)
+        key = next((k for k, e in self._retiring.items() if e[0].req_id == req_id), None)
+        if key is None:
+            return None
+        self._land(block=True)
+        if self._jobs:  # the writer thread has split every landed step into the records
+            WRITER.drain()
+            self._jobs = 0
+        rec = self._retiring.pop(key)[0]
+        self._seal(rec)
         return rec
 
+
+
+def _mark_written(event: threading.Event) -> tuple:
+    """A spool writer job: everything queued before it is written."""
+    event.set()
+    return ()
 
 
 def _decode_selects(rec: CaptureRecord, pos: int) -> bool:

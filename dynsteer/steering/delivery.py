@@ -31,6 +31,7 @@ class CaptureDelivery:
                  stats: RuntimeStats) -> None:
         self.collector, self.consumers, self.stats = collector, consumers, stats
         collector.on_chunk = self._on_chunk
+        collector.on_finished = self._deliver
         streaming = {name for name, c in consumers.items()
                      if callable(getattr(c, "on_chunk", None)) and getattr(c, "streams", True)}
         collector.streams = lambda spec: any(name in streaming for name in spec.consumers)
@@ -59,8 +60,14 @@ class CaptureDelivery:
         self.collector.after_forward()
 
     def finish(self, req_id: str) -> None:
-        """The request finished: its record goes to its consumers."""
-        self._deliver(self.collector.finish(req_id))
+        """The request finished: its record goes to its consumers once its last rows have landed and are written (a
+        later step's poll; the step path never waits for them)."""
+        self.collector.retire(req_id)
+
+    def complete(self) -> None:
+        """Wait for every finished request's record and deliver it (nothing else left to run: waiting costs no
+        step)."""
+        self.collector.complete()
 
     def take(self, tags: Iterable[str]) -> list[CaptureRecord]:
         """Finish live records with these tags (the caller knows they are done) and take them from memory."""
@@ -68,6 +75,7 @@ class CaptureDelivery:
         stats.takes += 1
         stats.take_backlog += WRITER.backlog()
         tags = set(tags)
+        self.collector.complete(tags)  # finished, on their way out: delivered now
         for req_id in [r for r, rec in self.collector.records.items() if rec.tag in tags]:
             self._deliver(self.collector.finish(req_id))
         memory: Any = self.consumers.get("memory")  # the in-memory consumer: records wait there to be taken
@@ -119,6 +127,9 @@ class NullCaptureDelivery:
         pass
 
     def finish(self, req_id: str) -> None:
+        pass
+
+    def complete(self) -> None:
         pass
 
     def take(self, tags: Iterable[str]) -> list[CaptureRecord]:

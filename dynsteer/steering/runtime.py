@@ -212,6 +212,8 @@ class SteeringRuntime:
                 self._cmd_policies.pop(req_id, None)
                 self._deferred.pop(req_id, None)
                 self.delivery.finish(req_id)
+        if finished and not self.requests:  # nothing left to run: finished records are delivered now, not next step
+            self.delivery.complete()
         self._state = state  # what a release changes concerns the released requests alone: their values are forgotten
 
     def admit(self, req_id: str, payload: Any, prompt_len: int) -> RequestEntry:
