@@ -15,7 +15,8 @@ policies spread over the batch; HTTP-like: nobody keeps the trace), ``per-reques
 engine with prefix caching, vLLM's default: every dynamic token is read back and where steering acted is reported
 to the engine core), ``per-request dynamic traced`` (the same, each request's trace kept, as the offline API does),
 ``sync`` (per-request + EMA-latch controller, device tier), ``capture`` (every generated token at one place).
-``after`` is ``after_forward`` plus the runner glue's ``take_acts`` of the step's output; ``other threads`` is the CPU
+``after`` is ``after_forward`` plus the runner glue's ``take_acts`` of the step's output; ``release`` (a mean: most
+steps release nothing) is the start of a step, where ``--churn``'s finished request leaves; ``other threads`` is the CPU
 time per step of the process's other threads (the capture spool's writer), which competes with the host path for the
 GIL and the memory bus.
 
@@ -101,21 +102,23 @@ def run(rt: SteeringRuntime, mode: str, batch: int, steps: int, churn: int, laye
     rt.plan(BatchView(live, qsl, np.zeros(batch, np.int64), np.full(batch, prompt_len), batch * prompt_len,
                       batch * prompt_len), payload.__getitem__)
     rt.after_forward()
-    times, fwd = [], []
+    times, fwd, releases = [], [], []
     qsl = np.arange(batch + 1, dtype=np.int64)
     proc0, own0 = time.process_time(), time.thread_time()
     for step in range(steps):
+        start = time.perf_counter()
+        r0 = now()
         if churn and step and step % churn == 0:  # one request finishes, a new one takes its place (decoding)
             done = live.pop(0)
-            rt.release([done])
+            rt.release([done])  # the runner's start of a step: finished requests leave (timed with the step)
             new = f"r{next(serial)}"
             live.append(new)
             payload[new], computed[new] = payload.pop(done), prompt_len
             computed.pop(done)
         view = BatchView(list(live), qsl, np.array([computed[r] for r in live], np.int64),
                          np.full(batch, prompt_len), batch, batch)
-        start = time.perf_counter()
         t0 = now()
+        releases.append(t0 - r0)
         rt.plan(view, payload.__getitem__)
         t1 = now()
         rt.after_forward()
@@ -133,8 +136,9 @@ def run(rt: SteeringRuntime, mode: str, batch: int, steps: int, churn: int, laye
     if rt.dynamic is not None:
         rt.dynamic.poll(rt.dynamic_tier.state_of, block=True)
     skip = steps // 10
-    total = sorted(a + b for a, b in zip(times[skip:], fwd[skip:]))
+    total = sorted(a + b + c for a, b, c in zip(times[skip:], fwd[skip:], releases[skip:]))
     return {"plan_us": statistics.median(times[skip:]) * 1e6, "after_forward_us": statistics.median(fwd[skip:]) * 1e6,
+            "release_us": statistics.mean(releases[skip:]) * 1e6,
             "mean_total_us": sum(total) / len(total) * 1e6,
             "p90_total_us": total[int(0.9 * (len(total) - 1))] * 1e6, "max_total_us": total[-1] * 1e6,
             "other_threads_cpu_us": others / steps * 1e6}
@@ -162,7 +166,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     results: dict[str, dict[str, dict[str, float]]] = {}
-    print("| mode | " + " | ".join(f"batch {b}: plan / after / mean total / p90 total / other threads µs"
+    print("| mode | " + " | ".join(f"batch {b}: plan / after / mean release / mean total / p90 total / other threads µs"
                                    for b in args.batches)
           + " |")
     print("|---" * (len(args.batches) + 1) + "|")
@@ -173,7 +177,7 @@ def main() -> None:
                        report_acts=mode.endswith("cached"))
             results[mode][str(batch)] = run(rt, mode, batch, args.steps, args.churn, args.layers, args.hidden,
                                             clock=args.clock, pace_ms=args.pace_ms)
-        cells = [f"{r['plan_us']:.0f} / {r['after_forward_us']:.0f} / {r['mean_total_us']:.0f} / "
+        cells = [f"{r['plan_us']:.0f} / {r['after_forward_us']:.0f} / {r['release_us']:.0f} / {r['mean_total_us']:.0f} / "
                  f"{r['p90_total_us']:.0f} / {r['other_threads_cpu_us']:.0f}"
                  for r in results[mode].values()]
         print(f"| {mode} | " + " | ".join(cells) + " |", flush=True)

@@ -365,6 +365,7 @@ class CaptureCollector:
     def _advance(self, block: bool, tags: set[str] | None = None) -> None:
         """Hand out retired records whose copies have landed and whose writes the spool writer has passed (``block``:
         wait for the writer, for the records with ``tags``)."""
+        marker = None  # one for every record it concerns: each round trip through the writer's queue costs a switch
         for key, entry in list(self._retiring.items()):
             rec, after, written = entry
             if after > self._landed:
@@ -372,8 +373,10 @@ class CaptureCollector:
             if written is None and (rec.spool is not None or rec.split_off):
                 # the writer runs its queue in order: once it sets this, every write and split job of the record's
                 # landed steps is done (a held run of batched steps is written before any other item)
-                entry[2] = written = threading.Event()
-                WRITER.submit(functools.partial(_mark_written, written))
+                if marker is None:
+                    marker = threading.Event()
+                    WRITER.submit(functools.partial(_mark_written, marker))
+                entry[2] = written = marker
             if written is not None and not written.is_set():
                 if not block or (tags is not None and rec.tag not in tags):
                     continue
