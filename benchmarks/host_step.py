@@ -115,10 +115,10 @@ def run(rt: SteeringRuntime, mode: str, batch: int, steps: int, churn: int, laye
             live.append(new)
             payload[new], computed[new] = payload.pop(done), prompt_len
             computed.pop(done)
+        releases.append(now() - r0)
         view = BatchView(list(live), qsl, np.array([computed[r] for r in live], np.int64),
                          np.full(batch, prompt_len), batch, batch)
         t0 = now()
-        releases.append(t0 - r0)
         rt.plan(view, payload.__getitem__)
         t1 = now()
         rt.after_forward()
