@@ -13,7 +13,11 @@ registered vector), ``inline`` (half carry the vector as a JSON list), ``dynamic
 policy, direction and action as JSON lists), ``dynamic-b64`` (the same policy with its vectors as ``{"b64": ...}``:
 what the body's JSON parsing on the API server's event loop adds to ``dynamic``), ``global`` (a global dynamic policy
 set over HTTP steers every request), ``preset`` (half name a registered preset with a parameter), ``reports`` (half
-carry the dynamic policy and ask for a per-token report).
+carry the dynamic policy and ask for a per-token report), ``monitor`` (nothing steered; a monitor in this process
+subscribes to a stream of every request's generated tokens at the middle layer, reads every value of every frame and
+must receive every row: a short count is an error; the report gives the rows and GB/s it received). With ``monitor``
+among the mixes the dynsteer server holds a capture buffer at that layer and declares the stream for every mix (a
+stream nobody subscribes to costs nothing; an idle capture buffer, nothing measurable offline).
 
 Per entry and round: output tokens per second over the batch, TTFT, TPOT (per request: time from the first to the
 last token over the tokens after the first) and inter-token latency (gaps between streamed chunks), p50 and p99;
@@ -56,7 +60,7 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 # every request on one event loop, and a chunk that carries a per-token report is larger than a plain one, so a slow
 # parse would be charged to the requests that ask for reports.
 decode_chunk = msgspec.json.Decoder().decode
-MIXES = ("none", "registered", "inline", "dynamic", "dynamic-b64", "global", "preset", "reports")
+MIXES = ("none", "registered", "inline", "dynamic", "dynamic-b64", "global", "preset", "reports", "monitor")
 METRICS = ("tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99")
 NAME = "bench"  # the served model name, the registered vector's and the preset's
 
@@ -153,6 +157,81 @@ class Mixes:
         return None if i % 2 else self.objects.get(mix)  # none, global: no object
 
 
+# ---- the monitor mix -------------------------------------------------------------------------------------------------
+STREAM = "resid"
+
+
+def monitor_config(layer: int) -> dict:
+    """The dynsteer server's config for the ``monitor`` mix: a capture buffer at ``layer`` and stream ``resid`` of
+    every request's generated tokens there, on private ipc endpoints."""
+    from dynsteer.config import MonitorConfig
+
+    mon = MonitorConfig.private(streams={STREAM: {"places": [f"{layer}.post_block"], "requests": "all",
+                                                  "positions": "generated"}})
+    return {"capture_sites": ["post_block"], "capture_layers": [layer], "monitor": mon.model_dump(mode="json")}
+
+
+class StreamMonitor:
+    """A monitor service in this process: subscribes to the stream, reads every value of every frame on a thread of
+    its own (no command: it measures delivery) and counts rows and bytes."""
+
+    def __init__(self, cfg: dict, url: str) -> None:
+        import threading
+
+        from dynsteer.monitor.client import MonitorClient
+
+        mon = cfg["monitor"]
+        # drop rather than block: a monitor that falls behind shows as missing rows, never as a stalled engine
+        self.client = MonitorClient(mon["endpoint"], mon["command_endpoint"], name="serve-bench", streams=[STREAM],
+                                    policy="drop", max_pending=1 << 20, window=1024)
+        status, reply = http_json(url, "GET", f"/v1/steering/streams/{STREAM}/subscribers?min=1&timeout_s=60")
+        if status != 200:
+            self.client.close()
+            raise RuntimeError(f"monitor: not subscribed to {STREAM!r}: HTTP {status}: {reply}")
+        self.rows = self.bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="serve-bench-monitor", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            frame = self.client.recv(timeout_s=0.05)
+            if frame is not None:
+                for values in frame.values.values():
+                    values.sum()  # a monitor reads every value
+                    self.bytes += values.nbytes
+                self.rows += len(frame.positions)
+
+    def settle(self, want: int, quiet_s: float = 2.0, timeout_s: float = 30.0) -> None:
+        """Wait until ``want`` rows have arrived, or none for ``quiet_s`` seconds (frames still in flight after the
+        batch's last response)."""
+        deadline, seen, quiet = time.monotonic() + timeout_s, -1, time.monotonic()
+        while self.rows < want and time.monotonic() < deadline:
+            if self.rows != seen:
+                seen, quiet = self.rows, time.monotonic()
+            elif time.monotonic() - quiet > quiet_s:
+                break
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.client.close()
+
+
+def with_monitor(res: dict, mon: StreamMonitor, n: int, n_out: int) -> dict:
+    """The batch's result with what the monitor received: every generated token but the last (never fed back) of
+    every request is a row; a short count is an error."""
+    want = n * (n_out - 1)
+    mon.settle(want)
+    res["monitor"] = {"rows": mon.rows, "rows_want": want, "mb": round(mon.bytes / 1e6, 1),
+                      "gb_s": round(mon.bytes / 1e9 / res["wall_s"], 4) if res.get("wall_s") else None}
+    if mon.rows != want:
+        res["errors"] += 1
+        res["first_errors"] = [f"monitor received {mon.rows} of {want} stream rows"] + res["first_errors"][:2]
+    return res
+
+
 # ---- the client ------------------------------------------------------------------------------------------------------
 async def one_request(session: Any, url: str, body: bytes, n_out: int) -> dict:
     """One streaming completion of an encoded JSON ``body``: TTFT, the chunks' arrival times, the tokens the usage
@@ -247,6 +326,11 @@ def summarise(report: dict) -> dict:
         out[conc] = {}
         for entry, runs in entries.items():
             row: dict[str, Any] = {"errors": sum(r["errors"] for r in runs), "rounds": len(runs)}
+            mon = [r["monitor"] for r in runs if "monitor" in r]
+            if mon:  # the monitor mix: what its subscriber received
+                row["monitor"] = {"gb_s": statistics.median(m["gb_s"] or 0.0 for m in mon),
+                                  "rows_share": round(sum(m["rows"] for m in mon) / max(1, sum(m["rows_want"]
+                                                                                              for m in mon)), 6)}
             for m in METRICS:
                 xs = [r[m] for r in runs if m in r]
                 if xs:
@@ -278,6 +362,10 @@ def print_summary(summary: dict) -> None:
             cells = [f"{row[f'{m}_vs_vllm_pct']:+.1f}" if f"{m}_vs_vllm_pct" in row else
                      (f"{row[m]:.1f}" if m in row else "-") for m in METRICS]
             print(f"| {entry} | {row['errors']} | " + " | ".join(cells) + " |")
+        for entry, row in rows.items():
+            if "monitor" in row:
+                print(f"{entry}: the monitor received {row['monitor']['rows_share']:.2%} of the stream's rows, "
+                      f"{row['monitor']['gb_s']:.3f} GB/s (median over rounds)")
         halves = {entry: row["halves"] for entry, row in rows.items() if "halves" in row}
         if halves:
             print("\nhalf mixes: each half's p50 against vllm's requests (%)")
@@ -374,9 +462,12 @@ def main() -> int:
         device = (gpu_memory() or ("cuda",))[0]
     cfg = json.loads((Path(model) / "config.json").read_text())
     vocab, hidden, layers = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]
+    mixes = Mixes(hidden, layers)
+    dyn_cfg = monitor_config(mixes.layer) if "monitor" in args.mixes else None
     servers: dict[str, Server] = {
         "vllm": VanillaServer(model, work / "vllm.log", common, base=base, env=env),
-        "dynsteer": Server(model, work / "dynsteer.log", common, base=base, env=env),
+        "dynsteer": Server(model, work / "dynsteer.log", common + (
+            ["--additional-config", json.dumps({"dynsteer": dyn_cfg})] if dyn_cfg else []), base=base, env=env),
         "vllm_aa": VanillaServer(model, work / "vllm_aa.log", common, base=base, env=env)}
     requests = args.requests or [min(512, max(64, 4 * c)) for c in args.concurrency]
     report: dict[str, Any] = {
@@ -384,10 +475,9 @@ def main() -> int:
         "model": args.model or (f"{args.shape} shape, dummy weights, vocab {vocab}" if args.shape else "tiny llama"),
         "input_tokens": args.input_tokens, "output_tokens": args.output_tokens, "ramp_s": args.ramp_s,
         "concurrency": args.concurrency, "requests": requests, "mixes": args.mixes, "server_args": base + common,
-        "rounds": {str(c): {} for c in args.concurrency}, "summary": {}}
+        "dynsteer_config": dyn_cfg, "rounds": {str(c): {} for c in args.concurrency}, "summary": {}}
     name = f"serve-{device.replace(' ', '_')}-{report['date'][:10]}{'-' + args.label if args.label else ''}.json"
     path = Path(args.out) / name
-    mixes = Mixes(hidden, layers)
     entries = [("vllm", "none"), ("vllm_aa", "none")] + [("dynsteer", m) for m in args.mixes]
     rng = random.Random(0)
     try:
@@ -407,13 +497,19 @@ def main() -> int:
             return out
 
         def run_entry(server: str, mix: str, conc: int, n: int, n_out: int) -> dict:
+            mon = None
             if server == "dynsteer":
                 mixes.setup(mix, call)
+                if mix == "monitor":
+                    mon = StreamMonitor(dyn_cfg, servers[server].url)
             try:
-                return asyncio.run(batch(servers[server].url, n, conc, args.input_tokens, n_out, vocab, rng,
-                                         lambda i: mixes.steering(mix, i) if server == "dynsteer" else None,
-                                         args.ramp_s))
+                res = asyncio.run(batch(servers[server].url, n, conc, args.input_tokens, n_out, vocab, rng,
+                                        lambda i: mixes.steering(mix, i) if server == "dynsteer" else None,
+                                        args.ramp_s))
+                return with_monitor(res, mon, n, n_out) if mon is not None else res
             finally:
+                if mon is not None:
+                    mon.close()
                 if server == "dynsteer":
                     mixes.teardown(mix, call)
 
@@ -436,7 +532,8 @@ def main() -> int:
                     report["rounds"][str(conc)].setdefault(key, []).append(res)
                     print(f"[serve] round {r} c={conc} {key}: {res.get('tok_s')} tok/s, TTFT p50 "
                           f"{res.get('ttft_p50')} ms, TPOT p50 {res.get('tpot_p50')} ms, errors {res['errors']}"
-                          + (f", halves {res['halves']}" if "halves" in res else ""),
+                          + (f", halves {res['halves']}" if "halves" in res else "")
+                          + (f", monitor {res['monitor']}" if "monitor" in res else ""),
                           flush=True)
             round_s.append(time.monotonic() - t_round)
             report["summary"] = summarise(report)

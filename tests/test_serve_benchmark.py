@@ -175,3 +175,34 @@ def test_a_ramp_spreads_the_first_requests_starts_and_keeps_the_concurrency():
     asyncio.run(main(0.0))
     first = [starts[i] for i in range(conc)]
     assert max(first) - min(first) < 0.6 * ramp / conc  # without a ramp: together
+
+
+class CountingMonitor:
+    """What ``with_monitor`` reads of a ``StreamMonitor``: rows and bytes received (no stream)."""
+
+    def __init__(self, rows: int, nbytes: int) -> None:
+        self.rows, self.bytes, self.waited_for = rows, nbytes, None
+
+    def settle(self, want: int) -> None:
+        self.waited_for = want
+
+
+def test_the_monitor_mix_counts_every_generated_row_and_a_short_count_is_an_error():
+    full = CountingMonitor(rows=8 * 15, nbytes=8 * 15 * 4096 * 4)
+    res = serve.with_monitor({"errors": 0, "first_errors": [], "wall_s": 2.0}, full, n=8, n_out=16)
+    assert full.waited_for == 8 * 15  # every token but the last of every request
+    assert res["errors"] == 0 and res["monitor"] == {"rows": 120, "rows_want": 120, "mb": 2.0, "gb_s": 0.001}
+    short = serve.with_monitor({"errors": 0, "first_errors": ["x"], "wall_s": 2.0}, CountingMonitor(119, 0), 8, 16)
+    assert short["errors"] == 1 and short["first_errors"][0] == "monitor received 119 of 120 stream rows"
+    report = {"rounds": {"4": {"vllm": [{"errors": 0, "tok_s": 10.0}],
+                               "dynsteer:monitor": [{**res, "tok_s": 9.0}, {**short, "tok_s": 9.5}]}}}
+    row = serve.summarise(report)["4"]["dynsteer:monitor"]
+    assert row["errors"] == 1 and row["monitor"]["rows_share"] == round(239 / 240, 6)
+
+
+def test_the_monitor_mix_gives_the_dynsteer_server_its_stream():
+    cfg = serve.monitor_config(16)
+    assert cfg["capture_layers"] == [16] and cfg["capture_sites"] == ["post_block"]
+    stream = cfg["monitor"]["streams"][serve.STREAM]
+    assert stream["places"] == ["16.post_block"] and stream["requests"] == "all" and stream["positions"] == "generated"
+    assert cfg["monitor"]["endpoint"].startswith("ipc://")
