@@ -3,6 +3,7 @@ spool writer (no engine)."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -20,6 +21,15 @@ from dynsteer.steering.stats import RuntimeStats
 
 H = 8
 PLACE = (1, "post_block")
+
+
+@pytest.fixture(autouse=True)
+def collect_spools():
+    """A delivery and its collector refer to each other, so the records they hold (and their spool files in
+    /dev/shm) go with the cyclic collector: collect them here rather than during a later test that counts files."""
+    yield
+    spool_mod.WRITER.drain(10)
+    gc.collect()
 SPEC = CaptureSpec(layers=(1,), sites=("post_block",), positions="all")
 
 
@@ -167,3 +177,132 @@ def test_an_engine_with_no_request_left_delivers_at_once(pending_copies):
     rt.release(["b"])  # nothing left to run: delivered now
     assert len(waits) == 1 and {"tag-a", "tag-b"} <= set(memory.records)
     assert memory.take("tag-b").arrays()[0].tolist() == [0, 1, 2]
+
+
+# ---- consumers that write to disk run off the step ------------------------------------------------------------------
+class GatedFilesystem:
+    """A filesystem consumer whose writes wait for ``gate`` (a slow or stalled disk)."""
+
+    def __init__(self, root, gate: threading.Event, layout: str = "packed") -> None:
+        from dynsteer.capture.consumers import FilesystemConsumer
+
+        self.inner, self.gate, self.calls = FilesystemConsumer(root, layout=layout), gate, []
+        self.background = FilesystemConsumer.background
+        self.streams = self.inner.streams
+
+    def on_chunk(self, record, positions, values) -> None:
+        self.gate.wait(30)
+        self.calls.append(("chunk", record.tag, positions.tolist(), {p: v.copy() for p, v in values.items()}))
+        self.inner.on_chunk(record, positions, values)
+
+    def on_finish(self, record) -> None:
+        self.gate.wait(30)
+        self.calls.append(("finish", record.tag))
+        self.inner.on_finish(record)
+
+
+def _fs_engine(tmp_path, gate, layout="packed"):
+    stage = torch.zeros(16, H)
+    col = CaptureCollector({PLACE: stage}, engine_places={PLACE}, spool=spool_mod.spool_dir() is not None)
+    memory, fs = MemoryConsumer(), GatedFilesystem(tmp_path, gate, layout)
+    delivery = CaptureDelivery(col, {"memory": memory, "filesystem": fs}, RuntimeStats())
+    col.streams = lambda spec: "filesystem" in spec.consumers and fs.streams
+    return delivery, memory, fs, stage
+
+
+FS_SPEC = CaptureSpec(layers=(1,), sites=("post_block",), positions="all", consumers=("memory", "filesystem"))
+
+
+def test_a_slow_disk_never_holds_up_a_step_and_take_waits_for_its_write(tmp_path):
+    from dynsteer import CaptureReader
+
+    gate = threading.Event()  # the disk does not answer until the test says so
+    delivery, memory, fs, stage = _fs_engine(tmp_path, gate)
+    gen, rows = torch.Generator().manual_seed(3), []
+    delivery.begin("a", "tag-a", FS_SPEC, 2)
+    delivery.begin("b", "tag-b", FS_SPEC, 2)
+    _steps(delivery, stage, ["a", "b"], 2, 0, 3, rows, gen)
+    t0 = time.perf_counter()
+    delivery.finish("a")
+    _steps(delivery, stage, ["b"], 2, 3, 3, rows, gen)  # a's record reaches its consumers meanwhile
+    assert time.perf_counter() - t0 < 5  # (a wait for the disk would last 30 s)
+    deadline = time.monotonic() + 10
+    while "tag-a" not in memory.records and time.monotonic() < deadline:  # the spool writer's marker, then a poll
+        time.sleep(0.01)
+        delivery.collector.poll()
+    assert "tag-a" in memory.records and fs.calls == [] and delivery.background.pending(["tag-a"]) == 1
+    threading.Timer(0.2, gate.set).start()
+    (rec,) = delivery.take(["tag-a"])  # waits for the write: the caller sees its outcome
+    assert fs.calls == [("finish", "tag-a")] and rec.deliveries == {"memory": "delivered", "filesystem": "written"}
+    positions, arrays, _ = CaptureReader(tmp_path).read("tag-a")
+    want_pos, want = rec.arrays()
+    assert positions.tolist() == want_pos.tolist() == [0, 1, 2, 3]
+    np.testing.assert_array_equal(arrays[PLACE], want[PLACE])
+
+
+def test_streamed_chunks_reach_a_background_consumer_as_they_were(tmp_path):
+    gate = threading.Event()
+    delivery, memory, fs, stage = _fs_engine(tmp_path, gate, layout="per_file")
+    gen, rows = torch.Generator().manual_seed(4), []
+    delivery.begin("a", "tag-a", FS_SPEC, 2)
+    _steps(delivery, stage, ["a"], 2, 0, 4, rows, gen)  # the stage buffer is overwritten every step
+    gate.set()
+    delivery.finish("a")
+    delivery.complete()
+    (rec,) = delivery.take(["tag-a"])
+    chunks = [c for c in fs.calls if c[0] == "chunk"]
+    assert [c[2] for c in chunks] == [[0, 1], [2], [3], [4]] and fs.calls[-1] == ("finish", "tag-a")
+    want = [rows[0][0:2], rows[1][0:1], rows[2][0:1], rows[3][0:1]]
+    for (_, _, _, values), rows_of_step in zip(chunks, want):
+        np.testing.assert_array_equal(values[PLACE], rows_of_step.numpy())
+    assert rec.status == "ok" and rec.deliveries["filesystem"] == "written"
+
+
+def test_a_full_background_queue_marks_the_capture_and_keeps_its_data(tmp_path, monkeypatch):
+    gate = threading.Event()
+    delivery, memory, fs, stage = _fs_engine(tmp_path, gate)
+    delivery.background.max_pending = 1
+    delivery.background._queue = __import__("queue").Queue(1)
+    only_fs = CaptureSpec(layers=(1,), sites=("post_block",), positions="all", consumers=("filesystem",))
+    gen, rows = torch.Generator().manual_seed(5), []
+    for r in "abc":
+        delivery.begin(r, f"tag-{r}", only_fs, 2)
+    _steps(delivery, stage, list("abc"), 2, 0, 2, rows, gen)
+    delivery.finish("a")  # a's write holds the thread (the disk does not answer) ...
+    delivery.complete()
+    deadline = time.monotonic() + 10
+    while not delivery.background._queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for r in "bc":  # ... b's waits in the queue, c's finds it full
+        delivery.finish(r)
+    delivery.complete()
+    assert delivery.background.refused == 1
+    c = memory.records["tag-c"]  # kept in memory, never lost
+    assert c.status == "partial" and "'filesystem'" in c.errors[0] and "queue is full" in c.errors[0]
+    assert "filesystem" not in c.deliveries
+    np.testing.assert_array_equal(c.arrays()[1][PLACE], np.concatenate([rows[0][4:6].numpy(),
+                                                                          rows[1][2:3].numpy()]))
+    gate.set()
+    recs = {r.tag: r for r in delivery.take(["tag-a", "tag-b", "tag-c"])}
+    assert set(recs) == {"tag-c"}  # a and b went to disk only, as their specs asked
+    assert [c for c in fs.calls] == [("finish", "tag-a"), ("finish", "tag-b")]
+
+
+def test_a_failing_background_consumer_keeps_the_record_in_memory(tmp_path):
+    gate = threading.Event()
+    gate.set()
+    delivery, memory, fs, stage = _fs_engine(tmp_path, gate)
+
+    def broken(record):
+        raise OSError(28, "No space left on device")
+
+    fs.on_finish = broken
+    only_fs = CaptureSpec(layers=(1,), sites=("post_block",), positions="all", consumers=("filesystem",))
+    gen, rows = torch.Generator().manual_seed(6), []
+    delivery.begin("a", "tag-a", only_fs, 2)
+    _steps(delivery, stage, ["a"], 2, 0, 2, rows, gen)
+    delivery.finish("a")
+    delivery.complete()
+    (rec,) = delivery.take(["tag-a"])
+    assert rec.status == "partial" and "No space left on device" in rec.errors[0]
+    assert rec.arrays()[0].tolist() == [0, 1, 2]

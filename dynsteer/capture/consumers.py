@@ -2,7 +2,10 @@
 (``dynsteer.capture.zmq_consumer``), or handed to third-party consumers.
 
 A consumer that raises marks the record ``partial`` and never aborts generation. Third-party consumers register
-under the entry-point group ``dynsteer.capture_consumers`` (a class taking ``**options``).
+under the entry-point group ``dynsteer.capture_consumers`` (a class taking ``**options``). A consumer whose class sets
+``background = True`` (``filesystem``, ``zmq``) is called on the worker's consumer thread
+(:mod:`dynsteer.capture.consumer_thread`), off the engine's step; others are called on the step path and must be
+quick.
 
 Every file lies under the consumer's root: a tag must match :data:`~dynsteer.capture.names.SAFE_TAG` (one path
 component) and the resolved path is checked against the root, so a client's tag never names a path elsewhere.
@@ -48,7 +51,8 @@ _RESERVED_TAG = re.compile(r"shard-\d+|pp\d+")
 
 
 class CaptureConsumer(Protocol):
-    """Receives a record when its request finishes (and, optionally, chunks as they arrive)."""
+    """Receives a record when its request finishes (and, optionally, chunks as they arrive). Optional class
+    attribute ``background``: True to be called off the engine's step, on the consumer thread."""
 
     name: str
 
@@ -187,6 +191,7 @@ class FilesystemConsumer:
     """
 
     name = "filesystem"
+    background = True  # its writes and fsyncs run off the engine's step (dynsteer.capture.consumer_thread)
 
     def __init__(self, root: str | os.PathLike[str], layout: str = "packed", shard_bytes: int = 256 << 20) -> None:
         if layout not in LAYOUTS:

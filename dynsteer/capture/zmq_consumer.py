@@ -47,11 +47,13 @@ class ZmqConsumer:
             slow subscriber misses messages by ZeroMQ's design, so use it only where that is acceptable).
         stream: send every chunk as it lands, not only whole records.
         hwm: send high-water mark (messages queued per peer).
-        timeout_ms: how long a send may wait for room (stalling generation meanwhile) before the capture is marked
-            ``partial``; 0 (default): not at all.
+        timeout_ms: how long a send may wait for room (on the consumers' background thread, holding up the
+            captures queued behind it, never a step) before the capture is marked ``partial``; 0 (default): not at
+            all.
     """
 
     name = "zmq"
+    background = True  # copying a whole record out of its spool and sending it runs off the engine's step
 
     def __init__(self, endpoint: str, bind: bool = False, socket_type: Literal["push", "pub"] = "push",
                  stream: bool = False, hwm: int = 1000, timeout_ms: int = 0) -> None:
