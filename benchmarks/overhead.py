@@ -193,6 +193,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--py-spy", metavar="EXE", help="py-spy executable: after the repeats, sample every process of "
                     "each engine over one call per mode at each --profile-batch (summaries in the report's 'stacks')")
     ap.add_argument("--py-spy-rate", type=int, default=200, help="py-spy samples per second")
+    ap.add_argument("--py-spy-mode", choices=["busy", "idle", "gil"], default="busy",
+                    help="busy: running threads only; idle: waiting threads too (where each waits); gil: only the "
+                         "thread holding the GIL")
     ap.add_argument("--py-spy-raw", action="store_true", help="keep py-spy's raw stacks (gzipped) beside the report "
                     "(default: in the run's scratch folder; the report's summaries are what a device run brings back)")
     ap.add_argument("--timing-split", action="store_true",

@@ -425,6 +425,8 @@ def main() -> int:
     ap.add_argument("--label", default="")
     ap.add_argument("--plot")
     ap.add_argument("--py-spy", help="py-spy executable: after the rounds, profile --profile entries once each")
+    ap.add_argument("--py-spy-mode", choices=["busy", "idle", "gil"], default="busy",
+                    help="busy: running threads only; idle: waiting threads too; gil: the thread holding the GIL")
     ap.add_argument("--profile", nargs="+", default=["vllm", "dynsteer:none"], metavar="ENTRY",
                     help="entries to profile (e.g. vllm dynsteer:reports), at the largest concurrency")
     ap.add_argument("--keep-logs", action="store_true", help="copy the servers' logs beside the report")
@@ -540,7 +542,7 @@ def main() -> int:
             report["rounds_done"] = r + 1
             save_json(path, report)
         if args.py_spy:  # not timed: py-spy's sampling slows what it watches
-            sampler = Sampler(args.py_spy, Path(args.out) / f"{path.stem}-profiles")
+            sampler = Sampler(args.py_spy, Path(args.out) / f"{path.stem}-profiles", mode=args.py_spy_mode)
             conc, n = args.concurrency[-1], requests[-1]
             for key in args.profile:
                 server, _, mix = key.partition(":")

@@ -109,3 +109,12 @@ def test_sampler_profiles_a_process_and_its_child(tmp_path: Path) -> None:
     assert {"parent_spin", "child_spin"} <= spins
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert files == sorted(name + ".gz" for name in out)  # raw files gzipped, nothing else left
+
+
+def test_sampler_modes_are_py_spy_flags(tmp_path):
+    out = tmp_path / "x.txt"
+    busy, idle, gil = (Sampler("py-spy", tmp_path, rate=50, mode=m).command(7, out) for m in ("busy", "idle", "gil"))
+    assert busy == ["py-spy", "record", "-p", "7", "-f", "raw", "--threads", "-r", "50", "-o", str(out)]
+    assert idle == busy[:7] + ["--idle"] + busy[7:] and gil == busy[:7] + ["--gil"] + busy[7:]
+    with pytest.raises(ValueError, match="py-spy mode"):
+        Sampler("py-spy", tmp_path, mode="wall")

@@ -4,8 +4,9 @@ A raw profile of a busy engine at 1 kHz is tens of MB per process; a report (and
 needs a few kB: per process and thread, its share of the samples, how many of them lie in dynsteer's code, and the
 frames they spend most in. The raw files are gzipped beside the report for a flame graph.
 
-py-spy samples only threads that run (``--idle`` off), so a thread's share of a process's samples is roughly its
-share of that process's busy time. py-spy cannot always tell a thread blocked inside a C call from one running it: a
+By default py-spy samples only threads that run (``--idle`` off), so a thread's share of a process's samples is
+roughly its share of that process's busy time. ``mode="idle"`` samples waiting threads too (where a thread waits:
+for the device, a lock, the GIL), ``mode="gil"`` only the thread holding the GIL (who keeps the others waiting). py-spy cannot always tell a thread blocked inside a C call from one running it: a
 thread waiting in ``queue.SimpleQueue.get`` (the capture spool writer between items) can show as busy on that line,
 so read a thread's top frames before its share.
 """
@@ -33,9 +34,18 @@ class Sampler:
     """``py-spy record`` (``exe``) attached to a process and every process under it, one raw file each under
     ``out``, named ``<tag>-<process name>-<pid>.txt`` (gzipped on :meth:`stop`)."""
 
-    def __init__(self, exe: str, out: Path, rate: int = 100) -> None:
-        self.exe, self.out, self.rate = exe, out, rate
+    MODES = {"busy": [], "idle": ["--idle"], "gil": ["--gil"]}
+
+    def __init__(self, exe: str, out: Path, rate: int = 100, mode: str = "busy") -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"py-spy mode: {mode!r} is not one of {sorted(self.MODES)}")
+        self.exe, self.out, self.rate, self.mode = exe, out, rate, mode
         self.procs: list[tuple[subprocess.Popen, Path]] = []
+
+    def command(self, pid: int, path: Path) -> list[str]:
+        """The ``py-spy record`` command line for process ``pid``, raw stacks per thread into ``path``."""
+        return [self.exe, "record", "-p", str(pid), "-f", "raw", "--threads", *self.MODES[self.mode], "-r",
+                str(self.rate), "-o", str(path)]
 
     def start(self, root_pid: int, tag: str) -> None:
         import psutil
@@ -45,9 +55,8 @@ class Sampler:
         for p in [root, *root.children(recursive=True)]:
             name = p.name().replace("::", "-").replace(" ", "_").replace("/", "_") or "proc"
             path = self.out / f"{tag}-{name}-{p.pid}.txt"
-            self.procs.append((subprocess.Popen(
-                [self.exe, "record", "-p", str(p.pid), "-f", "raw", "--threads", "-r", str(self.rate), "-o",
-                 str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
+            self.procs.append((subprocess.Popen(self.command(p.pid, path), stdout=subprocess.DEVNULL,
+                                                stderr=subprocess.DEVNULL), path))
         time.sleep(1.0)  # attached before the call starts
 
     def stop(self, summarise: bool = True) -> dict[str, Any]:

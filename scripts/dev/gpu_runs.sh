@@ -5,7 +5,7 @@
 # Runs:
 #   host         benchmarks/host_step.py at batch 128 / 256, 4096 wide, steps at a 10 ms device pace (~1 min)
 #   capture      overhead.py capture-enabled idle and capture at batch 128 / 256, decode step split, with py-spy
-#                summaries at batch 256 when .gpu-carry/py-spy exists
+#                summaries at batch 256 when .gpu-carry/py-spy exists (SPY_MODE idle: where threads wait; gil; busy)
 #   large-batch  overhead.py idle, per-request dynamic and sync at batch 128 / 256 (decode step split)
 #   serve        serve.py at concurrency 16 / 64 (add CONC="256" on an H200), mixes none dynamic reports monitor;
 #                needs a tokenizer folder in .gpu-carry/tok (SmolLM2's tokenizer files)
@@ -17,7 +17,7 @@ run=${1:?"which run: host | capture | large-batch | serve | tp4"}
 OUT=${OUT:?"set OUT (the device call's \$OUT)"}
 export DYNSTEER_GIT_SHA=${DYNSTEER_GIT_SHA:-$(cat .gpu-carry/SHA 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 spy=()
-[ -x .gpu-carry/py-spy ] && spy=(--py-spy .gpu-carry/py-spy --profile-batch 256)
+[ -x .gpu-carry/py-spy ] && spy=(--py-spy .gpu-carry/py-spy --py-spy-mode "${SPY_MODE:-idle}" --profile-batch 256)
 case "$run" in
   host)
     python3 benchmarks/host_step.py --batches 128 256 --hidden 4096 --steps 300 --pace-ms 10 \

@@ -384,7 +384,7 @@ class Bench:
 
         args = self.args
         dest = (self.out_dir if args.py_spy_raw else self.work_dir) / f"{self.json_path.stem}-pyspy"
-        sampler = Sampler(args.py_spy, dest, rate=args.py_spy_rate)
+        sampler = Sampler(args.py_spy, dest, rate=args.py_spy_rate, mode=args.py_spy_mode)
         for batch in args.profile_batch or [max(args.batches)]:
             for k in [k for k in self.modes if k not in self.errors]:
                 if self.budget_s and self.elapsed() + 30 > self.budget_s:
