@@ -53,6 +53,7 @@ from lib.engines import LLAMA3_8B, gpu_memory, kv_bytes_per_token, weight_bytes
 from lib.pyspy import Sampler, print_summaries
 from lib.report import git_sha, host_facts, save_json, utc_now
 from lib.serve import CPU_ARGS, CPU_ENV, Server, VanillaServer, http_json
+from lib.stream_reader import FrameReader
 from lib.stats import paired, quantile
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -171,52 +172,22 @@ def monitor_config(layer: int) -> dict:
     return {"capture_sites": ["post_block"], "capture_layers": [layer], "monitor": mon.model_dump(mode="json")}
 
 
-class StreamMonitor:
-    """A monitor service in this process: subscribes to the stream, reads every value of every frame on a thread of
-    its own (no command: it measures delivery) and counts rows and bytes."""
+class StreamMonitor(FrameReader):
+    """A monitor service in this process, subscribed to the stream before the traffic starts (no command: it
+    measures delivery)."""
 
     def __init__(self, cfg: dict, url: str) -> None:
-        import threading
-
         from dynsteer.monitor.client import MonitorClient
 
         mon = cfg["monitor"]
         # drop rather than block: a monitor that falls behind shows as missing rows, never as a stalled engine
-        self.client = MonitorClient(mon["endpoint"], mon["command_endpoint"], name="serve-bench", streams=[STREAM],
-                                    policy="drop", max_pending=1 << 20, window=1024)
+        client = MonitorClient(mon["endpoint"], mon["command_endpoint"], name="serve-bench", streams=[STREAM],
+                               policy="drop", max_pending=1 << 20, window=1024)
         status, reply = http_json(url, "GET", f"/v1/steering/streams/{STREAM}/subscribers?min=1&timeout_s=60")
         if status != 200:
-            self.client.close()
+            client.close()
             raise RuntimeError(f"monitor: not subscribed to {STREAM!r}: HTTP {status}: {reply}")
-        self.rows = self.bytes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="serve-bench-monitor", daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        while not self._stop.is_set():
-            frame = self.client.recv(timeout_s=0.05)
-            if frame is not None:
-                for values in frame.values.values():
-                    values.sum()  # a monitor reads every value
-                    self.bytes += values.nbytes
-                self.rows += len(frame.positions)
-
-    def settle(self, want: int, quiet_s: float = 2.0, timeout_s: float = 30.0) -> None:
-        """Wait until ``want`` rows have arrived, or none for ``quiet_s`` seconds (frames still in flight after the
-        batch's last response)."""
-        deadline, seen, quiet = time.monotonic() + timeout_s, -1, time.monotonic()
-        while self.rows < want and time.monotonic() < deadline:
-            if self.rows != seen:
-                seen, quiet = self.rows, time.monotonic()
-            elif time.monotonic() - quiet > quiet_s:
-                break
-            time.sleep(0.001)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.client.close()
+        super().__init__(client, name="serve-bench-monitor")
 
 
 def with_monitor(res: dict, mon: StreamMonitor, n: int, n_out: int) -> dict:

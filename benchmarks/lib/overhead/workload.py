@@ -163,53 +163,33 @@ class Workload:
 
             return call, None
         elif key in STREAM_OF_MODE:
-            import threading
-
             from dynsteer.monitor.client import MonitorClient
+            from lib.stream_reader import FrameReader
 
             mcfg = self.cfg["dynsteer"]["monitor"]
             mon = MonitorClient(mcfg["endpoint"], mcfg["command_endpoint"], name="bench",
                                 streams=[STREAM_OF_MODE[key]], policy="drop", max_pending=1 << 20, window=1024)
-            rows, stop = [0], threading.Event()
-
-            def read() -> None:  # a monitor that never fires: it reads every value of every frame
-                while not stop.is_set():
-                    frame = mon.recv(timeout_s=0.05)
-                    if frame is not None:
-                        for values in frame.values.values():
-                            values.sum()
-                            self.stream_bytes += values.nbytes
-                        rows[0] += len(frame.positions)
-
-            reader = threading.Thread(target=read, daemon=True)
-            reader.start()
+            reader = FrameReader(mon, on_bytes=self._count_stream_bytes)
             want = len(prompts) * (base.max_tokens - 1)
 
             def call():
-                start = rows[0]
+                start = reader.rows
                 outs = llm.generate(prompts, params, use_tqdm=False)
-                deadline, seen, quiet = time.perf_counter() + 30, -1, time.perf_counter()
-                while rows[0] - start < want and time.perf_counter() < deadline:
-                    if rows[0] != seen:  # frames still arriving
-                        seen, quiet = rows[0], time.perf_counter()
-                    elif time.perf_counter() - quiet > 2.0:
-                        break
-                    time.sleep(0.0005)
-                self.stream_rows += rows[0] - start
+                reader.settle(start + want, poll_s=0.0005)
+                self.stream_rows += reader.rows - start
                 self.stream_rows_want += want
                 # the every-layer stream is measured as it comes: what it delivers under drop is its result
-                assert key.startswith("streamall") or rows[0] - start == want, \
-                    f"stream rows {rows[0] - start} != {want}"
+                assert key.startswith("streamall") or reader.rows - start == want, \
+                    f"stream rows {reader.rows - start} != {want}"
                 return outs
 
-            def teardown() -> None:
-                stop.set()
-                reader.join()
-                mon.close()
-
+            teardown = reader.close
             return call, teardown
         # per-request params are fresh clones every call (vLLM may annotate a request's params: never reuse them)
         return (lambda: llm.generate(prompts, params, use_tqdm=False)), teardown
+
+    def _count_stream_bytes(self, nbytes: int) -> None:
+        self.stream_bytes += nbytes
 
     def counters(self) -> dict | None:
         """dynsteer's worker counters (rank 0), for per-step host time."""
