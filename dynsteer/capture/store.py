@@ -95,8 +95,8 @@ class CaptureCollector:
         self._batch: BatchCapture | None = None  # the last batch composition's capturing requests
         self._step_batch: tuple[BatchCapture, int] | None = None  # this step's batched rows
         self._jobs = 0  # split jobs handed to the spool writer since finish last waited for it
-        # Finished requests' records on their way out: (record, copies queued when it finished, the writer's marker
-        # once queued). Handed to on_finished from poll (None: kept for finish / complete to return).
+        # Finished requests' records on their way out: [record, copies queued when it finished, the writer's marker
+        # (None until queued)]. Handed to on_finished from poll or complete; finish returns its record instead.
         self._retiring: dict[int, list] = {}  # id(record) -> entry, in retiring order
         self._queued = self._landed = 0  # PendingCopy queued and landed so far
         self.on_finished: Callable[[CaptureRecord], None] | None = None
