@@ -150,7 +150,8 @@ def test_cached_batch_arrays_plan_exactly_like_a_fresh_gather(case):
         qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         view = BatchView(ids, qsl, np.array([live[r][1] for r in ids], np.int64),
                          np.array([live[r][0] for r in ids], np.int64), int(qsl[-1]), int(qsl[-1]) + 2)
-        fresh._batch, fresh._columns = None, Columns()  # no batch arrays, nor request values, kept
+        # no batch arrays, nor request values, kept; its row index uploaded at every step
+        fresh._batch, fresh._columns, fresh._staged_rows = None, Columns(), None
         for rt in (cached, fresh):
             rt.release(())  # as the runner glue does at every step (vLLM's usually empty finished set)
             rt.plan(view, payload.__getitem__)
@@ -164,7 +165,7 @@ def test_cached_batch_arrays_plan_exactly_like_a_fresh_gather(case):
             elif f.name != "version":
                 assert a == b, f.name
         n = int(qsl[-1]) + 2
-        assert torch.equal(cached.tables.row_index[:n], fresh.tables.row_index[:n])
+        assert torch.equal(cached.tables.row_index, fresh.tables.row_index)  # the whole buffer, padding and past
         read = np.array([r for r in np.unique(cached.tables.row_index[:n].numpy()) if r != 0], np.int64)
         for key in cached.tables.sites:  # each site's summary covers every row this step's tokens read
             flags = cached.tables.views(*key)["row_live"].numpy()
@@ -200,3 +201,49 @@ def test_a_steady_decode_gathers_once(monkeypatch):
     rt.plan(BatchView(ids[1:], np.arange(4, dtype=np.int64), computed[1:].copy(), np.full(3, 3, np.int64), 3, 3),
             payload.__getitem__)
     assert len(gathers) == 2
+
+
+def test_a_steady_decode_uploads_its_row_index_once(monkeypatch):
+    """A decode step of an unchanged batch reads the rows of the step before: the device holds them, nothing is
+    uploaded; any change (a request leaves, the order changes, a prompt joins) uploads, and the buffer is exact."""
+    rt = _runtime()
+    uploads = []
+    real = type(rt._staging).copy_to
+    monkeypatch.setattr(rt._staging, "copy_to", lambda *a, **k: (uploads.append(1), real(rt._staging, *a, **k))[1])
+    ids = [f"r{i}" for i in range(4)]
+    other = encode_payload(SteeringSpec(vectors=[AddVector(layer=2, vector=_unit(7))]))
+    payload = dict(zip(ids, [PAYLOADS[1], PAYLOADS[2], None, other]))
+    computed = dict.fromkeys(ids, 3)
+
+    def step(batch: list[str], counts: list[int]) -> int:
+        before = len(uploads)
+        qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        rt.release(set())
+        rt.plan(BatchView(batch, qsl, np.array([computed[r] for r in batch], np.int64), np.full(len(batch), 3),
+                          int(qsl[-1]), int(qsl[-1])), payload.__getitem__)
+        b = rt._batch
+        req = np.repeat(np.arange(len(batch)), counts)
+        pos = np.array([computed[r] for r in batch])[req] + (np.arange(int(qsl[-1])) - qsl[:-1][req])
+        expect = np.zeros(rt.tables.row_index.shape[0], np.int32)
+        if b.steered:
+            expect[:len(req)] = b.rows[req, (pos >= 3).astype(np.int64)]
+        assert rt.tables.row_index.numpy().tolist() == expect.tolist(), (batch, counts)
+        rt.after_forward()
+        for r, c in zip(batch, counts):
+            computed[r] += c
+        return len(uploads) - before
+
+    assert step(ids, [1, 1, 1, 1]) == 1
+    assert [step(ids, [1, 1, 1, 1]) for _ in range(3)] == [0, 0, 0]
+    rt.release(["r0"])
+    assert step(ids[1:], [1, 1, 1]) == 1  # r0 left: every row moves up
+    assert step(ids[1:], [1, 1, 1]) == 0
+    assert step([ids[3], ids[2], ids[1]], [1, 1, 1]) == 1  # another order, the same rows in another order
+    payload["r4"], computed["r4"] = PAYLOADS[1], 0
+    assert step([ids[3], ids[2], ids[1], "r4"], [1, 1, 1, 3]) == 1  # a prompt joins: its prefill rows
+    assert step([ids[3], ids[2], ids[1], "r4"], [1, 1, 1, 1]) == 1  # its first decode step: the decode row
+    assert step([ids[3], ids[2], ids[1], "r4"], [1, 1, 1, 1]) == 0
+    for r in (ids[1], ids[3], "r4"):
+        rt.release([r])
+    assert step([ids[2]], [1]) == 1  # nothing steered: the last rows are cleared once
+    assert step([ids[2]], [1]) == 0
