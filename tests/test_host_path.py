@@ -150,8 +150,7 @@ def test_cached_batch_arrays_plan_exactly_like_a_fresh_gather(case):
         qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         view = BatchView(ids, qsl, np.array([live[r][1] for r in ids], np.int64),
                          np.array([live[r][0] for r in ids], np.int64), int(qsl[-1]), int(qsl[-1]) + 2)
-        # no batch arrays, nor request values, kept; its row index uploaded at every step
-        fresh._batch, fresh._columns, fresh._staged_rows = None, Columns(), None
+        fresh._batch, fresh._columns = None, Columns()  # no batch arrays, nor request values, kept
         for rt in (cached, fresh):
             rt.release(())  # as the runner glue does at every step (vLLM's usually empty finished set)
             rt.plan(view, payload.__getitem__)
@@ -166,6 +165,8 @@ def test_cached_batch_arrays_plan_exactly_like_a_fresh_gather(case):
                 assert a == b, f.name
         n = int(qsl[-1]) + 2
         assert torch.equal(cached.tables.row_index, fresh.tables.row_index)  # the whole buffer, padding and past
+        assert cached.tables.row_index.numpy().tolist() == _expected_row_index(
+            cached, counts, [live[r][1] for r in ids], [live[r][0] for r in ids])
         read = np.array([r for r in np.unique(cached.tables.row_index[:n].numpy()) if r != 0], np.int64)
         for key in cached.tables.sites:  # each site's summary covers every row this step's tokens read
             flags = cached.tables.views(*key)["row_live"].numpy()
@@ -177,6 +178,18 @@ def test_cached_batch_arrays_plan_exactly_like_a_fresh_gather(case):
     for rt in (cached, fresh):
         rt.release(list(live))
     assert cached.take_traces([r for r in payload]) == fresh.take_traces([r for r in payload])
+
+
+def _expected_row_index(rt: SteeringRuntime, counts: list[int], computed: list[int], prompt: list[int]) -> list[int]:
+    """The whole row-index buffer a step should leave on the device, from the step's batch arrays: each token's row
+    (prefill or decode), 0 for every other entry (none steered: all 0)."""
+    req = np.repeat(np.arange(len(counts)), counts)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    pos = np.asarray(computed)[req] + (np.arange(len(req)) - starts[req])
+    expect = np.zeros(rt.tables.row_index.shape[0], np.int32)
+    if rt._batch.steered:
+        expect[:len(req)] = rt._batch.rows[req, (pos >= np.asarray(prompt)[req]).astype(np.int64)]
+    return expect.tolist()
 
 
 def test_a_steady_decode_gathers_once(monkeypatch):
@@ -221,13 +234,8 @@ def test_a_steady_decode_uploads_its_row_index_once(monkeypatch):
         rt.release(set())
         rt.plan(BatchView(batch, qsl, np.array([computed[r] for r in batch], np.int64), np.full(len(batch), 3),
                           int(qsl[-1]), int(qsl[-1])), payload.__getitem__)
-        b = rt._batch
-        req = np.repeat(np.arange(len(batch)), counts)
-        pos = np.array([computed[r] for r in batch])[req] + (np.arange(int(qsl[-1])) - qsl[:-1][req])
-        expect = np.zeros(rt.tables.row_index.shape[0], np.int32)
-        if b.steered:
-            expect[:len(req)] = b.rows[req, (pos >= 3).astype(np.int64)]
-        assert rt.tables.row_index.numpy().tolist() == expect.tolist(), (batch, counts)
+        assert rt.tables.row_index.numpy().tolist() == _expected_row_index(
+            rt, counts, [computed[r] for r in batch], [3] * len(batch)), (batch, counts)
         rt.after_forward()
         for r, c in zip(batch, counts):
             computed[r] += c

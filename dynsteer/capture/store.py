@@ -84,8 +84,8 @@ class CaptureCollector:
         # already queued has finished, serialising vLLM's asynchronous scheduling).
         self.slot = torch.full((first.shape[0] if first is not None else 1,), -1, dtype=torch.int32, device=device)
         self._slots = StagingRing(self.slot)
-        self._dirty = 0  # slot entries [0, _dirty) may hold rows from the last capturing step
-        self._staged: list[int] = []  # the rows whose map the device holds (row rows[j] -> capture row j)
+        # the rows whose map the device holds (batch row rows[j] -> capture row j; every other entry -1)
+        self._staged: list[int] = []
         # Called with (record, positions, {place: values}) as chunks land, for records with ``streaming`` set.
         self.on_chunk: Callable[[CaptureRecord, np.ndarray, dict[Place, np.ndarray]], None] | None = None
         # Called with (selection, {place: rows}) once a stream's rows of a step have landed (async tier).
@@ -233,23 +233,22 @@ class CaptureCollector:
     @property
     def needs_plan(self) -> bool:
         """Whether this step must be planned: a request captures, or the last step's slots must be cleared."""
-        return bool(self.records) or self._dirty > 0
+        return bool(self.records) or bool(self._staged)
 
     def _stage_slots(self, rows: list[int]) -> None:
         """Give batch row ``rows[j]`` capture row ``j`` (every other token: -1), before the forward reads it.
 
-        After every upload the device holds exactly the last staged rows' map (entries at or past ``_dirty`` are
-        -1 already), and only this method writes it: a steady decode step, whose rows are the step before's,
+        After every upload the device holds exactly the staged rows' map (each upload clears up to the last one's
+        highest row), and only this method writes it: a steady decode step, whose rows are the step before's,
         stages nothing."""
         if rows == self._staged:
             return
-        high = max(rows) + 1 if rows else 0
-        upto = max(high, self._dirty)
+        upto = max(rows + self._staged) + 1
         buf = self._slots.next()
         buf[:upto] = -1
         buf[rows] = np.arange(len(rows), dtype=np.int32)
         self._slots.copy_to(upto)
-        self._staged, self._dirty = list(rows), high
+        self._staged = list(rows)
 
     def after_forward(self) -> None:
         """Convert the step's captured rows (compute stream) and start their copy to host (side stream)."""

@@ -103,10 +103,9 @@ class SteeringRuntime:
         # None leaves captures' consumers unchecked (a runtime built outside an engine)
         self.consumer_names: frozenset[str] | None = None
         self._staging = StagingRing(tables.row_index)
-        self._high_water = 0
         # The rows row_index holds on the device: these first, 0 past them (every upload clears up to the last
-        # one's extent, and only plan writes it). None: unknown, upload at the next steered step.
-        self._staged_rows: np.ndarray | None = np.zeros(0, np.int32)
+        # one's extent, and only plan writes it).
+        self._staged_rows = np.zeros(0, np.int32)
         g = tables.gate_buffers
         self.dynamic_tier: DynamicTier | NullDynamicTier = (DynamicTier(
             DynamicDriver(g["gate_mul"], g["gate_add"], g["scores"], g["gates"], max_slots=sync_slots),
@@ -429,18 +428,16 @@ class SteeringRuntime:
         streams = (self.streams.select(b.streams, self.step, ids, req_of_token, position, is_decode)
                    if b.streams else [])
         self.delivery.plan(ids, view.query_start_loc, view.num_computed, streams)
-        if b.steered or self._high_water:  # else row_index is 0 on the device already
+        if b.steered or self._staged_rows.size:  # else row_index is 0 on the device already
             rows = b.rows[req_of_token, is_decode.astype(np.int64)] if b.steered else np.zeros(0, np.int32)
-            staged = self._staged_rows
             # a steady decode step reads the rows of the step before: the device holds them already
-            if staged is None or rows.shape != staged.shape or not np.array_equal(rows, staged):
-                upto = max(n, self._high_water, view.num_tokens_padded)
+            if not np.array_equal(rows, self._staged_rows):
+                upto = max(n, self._staged_rows.size, view.num_tokens_padded)
                 idx = self._staging.next()
                 idx[:rows.size] = rows
                 idx[rows.size:upto] = 0
                 self._staging.copy_to(upto)
                 self._staged_rows = rows
-            self._high_water = n if b.steered else 0
         if dyn.live:
             faults = dyn.plan(b, ids, req_of_token, position, is_decode, max(n, view.num_tokens_padded))
             if faults:
