@@ -1,7 +1,7 @@
 """Engine-core host time per decode step of held-back block hashing (requests with a dynamic policy), without a model.
 
 Per step, vLLM's scheduler folds the workers' report of where dynamic steering acted (``_apply_acts``: one
-column, every request reported up to its last computed token) and appends each request's new token (vLLM's
+report, every request reported up to its last computed token; only the columns that can change a hash are visited) and appends each request's new token (vLLM's
 ``Request.append_output_token_ids``, which calls ``update_block_hashes``: for these requests dynsteer's held-back
 version). This benchmark builds real vLLM ``Request`` objects with vLLM's block hasher (block size 16, prompts of
 32 tokens) and times both parts by this thread's CPU time, median over ``--steps`` decode steps, for ``dynamic``
@@ -17,6 +17,8 @@ import argparse
 import statistics
 import time
 
+import numpy as np
+
 
 def run(batch: int, steps: int, dynamic: bool) -> dict[str, float]:
     from vllm import SamplingParams
@@ -28,6 +30,7 @@ def run(batch: int, steps: int, dynamic: bool) -> dict[str, float]:
     from dynsteer.engine import prefix_cache
     from dynsteer.engine.keys import DYNAMIC_KEY
     from dynsteer.engine.scheduler import _apply_acts
+    from dynsteer.steering.dynamic.tokens import ActedReport
 
     prefix_cache.patch_request(Request)
     prefix_cache.patch_block_hashing(kv_cache_utils)
@@ -46,14 +49,16 @@ def run(batch: int, steps: int, dynamic: bool) -> dict[str, float]:
 
     sched = Scheduler()
     sched.requests = requests
-    ids = list(requests)
+    ids = tuple(requests)
+    cols, sig = np.arange(batch), np.array(["sig"] * batch, object)
     acts_t, append_t = [], []
     for step in range(steps):
-        t0 = time.thread_time()
         if dynamic:  # reported up to each request's last computed token; half of them acted once, at step 40
-            upto = [r.num_tokens for r in requests.values()]
-            acted = [u - 1 if step == 40 and k % 2 else -1 for k, u in enumerate(upto)]
-            _apply_acts(sched, [(ids, upto, acted, ["sig"] * batch)])
+            upto = np.array([r.num_tokens for r in requests.values()])
+            acts = [ActedReport(ids, cols, upto - 1, upto, np.where((cols % 2 == 1) & (step == 40), upto - 1, -1), sig)]
+        t0 = time.thread_time()
+        if dynamic:  # (the workers build the report: not timed here)
+            _apply_acts(sched, acts)
         t1 = time.thread_time()
         for r in requests.values():
             r.append_output_token_ids(5 + step % 500)

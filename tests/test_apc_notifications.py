@@ -54,7 +54,9 @@ def test_acted_report_finds_each_requests_first_steering_position():
     host = np.zeros((4 * G + 1, 4), np.float32)
     host[G + 1, 1] = 0.3  # request a: slot 1 applied at position 8
     host[G + 1, 3] = 0.9  # request c: slot 1 is a monitor without actions: not steering
-    assert acted_report(tok, host, G) == (["a", "c"], [10, 21], [8, -1], ["sa", "sc"])
+    rep = acted_report(tok, host, G)
+    assert rep.rows(range(len(rep))) == [("a", 10, 8, "sa"), ("c", 21, -1, "sc")]
+    assert rep.lo.tolist() == [7, 20]
 
 
 @settings(max_examples=200, deadline=None)
@@ -78,15 +80,93 @@ def test_acted_report_equals_a_per_token_reading(data):
     ids = tuple(f"r{i}" for i in range(len(runs)))
     tok = StepTokens(ids, req, np.arange(n), pos, np.full(n, -1), np.zeros(n, bool), np.full(n, -1),
                      np.zeros(n, bool), act, np.array([f"s{i}" for i in req], object))
-    want_ids, want_upto, want_first, want_sig = [], [], [], []
+    want, want_lo = [], []
     for r in range(len(runs)):
         ks = [k for k in range(n) if req[k] == r]
         hit = [int(pos[k]) for k in ks if any(host[G + g, k] != 0 and act[k] >> g & 1 for g in range(G))]
-        want_ids.append(ids[r])
-        want_upto.append(int(pos[ks[-1]]) + 1)
-        want_first.append(min(hit) if hit else -1)
-        want_sig.append(f"s{r}")
-    assert acted_report(tok, host, G) == (want_ids, want_upto, want_first, want_sig)
+        want.append((ids[r], int(pos[ks[-1]]) + 1, min(hit) if hit else -1, f"s{r}"))
+        want_lo.append(int(pos[ks[0]]))
+    rep = acted_report(tok, host, G)
+    assert rep.rows(range(len(rep))) == want and rep.lo.tolist() == want_lo
+    block = data.draw(hst.sampled_from([None, 1, 4, 16]))
+    # folded: acted, or a block's last position (p + 1 a multiple of the block) among the request's positions
+    assert rep.to_fold(block) == [i for i, (_, u, a, _) in enumerate(want)
+                                  if block is None or a >= 0 or any((p + 1) % block == 0 for p in range(want_lo[i], u))]
+
+
+@settings(max_examples=60, deadline=None)
+@given(hst.data())
+def test_the_engine_core_folds_only_what_changes_a_hash(data):
+    """``_apply_acts`` visits only the columns that can change a hash (steering acted, or a block's last token read
+    back); real vLLM requests fed the same decode (1 to 3 tokens per request and step, reports landing up to two
+    steps late, steering acting under changing signatures) keep the same block hashes, fold history and
+    the same reported extent in whole blocks as requests that fold every column of every report."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from dynsteer.engine.keys import ACTED_ATTR, DYNAMIC_KEY
+    from dynsteer.engine.prefix_cache import patch_request
+    from dynsteer.engine.scheduler import _apply_acts
+
+    patch_request(Request)
+    init_none_hash(sha256_cbor)
+    size = data.draw(hst.sampled_from([4, 16]))
+    hasher = get_request_block_hasher(size, sha256_cbor)
+    n = data.draw(hst.integers(1, 5))
+    prompts = [data.draw(hst.integers(1, 40)) for _ in range(n)]
+    ids = tuple(f"r{i}" for i in range(n))
+
+    class Scheduler:  # what _apply_acts reads of vLLM's scheduler
+        def __init__(self) -> None:
+            self.requests = {r: Request(r, [(i * 7 + j) % 900 for j in range(p)],
+                                        SamplingParams(max_tokens=10**6, extra_args={DYNAMIC_KEY: 1}), None,
+                                        block_hasher=hasher) for i, (r, p) in enumerate(zip(ids, prompts))}
+
+    fast, every = Scheduler(), Scheduler()
+
+    def fold_every_column(reports):
+        for rep in reports:
+            for req_id, u, a, sig in rep.rows(range(len(rep))):
+                request = every.requests[req_id]
+                request.__dict__[ACTED_ATTR].report(u, a, sig)
+                request.update_block_hashes()
+
+    computed = list(prompts)  # positions < computed[i] have their KV
+    pending: list = []
+    for step in range(data.draw(hst.integers(1, 40))):
+        k = [data.draw(hst.integers(1, 3)) for _ in range(n)]
+        for i, r in enumerate(ids):  # the previous step's tokens appended (held-back hashing at each)
+            for sched in (fast, every):
+                sched.requests[r].append_output_token_ids([step % 500 + 5] * k[i])
+        req = np.repeat(np.arange(n), k)
+        pos = np.concatenate([np.arange(c, c + ki) for c, ki in zip(computed, k)])
+        computed = [c + ki for c, ki in zip(computed, k)]
+        m = len(req)
+        host = np.zeros((5, m), np.float32)
+        host[1] = np.array(data.draw(hst.lists(hst.sampled_from([0.0, 0.0, 0.0, 0.7]), min_size=m, max_size=m)))
+        sig = data.draw(hst.sampled_from(["a", "b"]))
+        tok = StepTokens(ids, req, np.arange(m), pos, np.full(m, -1), np.zeros(m, bool), np.full(m, -1),
+                         np.zeros(m, bool), np.ones(m, np.int64), np.array([sig] * m, object))
+        pending.append(acted_report(tok, host, 1))
+        landed = data.draw(hst.integers(0, len(pending)))  # read-backs land late, several at once
+        if len(pending) > 2:
+            landed = max(landed, len(pending) - 2)
+        reports, pending = pending[:landed], pending[landed:]
+        _apply_acts(fast, reports)
+        fold_every_column(reports)
+        for r in ids:
+            a, b = fast.requests[r], every.requests[r]
+            assert a.block_hashes == b.block_hashes
+            sa, sb = a.__dict__[ACTED_ATTR], b.__dict__[ACTED_ATTR]
+            p = a.num_prompt_tokens  # hashing reads max(prompt, reported): equal in whole blocks
+            assert sa.events == sb.events and max(p, sa.reported) // size == max(p, sb.reported) // size
+    _apply_acts(fast, pending)
+    fold_every_column(pending)
+    for r in ids:
+        assert fast.requests[r].block_hashes == every.requests[r].block_hashes
+        assert len(fast.requests[r].block_hashes) == computed[ids.index(r)] // size  # every full block hashed
 
 
 # ---- multi-turn through a real engine ------------------------------------------------------------------------------

@@ -47,9 +47,9 @@ logger = logging.getLogger("dynsteer")
 # STOPS_ATTR: {request id: reason} of requests the workers stopped at that step.
 # ABORTS_ATTR: {request id: reason} of requests whose policy's abort rule fired (they finish at that output, with its
 #   tokens; their blocks stay shareable).
-# ACTS_ATTR: a list of (request ids, upto, acted_at, signature) columns (one per read-back): the workers computed and
-#   read back every decode position < upto of a request with a dynamic policy; steering first acted in that read-back
-#   (under signature) at acted_at (-1: it did not). Folded into block hashes (engine.prefix_cache).
+# ACTS_ATTR: a list of ActedReports (steering.dynamic.tokens), one per read-back, a column per request: the workers
+#   computed and read back every decode position < upto of a request with a dynamic policy; steering first acted in
+#   that read-back (under signature) at acted_at (-1: it did not). Folded into block hashes (engine.prefix_cache).
 # REPORTS_ATTR: {request id: report delta} of requests that asked for a report; relayed to the frontend with their
 #   outputs, a final output held until its values have arrived (engine.reports).
 
@@ -372,16 +372,18 @@ _STOP_AWARE = _StopAwareUpdate()
 
 
 def _apply_acts(scheduler: Any, acts: Any) -> None:
-    """Fold the workers' reports into their requests' hashing state, and hash the blocks they complete (before
-    this step's new tokens are appended, which hashes again up to what is reported)."""
+    """Fold the workers' reports (``ActedReport``s) into their requests' hashing state, and hash the blocks they
+    complete (before this step's new tokens are appended, which hashes again up to what is reported). Only the
+    columns that can change a hash are visited: where steering acted, or a block's last token was read back (a
+    request or two per step at batch 256, not every request)."""
     if not acts:
         return
     from vllm.v1.request import RequestStatus
 
     get, todo, preempted = scheduler.requests.get, {}, RequestStatus.PREEMPTED  # statuses above it are finished
-    last_hasher = size = None
-    for ids, upto, acted_at, signature in acts:  # per request and step: kept to dict lookups and compares
-        for req_id, u, a, sig in zip(ids, upto, acted_at, signature):
+    for report in acts:
+        size = _hash_size(get, report)
+        for req_id, u, a, sig in report.rows(report.to_fold(size)):  # kept to dict lookups and compares
             request = get(req_id)
             if request is None or request.status > preempted:  # (vLLM's Request.is_finished, inlined)
                 continue
@@ -389,18 +391,14 @@ def _apply_acts(scheduler: Any, acts: Any) -> None:
             if acted is None:
                 acted = request.__dict__[ACTED_ATTR] = ActedState()
             if a < 0:  # nothing acted in this report: only how far it reaches
-                u = int(u)
                 if u > acted.reported:
                     acted.reported = u
             else:
-                acted.report(int(u), int(a), str(sig))
-            hasher = request._block_hasher
-            if hasher is None:
+                acted.report(u, a, sig)
+            if request._block_hasher is None:
                 continue
-            if hasher is not last_hasher:  # (one hasher per engine)
-                last_hasher, size = hasher, _block_size(hasher)
             # hash_limit is at most max(prompt, reported), which only grows: a request whose report completes no
-            # block (most reports) is not hashed again
+            # block is not hashed again
             if size:
                 end = (len(request.block_hashes) + 1) * size
                 if end > acted.reported and end > request.num_prompt_tokens:
@@ -409,6 +407,18 @@ def _apply_acts(scheduler: Any, acts: Any) -> None:
     for request in todo.values():  # once every report is folded in
         if hash_limit(request, request.__dict__[ACTED_ATTR]) is not None:
             request.update_block_hashes()
+
+
+def _hash_size(get: Any, report: Any) -> int | None:
+    """The block size the engine's request block hasher hashes at (one hasher per engine), read from the first
+    request of ``report`` still known to the scheduler; None when none is (or the size cannot be read)."""
+    ids, req = report.ids, report.req
+    for k in range(len(req)):
+        request = get(ids[req[k]])
+        if request is not None:
+            hasher = request._block_hasher
+            return _block_size(hasher) if hasher is not None else None
+    return None
 
 
 def _mark_stopped(scheduler: Any, request: Any, reason: str) -> None:

@@ -17,7 +17,7 @@ from dynsteer.controllers.registry import ControllerRegistry
 from dynsteer.steering.dynamic.driver import DynamicDriver
 from dynsteer.steering.dynamic.reports import Deltas, ReportCursors
 from dynsteer.steering.dynamic.state import DynState
-from dynsteer.steering.dynamic.tokens import StepTokens
+from dynsteer.steering.dynamic.tokens import ActedReport, StepTokens
 from dynsteer.steering.dynamic.traces import TraceStore
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class ControllerOptionsError(Exception):
 
 
 #: where dynamic steering acted, per completed read-back (``engine.scheduler.ACTS_ATTR``)
-Acts = list[tuple[list[str], list[int], list[int], list[str]]]
+Acts = list[ActedReport]
 
 
 class DynamicTier:

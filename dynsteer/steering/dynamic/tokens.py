@@ -4,6 +4,7 @@ about where steering acted (the engine core folds it into prefix-cache block has
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,22 +39,55 @@ class StepTokens:
         return cls((), i, i, i, i, b, i, b, i, np.zeros(0, object))
 
 
-def acted_report(tok: StepTokens, host: np.ndarray, G: int) -> tuple[list[str], list[int], list[int], list[str]]:
-    """Per request of one read-back: ``(ids, upto, acted_at, signature)``: every position ``< upto`` is reported;
-    ``acted_at`` is the first position at which a steering gate was applied non-zero (``-1``: none). Vectorised
-    over the step's tokens (a request's tokens are contiguous)."""
+class ActedReport(NamedTuple):
+    """One read-back's report of where dynamic steering acted, a column per request (numpy, built without a Python
+    loop; pickles as a few arrays between processes).
+
+    ``ids[req[i]]`` read back positions ``lo[i] .. upto[i] - 1`` (contiguous); steering first acted at
+    ``acted_at[i]`` (``-1``: nowhere in them) under ``signature[i]``. ``ids`` is the step's id tuple, shared, not
+    copied.
+    """
+
+    ids: tuple[str, ...]
+    req: np.ndarray
+    lo: np.ndarray
+    upto: np.ndarray
+    acted_at: np.ndarray
+    signature: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.req)
+
+    def to_fold(self, block: int | None) -> list[int]:
+        """The columns that can change what the engine core hashes with blocks of ``block`` tokens: steering acted,
+        or the read-back reached the end of a block (``upto`` a multiple of ``block`` in ``lo + 1 .. upto``). A
+        column that does neither only moves ``reported`` within a block that is not complete: no block's hash
+        changes or becomes due. Every column when ``block`` is unknown."""
+        if not block:
+            return list(range(len(self.req)))
+        return np.flatnonzero((self.acted_at >= 0) | (self.upto // block > self.lo // block)).tolist()
+
+    def rows(self, cols: list[int]) -> list[tuple[str, int, int, str]]:
+        """``(request id, upto, acted_at, signature)`` of ``cols``, as Python values."""
+        ids, req, upto, at, sig = self.ids, self.req, self.upto, self.acted_at, self.signature
+        return [(ids[req[k]], int(upto[k]), int(at[k]), str(sig[k])) for k in cols]
+
+
+def acted_report(tok: StepTokens, host: np.ndarray, G: int) -> ActedReport:
+    """What a read-back of ``tok`` (``host``: its values) says about where steering acted: one column per request
+    (``acted_at``: the first position at which a steering gate was applied non-zero). Vectorised over the step's
+    tokens (a request's tokens are contiguous, in position order)."""
     acted = ((host[G:2 * G] != 0) & _gate_bits(tok.act, G)).any(axis=0)
     req, position = tok.req, tok.position
     if len(req) < 2 or (req[1:] != req[:-1]).all():  # one token per request (a decode step): no grouping
-        ids = [tok.req_ids[i] for i in req.tolist()]
-        return ids, (position + 1).tolist(), np.where(acted, position, -1).tolist(), tok.signature.tolist()
+        return ActedReport(tok.req_ids, req, position, position + 1, np.where(acted, position, -1), tok.signature)
     starts = np.flatnonzero(np.r_[True, req[1:] != req[:-1]])
     upto = np.maximum.reduceat(position, starts) + 1
     never = np.iinfo(np.int64).max
     first = np.minimum.reduceat(np.where(acted, position, never), starts)
     first[first == never] = -1
-    ids = [tok.req_ids[i] for i in req[starts].tolist()]
-    return ids, upto.tolist(), first.tolist(), tok.signature[starts].tolist()
+    return ActedReport(tok.req_ids, req[starts], np.minimum.reduceat(position, starts), upto, first,
+                       tok.signature[starts])
 
 
 def _gate_bits(act: np.ndarray, G: int) -> np.ndarray:
