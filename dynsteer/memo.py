@@ -42,8 +42,10 @@ _SHARED = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType
 
 def body_digest(body: str) -> bytes:
     """Content identity of a packed payload body: what memos key it by (collision-resistant: a hit stands for an
-    admission of exactly these bytes)."""
-    return hashlib.blake2b(body.encode("utf-8", "surrogatepass"), digest_size=32).digest()
+    admission of exactly these bytes). SHA-256, which CPUs with SHA extensions (x86, ARM) run at about twice
+    blake2b's speed: every request is digested on the API server and again on each worker, and a dynamic policy
+    for an 8B model is some 45 kB."""
+    return hashlib.sha256(body.encode("utf-8", "surrogatepass")).digest()
 
 
 def _block(size: int) -> int:

@@ -137,7 +137,7 @@ class FrontendState:
             text = msgspec.msgpack.encode(payload, enc_hook=_array_bytes, order="sorted")
         except (TypeError, NotImplementedError, RecursionError, OverflowError, ValueError):
             return None
-        return self.presets_version, b"o" + hashlib.blake2b(text, digest_size=32).digest(), field
+        return self.presets_version, b"o" + hashlib.sha256(text).digest(), field  # (as memo.body_digest)
 
     def set_preset(self, name: str, preset: Any, fit: bool = True, field: str | None = None) -> None:
         """Register (or replace, or with None remove) a preset after checking it with its default parameters
