@@ -43,6 +43,10 @@ own process below it, as vLLM runs by default):
 * ``hotwire``: hotwire-vllm 0.1.2 (``--hotwire-wheel``), installed with ``pip install --no-deps --target`` into a
   private folder on that engine's ``PYTHONPATH`` only (its ``vllm.general_plugins`` entry point is found there);
   dynsteer disabled in it, and hotwire is visible to no other engine (checked before start, listed in the report).
+* ``dynsteer-base`` and ``dynsteer-base-capture`` (modes ``o_idle``, ``o_prdyn``, ``o_sync``; ``o_capidle``,
+  ``o_capture``): engines like ``dynsteer`` and ``dynsteer-capture`` importing dynsteer from ``--base-checkout``
+  (first on their ``PYTHONPATH``): an A/B of two versions' code in one run, each mode against its counterpart on
+  this checkout's engine, so that a change is not read against another day's host.
 * ``hook``: the style of chatspace / vllm-lens: ``enforce_eager=True`` and a plain PyTorch forward hook on one decoder
   layer adding a vector to its output hidden states, installed and removed through ``LLM.apply_model`` (the callable
   is pickled into vLLM's engine core, and again into its workers where they are processes of their own: a
@@ -172,6 +176,9 @@ def parse_args() -> argparse.Namespace:
                     "engine cores; hotwire skipped (Triton/CUDA kernel)")
     ap.add_argument("--hotwire-wheel", help="hotwire_vllm-0.1.2 wheel (default: $HOTWIRE_WHEEL, "
                     ".gpu-carry/hotwire_vllm-*.whl, /tmp/hw/hotwire_vllm-*.whl)")
+    ap.add_argument("--base-checkout", metavar="DIR", help="a folder holding another version's dynsteer package "
+                    "(e.g. `git archive REV dynsteer | tar x -C DIR`): modes o_idle, o_prdyn, o_sync, o_capidle, "
+                    "o_capture run on engines importing it, each compared with this checkout's mode")
     ap.add_argument("--model-dir", help="model folder (default: a config.json of --shape, dummy weights)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b",
                     help="the dummy model's shape (without --model-dir)")

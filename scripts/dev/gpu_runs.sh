@@ -10,10 +10,16 @@
 #   serve        serve.py at concurrency 16 / 64 (add CONC="256" on an H200), mixes none dynamic reports monitor;
 #                needs a tokenizer folder in .gpu-carry/tok (SmolLM2's tokenizer files)
 #   tp4          overhead.py at TP=4, 32 of Llama-3-70B's layers (four GPUs)
+#   ab           overhead.py idle, per-request dynamic and sync at batch 256, this checkout against BASE (a folder
+#                holding another version's dynsteer package, made where the checkout lives and carried untracked:
+#                mkdir base-REV && git archive REV dynsteer | tar x -C base-REV); four engines: an H200, or
+#                LAYERS=24 on an H100
+#   spy          scripts/dev/engine_spy.py: py-spy of one engine's processes, idle against per-request dynamic at
+#                batch 256 (needs .gpu-carry/py-spy)
 # Knobs: REPEATS, MINUTES, CONC, MIXES, ROUNDS, RAMP, LABEL; DYNSTEER_GIT_SHA names the code (a device copy's .git
 # may be stale: pass `git rev-parse --short HEAD` taken where the checkout lives).
 set -euo pipefail
-run=${1:?"which run: host | capture | large-batch | serve | tp4"}
+run=${1:?"which run: host | capture | large-batch | serve | tp4 | ab | spy"}
 OUT=${OUT:?"set OUT (the device call's \$OUT)"}
 export DYNSTEER_GIT_SHA=${DYNSTEER_GIT_SHA:-$(cat .gpu-carry/SHA 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 spy=()
@@ -34,6 +40,13 @@ case "$run" in
     python3 benchmarks/serve.py --shape llama3-8b --tokenizer .gpu-carry/tok --concurrency ${CONC:-16 64} \
       --mixes ${MIXES:-none dynamic reports monitor} --rounds "${ROUNDS:-4}" --ramp-s "${RAMP:-0}" \
       --budget-min "${MINUTES:-8.5}" --label "${LABEL:-serve}" --out "$OUT" ;;
+  ab)
+    python3 benchmarks/overhead.py --modes idle prdyn sync o_idle o_prdyn o_sync --batches 256 --tokens 64 \
+      --prompt-len 32 --base-checkout "${BASE:?"set BASE (a folder holding the other version's dynsteer)"}" \
+      ${LAYERS:+--layers "$LAYERS"} --timing-split --repeats "${REPEATS:-10}" --max-minutes "${MINUTES:-6.8}" \
+      --out "$OUT" ;;
+  spy)
+    python3 scripts/dev/engine_spy.py --py-spy .gpu-carry/py-spy --modes idle prdyn --batch 256 --out "$OUT" ;;
   tp4)
     python3 benchmarks/overhead.py --tp 4 --shape llama3-70b --layers 32 --modes idle pr64 prdyn capidle stream \
       --batches 1 16 64 --timing-split --repeats "${REPEATS:-8}" --max-minutes "${MINUTES:-7}" --out "$OUT" ;;

@@ -101,6 +101,9 @@ class Bench:
         need = [e for e in ENGINES if any(BY_KEY[k].engine == e for k in self.modes)]
         engines = [e for e in need if not args.engines or e in args.engines or e in ("absent", "absent2")]
         self.skipped.update({e: "not requested (--engines)" for e in need if e not in engines})
+        if not args.base_checkout:
+            self.skipped.update({e: "no --base-checkout" for e in engines if e.startswith("dynsteer-base")})
+            engines = [e for e in engines if not e.startswith("dynsteer-base")]
         if "hotwire" in engines:
             self._install_hotwire()
         env_base = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", "TOKENIZERS_PARALLELISM": "false"}
@@ -113,6 +116,8 @@ class Bench:
             path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and "hotwire-site" not in p]
             if e == "hotwire" and self.hotwire_dir is not None:
                 path.insert(0, str(self.hotwire_dir))
+            if e.startswith("dynsteer-base") and args.base_checkout:  # its dynsteer (and plugin entry) from there
+                path.insert(0, str(Path(args.base_checkout).resolve()))
             env["PYTHONPATH"] = os.pathsep.join(path)
             if ENGINE_KIND[e] != "dynsteer":
                 env["DYNSTEER_DISABLE"] = "1"
@@ -196,7 +201,7 @@ class Bench:
                     dyn.update(layers=[], require=False)
                 if e == "dynsteer-1layer":
                     dyn.update(layers=[steer_layer(self.num_layers)])
-                if e == "dynsteer-capture":
+                if e in ("dynsteer-capture", "dynsteer-base-capture"):
                     layer = steer_layer(self.num_layers)
                     # the async tier's stream of the same place: costs nothing until a monitor subscribes (mode
                     # "stream" runs one in the engine's process, reading every frame)
@@ -424,7 +429,8 @@ class Bench:
             "engines": {e: {"kind": ENGINE_KIND[e], "dynsteer_config": self.cfgs[e]["dynsteer"],
                             "plugins_visible": self.plugins.get(e),
                             "startup_s": self.live[e].info.get("startup_s") if e in self.live else None,
-                            "table_bytes": self.live[e].info.get("table_bytes") if e in self.live else None}
+                            "table_bytes": self.live[e].info.get("table_bytes") if e in self.live else None,
+                            "dynsteer_from": self.live[e].info.get("dynsteer_from") if e in self.live else None}
                         for e in self.cfgs},
             "skipped": self.skipped, "errors": self.errors, "affinity": self.affinity or None,
             "burn_in_calls": self.burn_in_calls or None,

@@ -66,6 +66,13 @@ MODES = [
     Mode("hwsteered", "hotwire-vllm steered, 1 layer", "hotwire", True),
     Mode("eager", "eager peer, no hook", "hook", False),
     Mode("hook", "eager peer + forward hook, 1 layer", "hook", True),
+    # an A/B of code in one run: the same workloads on an engine importing dynsteer from another checkout
+    # (--base-checkout), against this checkout's engine (pairs below)
+    Mode("o_idle", "idle, base checkout", "dynsteer-base", False),
+    Mode("o_prdyn", "per-request dynamic, base checkout", "dynsteer-base", True),
+    Mode("o_sync", "per-request dynamic + sync controller, base checkout", "dynsteer-base", True),
+    Mode("o_capidle", "capture-enabled idle, base checkout", "dynsteer-base-capture", False),
+    Mode("o_capture", "capture every generated token, 1 layer, base checkout", "dynsteer-base-capture", False),
 ]
 BY_KEY = {m.key: m for m in MODES}
 # Informative pairs besides "vs absent" and each mode's own target (no target of their own). Steering modes against
@@ -77,15 +84,20 @@ EXTRA_PAIRS = [("aa3", "aa"), ("idle2", "idle"), ("idle3", "idle"), ("hwsteered"
                *((k, "idle") for k in ("static1", "static8", "pr1", "pr16", "pr64", "pr64n", "gate", "prdyn",
                                        "hwload")),
                *((k, "i_idle") for k in ("i_static1", "i_pr64", "i_prdyn")), ("l_static1", "l_idle"),
-               ("l_idle", "b_idle"), ("idle", "b_idle")]
+               ("l_idle", "b_idle"), ("idle", "b_idle"),
+               # this checkout against the base checkout, mode by mode (--base-checkout)
+               ("idle", "o_idle"), ("prdyn", "o_prdyn"), ("sync", "o_sync"), ("capidle", "o_capidle"),
+               ("capture", "o_capture")]
 ENGINES = ["absent", "absent2", "dynsteer", "hotwire", "hook", "dynsteer-capture", "dynsteer-stream",
-           "dynsteer-inline", "dynsteer-bare", "dynsteer-1layer", "absent3", "dynsteer2", "dynsteer3"]  # priority
+           "dynsteer-inline", "dynsteer-bare", "dynsteer-1layer", "absent3", "dynsteer2", "dynsteer3", "dynsteer-base",
+           "dynsteer-base-capture"]  # priority
 # started once the engine they copy is up: they read its compile cache rather than race to write it
 CLONES = {"absent2": "absent", "absent3": "absent", "dynsteer2": "dynsteer", "dynsteer3": "dynsteer"}
 ENGINE_KIND = {"absent": "absent", "absent2": "absent", "absent3": "absent", "dynsteer": "dynsteer",
                "dynsteer2": "dynsteer", "dynsteer3": "dynsteer",
                "dynsteer-capture": "dynsteer", "dynsteer-stream": "dynsteer",
                "dynsteer-inline": "dynsteer", "dynsteer-bare": "dynsteer", "dynsteer-1layer": "dynsteer",
+               "dynsteer-base": "dynsteer", "dynsteer-base-capture": "dynsteer",
                "hotwire": "hotwire", "hook": "hook"}
 REDUCED_MODES = ["absent", "aa", "idle", "static1", "static8", "pr64", "gate", "prdyn", "sync", "hwload", "hwidle",
                  "hwsteered", "capidle", "capture", "stream"]

@@ -129,7 +129,7 @@ class Workload:
         llm, st = self.llm, self.steerer
         params = base
         teardown = None
-        key = re.sub(r"^[ibl]_", "", key)  # the inline, bare and 1-layer engines' modes run the same workloads
+        key = re.sub(r"^[ibol]_", "", key)  # the inline, bare, base-checkout and 1-layer engines' modes: same workloads
         if key in ("static1", "static8"):
             layers = [self.layer] if key == "static1" else spread_layers(8, self.num_layers)
             st.apply_steering_spec(SteeringSpec(vectors=[AddVector(layer=l, vector=self.vec(10 + l), scale=scale)
@@ -290,7 +290,10 @@ def worker(cfg: dict) -> None:
     except ImportError:
         pass
     if work.steerer is not None:
+        import dynsteer
+
         info["table_bytes"] = work.steerer.describe()[0]["table_bytes"]
+        info["dynsteer_from"] = str(Path(dynsteer.__file__).resolve().parent)  # --base-checkout's engines: there
     reply("READY", info)
     for line in sys.stdin:
         cmd = json.loads(line)
