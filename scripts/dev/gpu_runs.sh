@@ -11,9 +11,8 @@
 #                needs a tokenizer folder in .gpu-carry/tok (SmolLM2's tokenizer files)
 #   tp4          overhead.py at TP=4, 32 of Llama-3-70B's layers (four GPUs)
 #   ab           overhead.py idle, per-request dynamic and sync at batch 256, this checkout against BASE (a folder
-#                holding another version's dynsteer package, made where the checkout lives and carried untracked:
-#                mkdir base-REV && git archive REV dynsteer | tar x -C base-REV); four engines: an H200, or
-#                LAYERS=24 on an H100
+#                holding another version's dynsteer package: scripts/dev/base_checkout.sh REV makes base-REV where
+#                the checkout lives, and it travels untracked); four engines: an H200, or LAYERS=24 on an H100
 #   spy          scripts/dev/engine_spy.py: py-spy of one engine's processes, idle against per-request dynamic at
 #                batch 256 (needs .gpu-carry/py-spy)
 # Knobs: REPEATS, MINUTES, CONC, MIXES, ROUNDS, RAMP, LABEL; DYNSTEER_GIT_SHA names the code (a device copy's .git
