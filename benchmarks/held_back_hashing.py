@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+BLOCK = 16  # the block hasher's block size
+
 
 def run(batch: int, steps: int, dynamic: bool) -> dict[str, float]:
     from vllm import SamplingParams
@@ -36,7 +38,7 @@ def run(batch: int, steps: int, dynamic: bool) -> dict[str, float]:
     prefix_cache.patch_block_hashing(kv_cache_utils)
     fn = get_hash_fn_by_name("sha256")
     init_none_hash(fn)
-    hasher = get_request_block_hasher(16, fn)
+    hasher = get_request_block_hasher(BLOCK, fn)
     extra = {DYNAMIC_KEY: "1"} if dynamic else None
     requests = {}
     for i in range(batch):
@@ -58,7 +60,7 @@ def run(batch: int, steps: int, dynamic: bool) -> dict[str, float]:
             acts = [ActedReport(ids, cols, upto - 1, upto, np.where((cols % 2 == 1) & (step == 40), upto - 1, -1), sig)]
         t0 = time.thread_time()
         if dynamic:  # (the workers build the report: not timed here)
-            _apply_acts(sched, acts)
+            _apply_acts(sched, acts, BLOCK)
         t1 = time.thread_time()
         for r in requests.values():
             r.append_output_token_ids(5 + step % 500)

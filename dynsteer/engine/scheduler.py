@@ -37,7 +37,7 @@ from dynsteer.engine.command_desk import CommandDesk
 from dynsteer.engine.keys import (ABORTS_ATTR, ACTED_ATTR, ACTS_ATTR, COMMANDS_ATTR, DYNAMIC_KEY, REPORTS_ATTR,
                                   ROWS_KEY, SCHEDULER_ATTR, STEP_ATTR, STOPS_ATTR)
 from dynsteer.engine.patching import Switch
-from dynsteer.engine.prefix_cache import ActedState, _block_size, hash_limit, resalt
+from dynsteer.engine.prefix_cache import ActedState, hash_limit, resalt
 from dynsteer.engine.reports import ReportRelay
 from dynsteer.spec import SteeringValidationError
 
@@ -241,7 +241,7 @@ def patch_scheduler(cls: type) -> None:
         aborts, state.aborts = state.aborts, {}
         for req_id, reason in (getattr(model_runner_output, ABORTS_ATTR, None) or {}).items():
             aborts.setdefault(req_id, reason)  # a monitor's abort taken at this step keeps its own reason
-        _apply_acts(self, getattr(model_runner_output, ACTS_ATTR, None))
+        _apply_acts(self, getattr(model_runner_output, ACTS_ATTR, None), state.hash_block_size)
         reports = getattr(model_runner_output, REPORTS_ATTR, None)
         if reports:  # before vLLM frees the requests this output finishes
             state.reports.fold(self, reports)
@@ -371,19 +371,19 @@ class _StopAwareUpdate:
 _STOP_AWARE = _StopAwareUpdate()
 
 
-def _apply_acts(scheduler: Any, acts: Any) -> None:
+def _apply_acts(scheduler: Any, acts: Any, hash_block_size: int) -> None:
     """Fold the workers' reports (``ActedReport``s) into their requests' hashing state, and hash the blocks they
     complete (before this step's new tokens are appended, which hashes again up to what is reported). Only the
     columns that can change a hash are visited: where steering acted, or a block's last token was read back (a
-    request or two per step at batch 256, not every request)."""
+    request or two per step at batch 256, not every request). ``hash_block_size``: the block size the engine's
+    request block hasher hashes at (``SchedulerState.hash_block_size``)."""
     if not acts:
         return
     from vllm.v1.request import RequestStatus
 
     get, todo, preempted = scheduler.requests.get, {}, RequestStatus.PREEMPTED  # statuses above it are finished
     for report in acts:
-        size = _hash_size(get, report)
-        for req_id, u, a, sig in report.rows(report.to_fold(size)):  # kept to dict lookups and compares
+        for req_id, u, a, sig in report.rows(report.to_fold(hash_block_size)):  # kept to dict lookups and compares
             request = get(req_id)
             if request is None or request.status > preempted:  # (vLLM's Request.is_finished, inlined)
                 continue
@@ -399,26 +399,13 @@ def _apply_acts(scheduler: Any, acts: Any) -> None:
                 continue
             # hash_limit is at most max(prompt, reported), which only grows: a request whose report completes no
             # block is not hashed again
-            if size:
-                end = (len(request.block_hashes) + 1) * size
-                if end > acted.reported and end > request.num_prompt_tokens:
-                    continue
+            end = (len(request.block_hashes) + 1) * hash_block_size
+            if end > acted.reported and end > request.num_prompt_tokens:
+                continue
             todo[req_id] = request
     for request in todo.values():  # once every report is folded in
         if hash_limit(request, request.__dict__[ACTED_ATTR]) is not None:
             request.update_block_hashes()
-
-
-def _hash_size(get: Any, report: Any) -> int | None:
-    """The block size the engine's request block hasher hashes at (one hasher per engine), read from the first
-    request of ``report`` still known to the scheduler; None when none is (or the size cannot be read)."""
-    ids, req = report.ids, report.req
-    for k in range(len(req)):
-        request = get(ids[req[k]])
-        if request is not None:
-            hasher = request._block_hasher
-            return _block_size(hasher) if hasher is not None else None
-    return None
 
 
 def _mark_stopped(scheduler: Any, request: Any, reason: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -35,7 +36,7 @@ def main() -> None:
     from vllm import LLM
 
     from lib.engines import shape_config
-    from lib.overhead.workload import Workload
+    from lib.overhead.workload import Workload, llm_kwargs
     from lib.pyspy import Sampler
 
     if args.cpu_smoke:
@@ -49,11 +50,10 @@ def main() -> None:
         (model_dir / "config.json").write_text(json.dumps(shape_config("llama3-8b")))
     cfg = dict(model_dir=str(model_dir), load_format=fmt, dtype=dtype, eager=args.cpu_smoke, batches=[args.batch],
                tokens=args.tokens, prompt_len=32, max_model_len=256, kind="dynsteer", engine="dynsteer",
-               max_num_batched_tokens=max(args.batch * 32, 512), dynsteer={"max_rows": args.batch + 34})
+               max_num_batched_tokens=max(args.batch * 32, 512), gpu_util=0.92, kv_bytes=kv,
+               dynsteer={"max_rows": args.batch + 34})
     t0 = time.perf_counter()
-    llm = LLM(model=str(model_dir), load_format=fmt, skip_tokenizer_init=True, dtype=dtype, enforce_eager=args.cpu_smoke,
-              max_model_len=256, max_num_seqs=args.batch, max_num_batched_tokens=cfg["max_num_batched_tokens"],
-              kv_cache_memory_bytes=kv, seed=0, additional_config={"dynsteer": cfg["dynsteer"]})
+    llm = LLM(**llm_kwargs(cfg))
     work = Workload(llm, cfg)
     print(f"engine up in {time.perf_counter() - t0:.0f} s", flush=True)
     for mode in args.modes:  # warm-up: first payloads, memos, graphs
@@ -62,8 +62,6 @@ def main() -> None:
         if teardown:
             teardown()
     sampler = Sampler(args.py_spy, args.out, rate=args.rate, mode="busy")
-    import os
-
     report = {"batch": args.batch, "tokens": args.tokens, "calls": args.calls, "rate": args.rate, "runs": []}
     for r in range(args.rounds):
         for mode in args.modes:

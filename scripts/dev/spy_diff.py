@@ -9,29 +9,26 @@ on a GPU they are launches; on CPU they are the reference ops).
 from __future__ import annotations
 
 import argparse
-import gzip
+import sys
 from collections import Counter
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from lib.pyspy import read_raw  # noqa: E402
+
 
 def load(path: Path, skip_forward: bool) -> tuple[int, int, Counter]:
-    """(samples, samples under the model's forward, inclusive samples per frame outside it)."""
-    opener = gzip.open if path.suffix == ".gz" else open
+    """(samples, samples under the model's forward, inclusive samples per frame outside it), every thread."""
     incl: Counter = Counter()
     total = forward = 0
-    with opener(path, "rt") as f:
-        for line in f:
-            line = line.rstrip()
-            if not line:
-                continue
-            stack, n = line.rsplit(" ", 1)
-            frames = stack.split(";")
-            total += int(n)
+    for stacks in read_raw(path).values():
+        for frames, n in stacks.items():
+            total += n
             if skip_forward and any("model_executor/models/" in fr for fr in frames):
-                forward += int(n)
+                forward += n
                 continue
             for fr in set(frames):
-                incl[fr] += int(n)
+                incl[fr] += n
     return total, forward, incl
 
 

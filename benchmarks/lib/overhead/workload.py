@@ -238,6 +238,24 @@ def remove_hook(layer_idx: int, model) -> int:
     return 1
 
 
+def llm_kwargs(cfg: dict) -> dict:
+    """``vllm.LLM``'s arguments for an engine of configuration ``cfg`` (``lib.overhead.bench`` writes it)."""
+    kw = dict(model=cfg["model_dir"], load_format=cfg["load_format"], skip_tokenizer_init=True, dtype=cfg["dtype"],
+              max_model_len=cfg["max_model_len"], max_num_seqs=max(cfg["batches"]),
+              max_num_batched_tokens=cfg["max_num_batched_tokens"], gpu_memory_utilization=cfg["gpu_util"],
+              kv_cache_memory_bytes=cfg["kv_bytes"], seed=0, enforce_eager=cfg["eager"] or cfg["kind"] == "hook")
+    if cfg.get("tp", 1) > 1:
+        kw["tensor_parallel_size"] = cfg["tp"]
+    if cfg.get("dynsteer") is not None:
+        kw["additional_config"] = {"dynsteer": cfg["dynsteer"]}
+    if cfg.get("timing_split"):  # vLLM's per-request timestamps (every engine alike): the call's phases
+        kw["disable_log_stats"] = False
+    if cfg.get("profile_dir"):
+        kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": cfg["profile_dir"],
+                                 "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True}
+    return kw
+
+
 def worker(cfg: dict) -> None:
     """One engine. Reads ``{"op": ...}`` lines on stdin, answers ``RESULT {...}`` (or ``ERROR {...}``) lines."""
     # Results go to the original stdout; everything else written to fd 1 (vLLM, its engine core, profiler tables)
@@ -261,21 +279,8 @@ def worker(cfg: dict) -> None:
         os.environ["HOTWIRE_VECTORS"] = str(vec_dir)
     from vllm import LLM
 
-    kw = dict(model=cfg["model_dir"], load_format=cfg["load_format"], skip_tokenizer_init=True, dtype=cfg["dtype"],
-              max_model_len=cfg["max_model_len"], max_num_seqs=max(cfg["batches"]),
-              max_num_batched_tokens=cfg["max_num_batched_tokens"], gpu_memory_utilization=cfg["gpu_util"],
-              kv_cache_memory_bytes=cfg["kv_bytes"], seed=0, enforce_eager=cfg["eager"] or cfg["kind"] == "hook")
-    if cfg.get("tp", 1) > 1:
-        kw["tensor_parallel_size"] = cfg["tp"]
-    if cfg.get("dynsteer") is not None:
-        kw["additional_config"] = {"dynsteer": cfg["dynsteer"]}
-    if cfg.get("timing_split"):  # vLLM's per-request timestamps (every engine alike): the call's phases
-        kw["disable_log_stats"] = False
-    if cfg.get("profile_dir"):
-        kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": cfg["profile_dir"],
-                                 "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True}
     t0 = time.perf_counter()
-    llm = LLM(**kw)
+    llm = LLM(**llm_kwargs(cfg))
     work = Workload(llm, cfg)
     import torch
     import vllm

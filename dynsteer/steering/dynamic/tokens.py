@@ -58,13 +58,11 @@ class ActedReport(NamedTuple):
     def __len__(self) -> int:
         return len(self.req)
 
-    def to_fold(self, block: int | None) -> list[int]:
+    def to_fold(self, block: int) -> list[int]:
         """The columns that can change what the engine core hashes with blocks of ``block`` tokens: steering acted,
         or the read-back reached the end of a block (``upto`` a multiple of ``block`` in ``lo + 1 .. upto``). A
         column that does neither only moves ``reported`` within a block that is not complete: no block's hash
-        changes or becomes due. Every column when ``block`` is unknown."""
-        if not block:
-            return list(range(len(self.req)))
+        changes or becomes due."""
         return np.flatnonzero((self.acted_at >= 0) | (self.upto // block > self.lo // block)).tolist()
 
     def rows(self, cols: list[int]) -> list[tuple[str, int, int, str]]:
