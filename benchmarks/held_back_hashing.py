@@ -1,9 +1,9 @@
 """Engine-core host time per decode step of held-back block hashing (requests with a dynamic policy), without a model.
 
 Per step, vLLM's scheduler folds the workers' report of where dynamic steering acted (``_apply_acts``: one
-report, every request reported up to its last computed token; only the columns that can change a hash are visited) and appends each request's new token (vLLM's
-``Request.append_output_token_ids``, which calls ``update_block_hashes``: for these requests dynsteer's held-back
-version). This benchmark builds real vLLM ``Request`` objects with vLLM's block hasher (block size 16, prompts of
+report, every request reported up to its last computed token; only the columns that can change a hash are
+visited) and appends each request's new token (vLLM's ``Request.append_output_token_ids``, which calls
+``update_block_hashes``: for these requests dynsteer's held-back version). This benchmark builds real vLLM ``Request`` objects with vLLM's block hasher (block size 16, prompts of
 32 tokens) and times both parts by this thread's CPU time, median over ``--steps`` decode steps, for ``dynamic``
 requests (half of the reports say steering acted, once per request) and, as the reference, ``plain`` requests
 (vLLM's own methods, no report). It imports the dynsteer on ``PYTHONPATH`` (an A/B: run it under each checkout).
@@ -67,7 +67,7 @@ def run(batch: int, steps: int, dynamic: bool) -> dict[str, float]:
         t2 = time.thread_time()
         acts_t.append(t1 - t0)
         append_t.append(t2 - t1)
-    assert not dynamic or all(len(r.block_hashes) == (r.num_tokens - 1) // 16 for r in requests.values())
+    assert not dynamic or all(len(r.block_hashes) == (r.num_tokens - 1) // BLOCK for r in requests.values())
     skip = steps // 10
     return {"acts_us": statistics.median(acts_t[skip:]) * 1e6, "append_us": statistics.median(append_t[skip:]) * 1e6}
 
