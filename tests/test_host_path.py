@@ -15,6 +15,7 @@ from dynsteer import (Action, AddVector, DynamicSteeringPolicy, ModelShape, Prob
 from dynsteer.request.payload import encode_payload
 from dynsteer.device.readback import ReadbackStore
 from dynsteer.steering.batch import BatchArrays, Columns
+from dynsteer.steering.dynamic.tokens import ActedReport
 from dynsteer.steering.runtime import BatchView, SteeringRuntime
 from dynsteer.steering.tables import SteeringTables
 
@@ -111,19 +112,22 @@ def traffic(draw):
     """Steps of a batch that changes (joins, finishes, preemptions) or stays, and global spec changes."""
     ops = draw(st.lists(st.sampled_from(["step", "step", "step", "join", "finish", "preempt", "global"]),
                         min_size=5, max_size=40))
-    return ops, draw(st.lists(st.integers(0, len(PAYLOADS) - 1), min_size=40, max_size=40))
+    return ops, draw(st.lists(st.integers(0, len(PAYLOADS) - 1), min_size=40, max_size=40)), draw(st.booleans())
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(case=traffic())
 def test_cached_batch_arrays_plan_exactly_like_a_fresh_gather(case):
-    """Two runtimes see the same traffic; one gathers its per-request arrays afresh every step. Their row index
-    and their dynamic tokens' control words must be identical at every step."""
-    ops, kinds = case
+    """Two runtimes see the same traffic; one gathers its per-request arrays afresh every step (and its dynamic
+    tokens, and uploads their read-back columns every step). Their row index, their dynamic tokens' control words
+    and what their read-backs report (where steering acted, with prefix caching) must be identical at every step."""
+    ops, kinds, report_acts = case
     cached, fresh = _runtime(), _runtime()
+    for rt in (cached, fresh):
+        rt.dynamic.report_acts = report_acts
     live: dict[str, list[int]] = {}  # req_id -> [prompt_len, computed]
     payload: dict[str, str | None] = {}
-    serial = 0
+    serial = reported = dyn_decodes = 0
     for op in ops:
         if op == "join" or not live:
             req = f"r{serial}"
@@ -151,6 +155,7 @@ def test_cached_batch_arrays_plan_exactly_like_a_fresh_gather(case):
         view = BatchView(ids, qsl, np.array([live[r][1] for r in ids], np.int64),
                          np.array([live[r][0] for r in ids], np.int64), int(qsl[-1]), int(qsl[-1]) + 2)
         fresh._batch, fresh._columns = None, Columns()  # no batch arrays, nor request values, kept
+        fresh.dynamic_tier._tokens, fresh.dynamic._cols_on_device = None, None  # nor tokens, nor columns uploaded
         for rt in (cached, fresh):
             rt.release(())  # as the runner glue does at every step (vLLM's usually empty finished set)
             rt.plan(view, payload.__getitem__)
@@ -173,11 +178,22 @@ def test_cached_batch_arrays_plan_exactly_like_a_fresh_gather(case):
             union = int(np.bitwise_or.reduce(flags[read])) if read.size else 0
             assert int(flags[0]) & union == union, (key, int(flags[0]), union)
         assert torch.equal(cached.dynamic.words, fresh.dynamic.words)
+        acts = [[_plain(a) for a in rt.take_acts()] for rt in (cached, fresh)]
+        assert acts[0] == acts[1]
+        reported += len(acts[0])
+        dyn_decodes += sum(payload[r] in PAYLOADS[3:] and live[r][1] >= live[r][0] for r in ids)
         for r, c in zip(ids, counts):
             live[r][1] += c
     for rt in (cached, fresh):
         rt.release(list(live))
     assert cached.take_traces([r for r in payload]) == fresh.take_traces([r for r in payload])
+    if report_acts and dyn_decodes:
+        assert reported  # read-backs of dynamic decode tokens landed, and were compared
+
+
+def _plain(report: ActedReport) -> tuple:
+    """An acts report's columns as Python values (comparable with ``==``)."""
+    return tuple(np.asarray(f).tolist() if isinstance(f, np.ndarray) else f for f in report)
 
 
 def _expected_row_index(rt: SteeringRuntime, counts: list[int], computed: list[int], prompt: list[int]) -> list[int]:

@@ -118,6 +118,10 @@ class SteeringRuntime:
         self._deferred: dict[str, list[Command]] = {}  # commands for requests not admitted on this worker yet
         self._batch: BatchArrays | None = None
         self._arange = np.arange(tables.row_index.shape[0])
+        self._decoding = np.ones(tables.row_index.shape[0], bool)  # read only: is_decode of a steady decode step
+        # the batch arrays of the last step, when it was a decode step of every request (the next such step over
+        # the same arrays has the same rows and the same dynamic tokens)
+        self._steady: BatchArrays | None = None
 
     @property
     def dynamic(self) -> DynamicDriver | None:
@@ -412,6 +416,9 @@ class SteeringRuntime:
             b = self._batch = self._gather(ids, view, payload_of)
         qsl = view.query_start_loc
         n = view.num_tokens
+        # A decode step over the same arrays as a decode step of every request: every request still decodes (its
+        # position only grew), so its tokens read the rows the device holds and are the same dynamic tokens.
+        steady = n == n_req and b is self._steady
         if n == n_req:  # one token per request (a decode step)
             req_of_token = self._arange[:n]
             position = np.asarray(view.num_computed[:n_req], np.int64)
@@ -421,14 +428,18 @@ class SteeringRuntime:
             req_of_token = np.repeat(self._arange[:n_req], counts)
             position = np.asarray(view.num_computed[:n_req], np.int64)[req_of_token] + (
                 self._arange[:n] - np.repeat(qsl[:-1], counts))
-        is_decode = position >= b.prompt_lens[req_of_token]
+        if steady:
+            is_decode = self._decoding[:n]
+        else:
+            is_decode = position >= b.prompt_lens[req_of_token]
+            self._steady = b if n == n_req and is_decode.all() else None
         dyn = self.dynamic_tier
         if dyn.retuning:
             dyn.note_retunes(ids, view.num_computed)
         streams = (self.streams.select(b.streams, self.step, ids, req_of_token, position, is_decode)
                    if b.streams else [])
         self.delivery.plan(ids, view.query_start_loc, view.num_computed, streams)
-        if b.steered or self._staged_rows.size:  # else row_index is 0 on the device already
+        if not steady and (b.steered or self._staged_rows.size):  # else row_index holds this step's rows already
             rows = b.rows[req_of_token, is_decode.astype(np.int64)] if b.steered else np.zeros(0, np.int32)
             # a steady decode step reads the rows of the step before: the device holds them already
             if not np.array_equal(rows, self._staged_rows):
@@ -439,7 +450,7 @@ class SteeringRuntime:
                 self._staging.copy_to(upto)
                 self._staged_rows = rows
         if dyn.live:
-            faults = dyn.plan(b, ids, req_of_token, position, is_decode, max(n, view.num_tokens_padded))
+            faults = dyn.plan(b, ids, req_of_token, position, is_decode, max(n, view.num_tokens_padded), steady)
             if faults:
                 self._stop_faulted(faults)
         if dyn.finishing:

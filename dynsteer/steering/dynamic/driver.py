@@ -111,6 +111,9 @@ class DynamicDriver:
         self.faults: dict[str, str] = {}  # requests whose custom controller failed: stopped by the runtime
         self._step: tuple[StepTokens, int, int] | None = None
         self._dirty = 0  # gate multipliers [:dirty] may hold sync-tier values
+        # The read-back columns the device's COLS row holds from the last columns-only upload (None: unknown, after
+        # a whole-buffer upload): a steady decode reads the same columns every step and uploads them once.
+        self._cols_on_device: np.ndarray | None = None
         self.prompt = PromptGates(gates, gate_mul, scores, max(max_slots, 256))
 
         def control_at(grid: int) -> None:  # the control kernel over tokens [0, grid) of the staged words
@@ -285,6 +288,7 @@ class DynamicDriver:
         if n_sync:
             self.stats.sync_steps += 1
         self._words.copy_to()
+        self._cols_on_device = None  # the whole buffer went up: its COLS row is this slot's
         if n_sync or self._dirty:
             self._control_at(span)
             self._dirty = span if n_sync else 0
@@ -294,8 +298,12 @@ class DynamicDriver:
     def _stage_reads(self, tokens: StepTokens, read: np.ndarray) -> None:
         """A step of plain gates read back (traces, prefix caching): only the read-back's column list goes to the
         device (its row of the control words, up to the read-back's grid), not the whole (4, N+1) buffer."""
-        words = self._words.next()
-        self._words.copy_to(self._stage_cols(words, tokens, read), row=COLS)
+        cols = tokens.index if len(read) == len(tokens) else tokens.index[read]
+        known = self._cols_on_device
+        if known is None or (known is not cols and not np.array_equal(known, cols)):
+            words = self._words.next()
+            self._words.copy_to(self._stage_cols(words, tokens, read), row=COLS)
+            self._cols_on_device = cols
         self._step = (self._read_tokens(tokens, read), 0, len(read))
 
     def _stage_cols(self, words: np.ndarray, tokens: StepTokens, read: np.ndarray) -> int:

@@ -17,7 +17,7 @@ from dynsteer.controllers.registry import ControllerRegistry
 from dynsteer.steering.dynamic.driver import DynamicDriver
 from dynsteer.steering.dynamic.reports import Deltas, ReportCursors
 from dynsteer.steering.dynamic.state import DynState
-from dynsteer.steering.dynamic.tokens import ActedReport, StepTokens
+from dynsteer.steering.dynamic.tokens import ActedReport, StepTokens, gate_bits
 from dynsteer.steering.dynamic.traces import TraceStore
 
 if TYPE_CHECKING:
@@ -51,6 +51,9 @@ class DynamicTier:
         self.finishing: dict[str, tuple[DynState, RequestEntry | None, int]] = {}
         self.retuning: dict[str, DynState] = {}  # retuned since they were last scheduled (DynState.retuned_from)
         self.reports = ReportCursors()  # requests that asked for a report (payload ``report``)
+        # the last step's batch arrays, dynamic token columns and tokens: per-request fields are gathered again only
+        # when the batch's arrays (rebuilt on any state change) or the columns change
+        self._tokens: tuple[BatchArrays, np.ndarray, StepTokens] | None = None
 
     # ---- a request's state -------------------------------------------------------------------------------------------
     def attach(self, req_id: str, policy: DynamicSteeringPolicy | None, keep: bool, fresh: bool) -> DynState | None:
@@ -136,15 +139,27 @@ class DynamicTier:
 
     # ---- per step ----------------------------------------------------------------------------------------------------
     def plan(self, b: BatchArrays, ids: tuple[str, ...], req_of_token: np.ndarray, position: np.ndarray,
-             is_decode: np.ndarray, upto: int) -> dict[str, str]:
+             is_decode: np.ndarray, upto: int, steady: bool = False) -> dict[str, str]:
         """Stage the step's dynamic decode tokens and prompt-level gates (``upto``: the step's tokens, padding
-        included); returns the requests whose custom controller failed, with the reason (to stop)."""
+        included); returns the requests whose custom controller failed, with the reason (to stop). ``steady``: a
+        decode step of every request over the batch arrays of the step before, itself such a step."""
         driver = self.driver
         if b.dyn.any():
-            picked = np.flatnonzero(is_decode & b.dyn[req_of_token])
-            r = req_of_token[picked]
-            tokens = StepTokens(ids, r, picked, position[picked], b.slot[r], b.sync[r], b.record[r], b.host[r],
-                                b.act[r], b.signature[r])
+            last = self._tokens
+            if steady and last is not None and last[0] is b:
+                picked = last[1]
+            else:
+                picked = np.flatnonzero(is_decode & b.dyn[req_of_token])
+            if last is not None and last[0] is b and (picked is last[1] or np.array_equal(last[1], picked)):
+                # the same requests' tokens in the same columns, one position further on
+                tokens = last[2].moved(position[picked])
+            else:
+                r = req_of_token[picked]
+                act = b.act[r]
+                tokens = StepTokens(ids, r, picked, position[picked], b.slot[r], b.sync[r], b.record[r], b.host[r],
+                                    act, b.signature[r],
+                                    gate_bits(act, driver.layout.G) if driver.report_acts else None)
+                self._tokens = (b, picked, tokens)
         else:
             tokens = StepTokens.empty()
         driver.plan(self.live, self.state_of, tokens, upto)

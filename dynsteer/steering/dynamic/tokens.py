@@ -25,13 +25,26 @@ class StepTokens:
     host: np.ndarray
     act: np.ndarray  # bitmask of the gate slots whose gate steers (rules with actions)
     signature: np.ndarray  # object: the request's decode configuration digest (what acts, for prefix caching)
+    steers: np.ndarray | None = None  # [G, n] bool, bit g of ``act``, when the caller computed it (see gate_bits)
 
     def __len__(self) -> int:
         return len(self.index)
 
     def subset(self, k: np.ndarray) -> StepTokens:
         return StepTokens(self.req_ids, self.req[k], self.index[k], self.position[k], self.slot[k], self.sync[k],
-                          self.record[k], self.host[k], self.act[k], self.signature[k])
+                          self.record[k], self.host[k], self.act[k], self.signature[k],
+                          None if self.steers is None else self.steers[:, k])
+
+    def moved(self, position: np.ndarray) -> StepTokens:
+        """The same tokens at ``position`` (a steady decode's next step); every other array shared."""
+        return StepTokens(self.req_ids, self.req, self.index, position, self.slot, self.sync, self.record, self.host,
+                          self.act, self.signature, self.steers)
+
+    def gate_bits(self, G: int) -> np.ndarray:
+        """``[G, n]`` bool: gate slot ``g`` of token ``k`` steers (``steers`` when it was computed for ``G``)."""
+        if self.steers is not None and self.steers.shape[0] == G:
+            return self.steers
+        return gate_bits(self.act, G)
 
     @classmethod
     def empty(cls) -> StepTokens:
@@ -75,7 +88,7 @@ def acted_report(tok: StepTokens, host: np.ndarray, G: int) -> ActedReport:
     """What a read-back of ``tok`` (``host``: its values) says about where steering acted: one column per request
     (``acted_at``: the first position at which a steering gate was applied non-zero). Vectorised over the step's
     tokens (a request's tokens are contiguous, in position order)."""
-    acted = ((host[G:2 * G] != 0) & _gate_bits(tok.act, G)).any(axis=0)
+    acted = ((host[G:2 * G] != 0) & tok.gate_bits(G)).any(axis=0)
     req, position = tok.req, tok.position
     if len(req) < 2 or (req[1:] != req[:-1]).all():  # one token per request (a decode step): no grouping
         return ActedReport(tok.req_ids, req, position, position + 1, np.where(acted, position, -1), tok.signature)
@@ -88,6 +101,6 @@ def acted_report(tok: StepTokens, host: np.ndarray, G: int) -> ActedReport:
                        tok.signature[starts])
 
 
-def _gate_bits(act: np.ndarray, G: int) -> np.ndarray:
+def gate_bits(act: np.ndarray, G: int) -> np.ndarray:
     """``[G, n]`` bool: gate slot ``g`` of token ``k`` steers (bit ``g`` of ``act[k]``)."""
     return (act[None, :] >> np.arange(G, dtype=np.int64)[:, None]) & 1 != 0
