@@ -15,10 +15,12 @@
 #                the checkout lives, and it travels untracked); four engines: an H200, or LAYERS=24 on an H100
 #   spy          scripts/dev/engine_spy.py: py-spy of one engine's processes, idle against per-request dynamic at
 #                batch 256 (needs .gpu-carry/py-spy)
+#   synccheck    scripts/dev/engine_spy.py --sync-check: torch calls that synchronise the host with the device, by
+#                the line that made them, idle / per-request static / global gate / per-request dynamic / sync (~2 min)
 # Knobs: REPEATS, MINUTES, CONC, MIXES, ROUNDS, RAMP, LABEL; DYNSTEER_GIT_SHA names the code (a device copy's .git
 # may be stale: pass `git rev-parse --short HEAD` taken where the checkout lives).
 set -euo pipefail
-run=${1:?"which run: host | capture | large-batch | serve | tp4 | ab | spy"}
+run=${1:?"which run: host | capture | large-batch | serve | tp4 | ab | spy | synccheck"}
 OUT=${OUT:?"set OUT (the device call's \$OUT)"}
 export DYNSTEER_GIT_SHA=${DYNSTEER_GIT_SHA:-$(cat .gpu-carry/SHA 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 spy=()
@@ -46,6 +48,9 @@ case "$run" in
       --out "$OUT" ;;
   spy)
     python3 scripts/dev/engine_spy.py --py-spy .gpu-carry/py-spy --modes idle prdyn --batch 256 --out "$OUT" ;;
+  synccheck)
+    python3 scripts/dev/engine_spy.py --sync-check --modes idle pr64 gate prdyn sync --batch "${BATCH:-64}" \
+      --tokens 32 --out "$OUT" ;;
   tp4)
     python3 benchmarks/overhead.py --tp 4 --shape llama3-70b --layers 32 --modes idle pr64 prdyn capidle stream \
       --batches 1 16 64 --timing-split --repeats "${REPEATS:-8}" --max-minutes "${MINUTES:-7}" --out "$OUT" ;;
