@@ -54,14 +54,24 @@ class ReadbackStore:
         (fresh positions of recorded requests).
         """
         fresh = slot >= 0
-        if not fresh.any():
+        if not len(fresh):
             return fresh
-        fresh[fresh] = position[fresh] > self.last[slot[fresh]]
-        k = np.flatnonzero(fresh)
-        if not len(k):
+        every = bool(fresh.all())  # the usual decode step: every token recorded, each at a new position
+        if every:
+            fresh = position > self.last[slot]
+            every = bool(fresh.all())
+        elif not fresh.any():
             return fresh
-        s, pos = slot[k], position[k]
-        n = len(k)
+        else:
+            fresh[fresh] = position[fresh] > self.last[slot[fresh]]
+        if every:
+            s, pos, cols = slot, position, block
+        else:
+            k = np.flatnonzero(fresh)
+            if not len(k):
+                return fresh
+            s, pos, cols = slot[k], position[k], block[:, k]
+        n = len(s)
         change = s[1:] != s[:-1]
         at = self.count[s]
         single = change.all()  # one token per request (a decode step)
@@ -72,7 +82,7 @@ class ReadbackStore:
         top = int(at.max())
         if top >= self.values.shape[1]:
             self._grow(length=max(2 * self.values.shape[1], top + 1))
-        self.values[s, at] = block[:, k].T
+        self.values[s, at] = cols.T
         self.positions[s, at] = pos
         if not single:  # each run's last token only (numpy leaves repeated-index writes unordered)
             end = np.ones(n, bool)
