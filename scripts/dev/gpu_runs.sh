@@ -17,10 +17,11 @@
 #                batch 256 (needs .gpu-carry/py-spy)
 #   synccheck    scripts/dev/engine_spy.py --sync-check: torch calls that synchronise the host with the device, by
 #                the line that made them, idle / per-request static / global gate / per-request dynamic / sync (~2 min)
+#   diag         synccheck, then spy (two engine start-ups; ~6 min)
 # Knobs: REPEATS, MINUTES, CONC, MIXES, ROUNDS, RAMP, LABEL; DYNSTEER_GIT_SHA names the code (a device copy's .git
 # may be stale: pass `git rev-parse --short HEAD` taken where the checkout lives).
 set -euo pipefail
-run=${1:?"which run: host | capture | large-batch | serve | tp4 | ab | spy | synccheck"}
+run=${1:?"which run: host | capture | large-batch | serve | tp4 | ab | spy | synccheck | diag"}
 OUT=${OUT:?"set OUT (the device call's \$OUT)"}
 export DYNSTEER_GIT_SHA=${DYNSTEER_GIT_SHA:-$(cat .gpu-carry/SHA 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 spy=()
@@ -51,6 +52,9 @@ case "$run" in
   synccheck)
     python3 scripts/dev/engine_spy.py --sync-check --modes idle pr64 gate prdyn sync --batch "${BATCH:-64}" \
       --tokens 32 --out "$OUT" ;;
+  diag)
+    bash "$0" synccheck
+    bash "$0" spy ;;
   tp4)
     python3 benchmarks/overhead.py --tp 4 --shape llama3-70b --layers 32 --modes idle pr64 prdyn capidle stream \
       --batches 1 16 64 --timing-split --repeats "${REPEATS:-8}" --max-minutes "${MINUTES:-7}" --out "$OUT" ;;
