@@ -56,15 +56,13 @@ class ReadbackStore:
         fresh = slot >= 0
         if not len(fresh):
             return fresh
-        every = bool(fresh.all())  # the usual decode step: every token recorded, each at a new position
-        if every:
+        if fresh.all():
             fresh = position > self.last[slot]
-            every = bool(fresh.all())
         elif not fresh.any():
             return fresh
         else:
             fresh[fresh] = position[fresh] > self.last[slot[fresh]]
-        if every:
+        if fresh.all():  # the usual decode step: every token recorded, each at a new position (no gathers)
             s, pos, cols = slot, position, block
         else:
             k = np.flatnonzero(fresh)

@@ -146,11 +146,9 @@ class DynamicTier:
         driver = self.driver
         if b.dyn.any():
             last = self._tokens
-            if steady and last is not None and last[0] is b:
-                picked = last[1]
-            else:
-                picked = np.flatnonzero(is_decode & b.dyn[req_of_token])
-            if last is not None and last[0] is b and (picked is last[1] or np.array_equal(last[1], picked)):
+            same = last is not None and last[0] is b
+            picked = last[1] if same and steady else np.flatnonzero(is_decode & b.dyn[req_of_token])
+            if same and (picked is last[1] or np.array_equal(last[1], picked)):
                 # the same requests' tokens in the same columns, one position further on
                 tokens = last[2].moved(position[picked])
             else:
