@@ -10,7 +10,7 @@ that synchronise the host with the device (``torch.cuda.set_sync_debug_mode``), 
 (vLLM's and dynsteer's): a call in dynsteer's per-step path, or one more in vLLM's with dynsteer's requests, stalls
 asynchronous scheduling. The counts land in ``sync_check.json``.
 
-    python3 scripts/dev/engine_spy.py --sync-check --modes idle prdyn sync capture --batch 64 --out $OUT
+    python3 scripts/dev/engine_spy.py --sync-check --modes idle pr64 gate prdyn sync --batch 64 --out $OUT
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main() -> None:
     from vllm import LLM
 
     from lib.engines import shape_config
-    from lib.overhead.workload import Workload, llm_kwargs
+    from lib.overhead.workload import Workload, llm_kwargs, single_engine_cfg
     from lib.pyspy import Sampler
 
     if args.cpu_smoke:
@@ -65,10 +65,7 @@ def main() -> None:
             "bfloat16", 16 << 30
         model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(shape_config("llama3-8b")))
-    cfg = dict(model_dir=str(model_dir), load_format=fmt, dtype=dtype, eager=args.cpu_smoke, batches=[args.batch],
-               tokens=args.tokens, prompt_len=32, max_model_len=256, kind="dynsteer", engine="dynsteer",
-               max_num_batched_tokens=max(args.batch * 32, 512), gpu_util=0.92, kv_bytes=kv,
-               dynsteer={"max_rows": args.batch + 34})
+    cfg = single_engine_cfg(str(model_dir), fmt, dtype, kv, args.batch, args.tokens, eager=args.cpu_smoke)
     t0 = time.perf_counter()
     llm = LLM(**llm_kwargs(cfg))
     work = Workload(llm, cfg)
@@ -141,6 +138,7 @@ def sync_counting(cuda: bool) -> Iterator[Counter]:
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
+
 
 if __name__ == "__main__":
     main()

@@ -71,12 +71,10 @@ def main() -> None:
     from vllm import LLM
 
     from dynsteer.testing.tiny_models import tiny_model
-    from lib.overhead.workload import Workload, llm_kwargs
+    from lib.overhead.workload import Workload, llm_kwargs, single_engine_cfg
 
-    cfg = dict(model_dir=str(tiny_model("llama")), load_format="auto", dtype="float32", eager=True,
-               batches=[args.batch], tokens=args.tokens, prompt_len=32, max_model_len=256, kind="dynsteer",
-               engine="dynsteer", max_num_batched_tokens=max(args.batch * 32, 512), gpu_util=0.92,
-               kv_bytes=256 << 20, dynsteer={"max_rows": args.batch + 34})
+    cfg = single_engine_cfg(str(tiny_model("llama")), "auto", "float32", 256 << 20, args.batch, args.tokens,
+                            eager=True)
     work = Workload(LLM(**llm_kwargs(cfg)), cfg)
     for repeat in range(args.calls + 1):
         if repeat == 1:

@@ -256,6 +256,16 @@ def llm_kwargs(cfg: dict) -> dict:
     return kw
 
 
+def single_engine_cfg(model_dir: str, load_format: str, dtype: str, kv_bytes: int, batch: int, tokens: int,
+                      eager: bool) -> dict:
+    """The configuration of one dynsteer engine outside the engine farm (the dev scripts' single engines), for
+    :func:`llm_kwargs` and :class:`Workload`: ``batch`` requests of 32-token prompts, ``tokens`` generated."""
+    return dict(model_dir=str(model_dir), load_format=load_format, dtype=dtype, eager=eager, batches=[batch],
+                tokens=tokens, prompt_len=32, max_model_len=256, kind="dynsteer", engine="dynsteer",
+                max_num_batched_tokens=max(batch * 32, 512), gpu_util=0.92, kv_bytes=kv_bytes,
+                dynsteer={"max_rows": batch + 34})
+
+
 def worker(cfg: dict) -> None:
     """One engine. Reads ``{"op": ...}`` lines on stdin, answers ``RESULT {...}`` (or ``ERROR {...}``) lines."""
     # Results go to the original stdout; everything else written to fd 1 (vLLM, its engine core, profiler tables)
